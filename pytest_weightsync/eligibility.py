@@ -1,0 +1,1 @@
+"""Inline-logprob eligibility fixtures (placeholder)."""

@@ -1,0 +1,1 @@
+"""Fixtures users see that belong to no single sub-plugin."""

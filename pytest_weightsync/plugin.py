@@ -1,0 +1,143 @@
+"""The pytest entry point (``pytest -p weightsync``): options, markers and sub-plugins.
+
+This module only declares things. Each concern lives in its own module and registers its
+own hooks as a sub-plugin from :func:`pytest_configure`, the way pytest-xdist splits its
+session logic. Nothing imported here may import torch: the plugin is loaded for every pytest
+run in an environment where it is installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+#: Sub-plugins, by module path, registered at configure time. Each is a module whose
+#: top level defines pytest hooks and/or fixtures and imports no heavy dependency.
+SUB_PLUGINS = (
+    "pytest_weightsync.gpu_gate",
+    "pytest_weightsync.ranks.dispatch",
+    "pytest_weightsync.fixtures",
+    "pytest_weightsync.registry",
+    "pytest_weightsync.report",
+    "pytest_weightsync.throughput",
+    "pytest_weightsync.eligibility",
+)
+
+MARKERS = (
+    "gpu(n=1): the test needs CUDA with at least n visible GPUs; skipped with a reason naming "
+    "what is missing otherwise. Select the CPU part with -m 'not gpu'.",
+    "ranks(n, backend=None, timeout=None): run the test body in n torch.distributed ranks "
+    "(gloo on CPU, NCCL on GPU by default); under torchrun, in the existing process group.",
+    "weightsync_property(name): the conformance property a test checks, used as the column of "
+    "the conformance matrix report.",
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("weightsync", "weight synchronization conformance (pytest-weightsync)")
+    group.addoption(
+        "--weightsync-backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="torch.distributed backend for multi-rank tests: auto picks nccl for gpu-marked "
+        "tests when CUDA is available, gloo otherwise (default: auto).",
+    )
+    group.addoption(
+        "--weightsync-rank-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="fail a multi-rank test whose ranks have not all finished after this many seconds, "
+        "dumping the Python stack of every hung rank (default: 180, or the ini value).",
+    )
+    group.addoption(
+        "--weightsync-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch.set_num_threads(N) in every rank; 0 leaves torch's default (default: 1).",
+    )
+    group.addoption(
+        "--weightsync-no-pool",
+        action="store_true",
+        default=False,
+        help="spawn fresh rank processes for every multi-rank test instead of reusing a warm "
+        "pool per world size (slower; isolates global state).",
+    )
+    group.addoption(
+        "--weightsync-loader",
+        action="append",
+        default=[],
+        metavar="MODULE:ATTR",
+        help="register a third-party loader/exporter implementation to run the conformance "
+        "suites against (repeatable).",
+    )
+    group.addoption(
+        "--weightsync-only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run the conformance suites only against the named implementations (repeatable; "
+        "default: every registered implementation).",
+    )
+    group.addoption(
+        "--weightsync-eligibility",
+        action="append",
+        default=[],
+        metavar="MODULE:ATTR",
+        help="an inline-logprob eligibility function to check against the reference decision "
+        "table (repeatable).",
+    )
+    group.addoption(
+        "--weightsync-report",
+        default=None,
+        metavar="PATH",
+        help="write the conformance matrix and per-backend pass/skip counts as JSON to PATH.",
+    )
+    group.addoption(
+        "--weightsync-baseline",
+        default=None,
+        metavar="FILE",
+        help="compare measured throughput ratios with this stored baseline; fail the run with "
+        "a table when one drops by more than the tolerance.",
+    )
+    group.addoption(
+        "--weightsync-save-baseline",
+        default=None,
+        metavar="FILE",
+        help="write the throughput ratios measured in this run as a JSON baseline.",
+    )
+    group.addoption(
+        "--weightsync-tolerance",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="allowed relative drop of a throughput ratio against the baseline (default: 0.10).",
+    )
+    parser.addini(
+        "weightsync_rank_timeout",
+        "default per-test timeout in seconds for multi-rank tests",
+        default="180",
+    )
+    parser.addini(
+        "weightsync_tolerance",
+        "default allowed relative drop of a throughput ratio against the baseline",
+        default="0.10",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    for modname in SUB_PLUGINS:
+        if config.pluginmanager.has_plugin(modname):
+            continue
+        module = importlib.import_module(modname)
+        config.pluginmanager.register(module, modname)
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from pytest_weightsync import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)

@@ -1,0 +1,1 @@
+"""The multi-rank launcher (placeholder)."""

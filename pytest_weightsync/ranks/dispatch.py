@@ -1,0 +1,1 @@
+"""Dispatch of ``ranks``-marked tests to rank processes (placeholder)."""

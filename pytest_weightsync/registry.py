@@ -1,0 +1,1 @@
+"""Registry of implementations under test (placeholder, filled by the conformance work)."""

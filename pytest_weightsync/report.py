@@ -1,0 +1,1 @@
+"""Conformance matrix report (placeholder, filled by the conformance work)."""

@@ -1,0 +1,1 @@
+"""Throughput measurement and baseline guard (placeholder, filled by the benchmark work)."""

@@ -1,0 +1,1 @@
+"""Reference implementation of Megatron-Core -> SGLang MoE weight synchronization."""
