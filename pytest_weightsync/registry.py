@@ -1,1 +1,303 @@
-"""Registry of implementations under test (placeholder, filled by the conformance work)."""
+"""Which implementations the conformance suites run against, and the fixtures that hand them out.
+
+Implementations (see :mod:`pytest_weightsync.protocols`) are registered four ways, all
+equivalent:
+
+1. an entry point in the ``weightsync.loaders`` group of an installed package;
+2. ``--weightsync-loader module:attr`` on the command line (repeatable);
+3. the ``pytest_weightsync_register_implementations(config)`` hook of a plugin;
+4. a ``weightsync_implementations`` fixture overridden in a ``conftest.py``, returning a
+   list. It is evaluated once at collection time (it parametrizes tests), so it may ask for
+   no fixture other than ``pytestconfig``.
+
+Each registration is an implementation object, a class (instantiated with no arguments) or
+a ``"module:attr"`` string naming either. The reference implementation is registered like
+everyone else (it is also a built-in default, so it runs when its entry point is not
+installed). Two registrations of the same name are one implementation when they are of the
+same class and a usage error otherwise; ``--weightsync-only NAME`` narrows the set.
+
+Tests ask for ``weightsync_impl`` (every implementation), ``weightsync_loader`` (those with
+``load_weights``) or ``weightsync_exporter`` (those with ``export_weights``); each is
+parametrized here with the implementation name as the test id.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import pytest
+
+from pytest_weightsync.protocols import protocol_problems, roles_of
+
+#: Entry-point group third-party packages register implementations in.
+ENTRY_POINT_GROUP = "weightsync.loaders"
+#: Registered before everything else; deduplicated against its own entry point.
+BUILTIN_DEFAULTS = ("reference_impl.impl:ReferenceImplementation",)
+#: Fixtures parametrized with implementations, and the role each requires (None: any).
+IMPL_FIXTURES = {"weightsync_impl": None, "weightsync_loader": "loader",
+                 "weightsync_exporter": "exporter"}
+
+_BASE = pytest.StashKey["Registry"]()
+_FIXTURE_EXTRAS = pytest.StashKey[dict]()
+
+
+class RegistrationError(pytest.UsageError):
+    """A registration that cannot be used: unimportable, not an implementation, or a
+    duplicate name. The message names the registration and where it came from."""
+
+
+@dataclass(frozen=True)
+class Registered:
+    """One implementation under test, and where its registration came from."""
+
+    name: str
+    obj: Any
+    source: str
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return roles_of(self.obj)
+
+    def __repr__(self) -> str:  # shown in ids and failure headers
+        return f"<implementation {self.name!r} from {self.source}>"
+
+
+def import_target(target: str, source: str) -> Any:
+    """The object ``"package.module:attr.sub"`` names."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise RegistrationError(f"{source}: {target!r} is not of the form 'module:attr' "
+                                f"(e.g. 'mypkg.sync:MyLoader')")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as exc:
+        raise RegistrationError(f"{source}: cannot import module {module_name!r} for "
+                                f"{target!r}: {type(exc).__name__}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise RegistrationError(f"{source}: module {module_name!r} has no attribute "
+                                    f"{attr!r} (from {target!r})") from None
+    return obj
+
+
+def as_implementation(obj: Any, source: str) -> Any:
+    """``obj`` as an implementation instance: strings are imported, classes instantiated,
+    and the result checked against the protocol."""
+    if isinstance(obj, str):
+        obj = import_target(obj, source)
+    if inspect.isclass(obj):
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise RegistrationError(f"{source}: cannot instantiate {obj.__qualname__} with no "
+                                    f"arguments: {type(exc).__name__}: {exc}") from exc
+    problems = protocol_problems(obj)
+    if problems:
+        raise RegistrationError(f"{source}: {obj!r:.100} is not a weightsync implementation: "
+                                + "; ".join(problems))
+    return obj
+
+
+class Registry:
+    """Implementations by name, in registration order."""
+
+    def __init__(self, entries: Iterable[Registered] = ()) -> None:
+        self._entries: dict[str, Registered] = {}
+        for entry in entries:
+            self._entries[entry.name] = entry
+
+    def add(self, obj: Any, source: str) -> Optional[Registered]:
+        """Register ``obj`` (see :func:`as_implementation`); returns the new entry, or
+        ``None`` when the same implementation is already registered under its name."""
+        impl = as_implementation(obj, source)
+        known = self._entries.get(impl.name)
+        if known is not None:
+            if type(known.obj) is type(impl):
+                return None
+            raise RegistrationError(
+                f"duplicate implementation name {impl.name!r}: {type(impl).__qualname__} from "
+                f"{source} and {type(known.obj).__qualname__} from {known.source}; give each "
+                f"implementation a unique 'name'")
+        entry = Registered(impl.name, impl, source)
+        self._entries[impl.name] = entry
+        return entry
+
+    def copy(self) -> "Registry":
+        return Registry(self._entries.values())
+
+    def only(self, names: Iterable[str], source: str) -> "Registry":
+        names = list(dict.fromkeys(names))
+        unknown = [n for n in names if n not in self._entries]
+        if unknown:
+            raise RegistrationError(f"{source}: no implementation named {unknown}; registered: "
+                                    f"{sorted(self._entries)}")
+        return Registry(self._entries[n] for n in names)
+
+    def with_role(self, role: Optional[str]) -> list[Registered]:
+        return [e for e in self._entries.values() if role is None or role in e.roles]
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def __iter__(self):
+        return iter(self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _entry_points() -> list:
+    from importlib.metadata import entry_points
+
+    return sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+
+
+def build_registry(config: pytest.Config) -> Registry:
+    """Built-in defaults, then entry points, then the hook, then ``--weightsync-loader``."""
+    registry = Registry()
+    for target in BUILTIN_DEFAULTS:
+        registry.add(target, "built-in default")
+    for ep in _entry_points():
+        dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed package"
+        source = f"entry point {ep.name!r} = {ep.value!r} (group {ENTRY_POINT_GROUP!r}, {dist})"
+        try:
+            obj = ep.load()
+        except Exception as exc:
+            raise RegistrationError(f"{source}: cannot load: {type(exc).__name__}: {exc}") from exc
+        registry.add(obj, source)
+    hook = getattr(config.hook, "pytest_weightsync_register_implementations", None)
+    if hook is not None:
+        for plugin_result in hook(config=config):
+            for obj in plugin_result or ():
+                registry.add(obj, "hook pytest_weightsync_register_implementations")
+    for target in config.getoption("weightsync_loader", None) or ():
+        registry.add(target, f"--weightsync-loader {target}")
+    return registry
+
+
+def base_registry(config: pytest.Config) -> Registry:
+    """The registry every test shares (everything but conftest fixture overrides), built once."""
+    if _BASE not in config.stash:
+        config.stash[_BASE] = build_registry(config)
+    return config.stash[_BASE]
+
+
+# --------------------------------------------------------------------------------------------
+# Hooks and fixtures
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection(session: pytest.Session) -> None:
+    """Resolve registrations before collecting, so a bad one is a usage error (exit code 4)
+    with its message, not a collection traceback per module - also on the xdist controller."""
+    registry = base_registry(session.config)
+    only = session.config.getoption("weightsync_only", None) or ()
+    if only:
+        registry.only(only, "--weightsync-only")
+
+
+@pytest.fixture
+def weightsync_implementations() -> list:
+    """Extra implementations to run the conformance suites against: override in a
+    ``conftest.py`` and return a list of implementation objects, classes or ``"module:attr"``
+    strings. Evaluated once at collection time (it may ask only for ``pytestconfig``)."""
+    return []
+
+
+def _fixture_extras(metafunc: pytest.Metafunc) -> tuple[tuple, str]:
+    """``(objects, source)`` returned by the closest ``weightsync_implementations`` override."""
+    defs = getattr(metafunc, "_arg2fixturedefs", {}).get("weightsync_implementations") or ()
+    if not defs:
+        return (), ""
+    fixturedef = defs[-1]
+    func = fixturedef.func
+    if getattr(func, "__module__", None) == __name__:  # the default above: no extras
+        return (), ""
+    source = f"fixture weightsync_implementations ({fixturedef.baseid or 'plugin'})"
+    cache = metafunc.config.stash.setdefault(_FIXTURE_EXTRAS, {})
+    if id(fixturedef) not in cache:
+        unsupported = [a for a in fixturedef.argnames if a != "pytestconfig"]
+        if unsupported or inspect.isgeneratorfunction(func):
+            raise RegistrationError(
+                f"{source}: it parametrizes tests, so it is evaluated at collection time and may "
+                f"ask for no fixture but pytestconfig and must return (not yield) a list; "
+                f"it asks for {unsupported}")
+        kwargs = {"pytestconfig": metafunc.config} if fixturedef.argnames else {}
+        result = func(**kwargs)
+        if not isinstance(result, (list, tuple)):
+            raise RegistrationError(f"{source}: must return a list of implementations, got "
+                                    f"{type(result).__name__}")
+        cache[id(fixturedef)] = (tuple(result), source)
+    return cache[id(fixturedef)]
+
+
+def registry_for(metafunc: pytest.Metafunc) -> Registry:
+    """The implementations a test function runs against: the shared registry plus its
+    conftest override, narrowed by ``--weightsync-only``."""
+    registry = base_registry(metafunc.config)
+    extras, source = _fixture_extras(metafunc)
+    if extras:
+        registry = registry.copy()
+        for obj in extras:
+            registry.add(obj, source)
+    only = metafunc.config.getoption("weightsync_only", None) or ()
+    if only:
+        registry = registry.only(only, "--weightsync-only")
+    return registry
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    wanted = [name for name in IMPL_FIXTURES if name in metafunc.fixturenames]
+    if not wanted:
+        return
+    registry = registry_for(metafunc)
+    for argname in wanted:
+        entries = registry.with_role(IMPL_FIXTURES[argname])
+        metafunc.parametrize(argname, entries, ids=[e.name for e in entries], indirect=True)
+
+
+def _parametrized(request: pytest.FixtureRequest):
+    # Each of the fixtures below asks for ``weightsync_implementations`` only so that a
+    # conftest override of it is part of the test's fixture closure, where
+    # pytest_generate_tests finds it.
+    param = getattr(request, "param", None)
+    if not isinstance(param, Registered):
+        raise RuntimeError(f"{request.fixturename} is parametrized by pytest_weightsync.registry; "
+                           f"it cannot be requested from a fixture that is not")
+    return param.obj
+
+
+@pytest.fixture
+def weightsync_impl(request: pytest.FixtureRequest, weightsync_implementations):
+    """One registered implementation (the test runs once per implementation)."""
+    return _parametrized(request)
+
+
+@pytest.fixture
+def weightsync_loader(request: pytest.FixtureRequest, weightsync_implementations):
+    """One registered implementation that has ``load_weights``."""
+    return _parametrized(request)
+
+
+@pytest.fixture
+def weightsync_exporter(request: pytest.FixtureRequest, weightsync_implementations):
+    """One registered implementation that has ``export_weights``."""
+    return _parametrized(request)
+
+
+def implementation_of(item: pytest.Item) -> Optional[str]:
+    """Name of the implementation ``item`` runs against, ``None`` for a test that has none."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    for argname in IMPL_FIXTURES:
+        entry = callspec.params.get(argname)
+        if isinstance(entry, Registered):
+            return entry.name
+    return None

@@ -1,0 +1,75 @@
+"""Plot GB/s per path from a ``bench_expert_sync.py --json`` file against the plain-copy limit.
+
+    python benchmarks/plot_throughput.py bench-cpu.json --out docs/throughput-cpu.png
+
+One group of bars per benchmark group (packed, direct at each receiver MoE-TP); the plain
+copy of the same bytes is drawn as a dashed line over its group, so the gap to it reads
+directly. Needs matplotlib (the ``plot`` extra); without it, says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("json_path", help="output of bench_expert_sync.py --json")
+    p.add_argument("--out", help="PNG to write (default: docs/throughput-<device>.png)")
+    args = p.parse_args(argv)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'pytest-weightsync[plot]'); no plot written")
+        return 0
+    with open(args.json_path) as f:
+        data = json.load(f)
+    rows = data["results"]
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    fig, ax = plt.subplots(figsize=(10, 4.8))
+    x, ticks, labels = 0.0, [], []
+    for g in groups:
+        paths = [r for r in rows if r["group"] == g and r["path"] != "limit"]
+        limit = next(r for r in rows if r["group"] == g and r["path"] == "limit")
+        start = x
+        for r in paths:
+            bar = ax.bar(x, r["gbps"], width=0.8, color="tab:blue" if "per_expert" not in r["path"] else "tab:gray")
+            ax.annotate(f"{r['ratio_to_limit']:.2f}", (x, r["gbps"]), ha="center", va="bottom", fontsize=8)
+            ticks.append(x)
+            labels.append(r["path"].split("/")[-1])
+            x += 1
+        ax.hlines(limit["gbps"], start - 0.45, x - 0.55, colors="tab:red", linestyles="dashed")
+        ax.annotate(
+            f"{g}: plain copy {limit['gbps']:.0f} GB/s",
+            ((start + x - 1) / 2, limit["gbps"]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            color="tab:red",
+        )
+        x += 0.8
+        del bar
+    shape = data["shape"]
+    ax.set_xticks(ticks, labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("GB/s of payload")
+    gpu = data["machine"].get("gpu") or data["machine"].get("cpu")
+    ax.set_title(
+        f"Expert sync, {shape['experts']} experts, H {shape['hidden']}, I {shape['moe_ffn']} "
+        f"({data['device']}: {gpu}); labels: ratio to the plain copy",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    out = args.out or os.path.join("docs", f"throughput-{data['device']}.png")
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Creates (or reuses) .venv with every pinned dependency and installs this repo editable.
+# Usage: bash ci/install.sh            (from the repo root; VENV=path to use another folder)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+C=(-c ci/constraints.txt)
+pipq() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "install: creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" - <<'PYEOF' || { echo "install: Python 3.10+ required"; exit 1; }
+import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)
+PYEOF
+
+echo "install: torch"
+pipq "${C[@]}" -r ci/requirements-torch.txt
+echo "install: test tools"
+pipq "${C[@]}" -r ci/requirements-test.txt
+echo "install: megatron-core"
+pipq "${C[@]}" -r ci/requirements-megatron.txt
+echo "install: sglang (no deps) and what its MoE layer imports"
+pipq --no-deps -r ci/requirements-sglang.txt
+pipq "${C[@]}" -r ci/requirements-sglang-deps.txt
+echo "install: pytest-weightsync (editable)"
+pipq --no-deps -e .
+
+# No later install may replace the torch pair sglang pins.
+"$VENV/bin/python" - <<'PYEOF'
+import importlib.metadata as md
+want = {"torch": "2.14.1", "torchvision": "0.29.1", "megatron-core": "0.16.1", "sglang": "0.5.23"}
+bad = {k: md.version(k) for k, v in want.items() if md.version(k).split("+")[0] != v}
+if bad:
+    raise SystemExit(f"install: wrong versions after install: {bad}, expected {want}")
+import torch
+print(f"install: ok - torch {torch.__version__}, threads default {torch.get_num_threads()}")
+PYEOF

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Installs everything, then runs every CPU test: the plugin's own tests and all suites, with
+# the CPU throughput guard against the committed baseline. GPU-marked tests skip on CPU.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash ci/install.sh || exit 1
+.venv/bin/python -m pytest -p weightsync -n 2 tests/ suites/ "$@"
+rc=$?
+# pytest exits 5 when it collected no test: that is a broken run, not a green one.
+if [ $rc -eq 5 ]; then echo "test-all: no tests were collected"; exit 1; fi
+exit $rc

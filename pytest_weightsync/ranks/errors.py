@@ -1,0 +1,71 @@
+"""What can go wrong in a rank, as exceptions that carry every rank's story.
+
+The launcher never re-raises one rank's exception on its own: with several ranks the first
+failure is often a symptom (a rank blocked in a collective because its peer crashed), so the
+error keeps the outcome of every rank and renders them all in its message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RankOutcome:
+    """What one rank reported (or what the launcher saw of it) for one call.
+
+    ``kind`` is ``"error"`` (it raised), ``"died"`` (its process exited without answering),
+    ``"hung"`` (still running at the deadline, killed) or ``"stalled"`` (still running a
+    grace period after another rank failed, killed). ``detail`` is the formatted traceback,
+    exit status or the Python stack dumped from the live process.
+    """
+
+    rank: int
+    kind: str
+    summary: str
+    detail: str = ""
+    exception: BaseException | None = dataclasses.field(default=None, compare=False)
+
+
+class RankPoolError(RuntimeError):
+    """Base class of the launcher's errors."""
+
+
+class RankFailed(RankPoolError):
+    """One or more ranks failed; ``outcomes`` holds each failing or killed rank's story."""
+
+    def __init__(self, headline: str, outcomes: list[RankOutcome]):
+        self.headline = headline
+        self.outcomes = list(outcomes)
+        super().__init__(render(headline, self.outcomes))
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return [o.rank for o in self.outcomes]
+
+
+class RankTimeout(RankFailed):
+    """Ranks were still running at the deadline; each hung rank's Python stack is attached."""
+
+
+class RankStartupError(RankFailed):
+    """The rank processes could not be started or could not form their process group."""
+
+
+class RankSkipped(RankPoolError):
+    """A rank called ``pytest.skip``; the whole call counts as skipped with that reason."""
+
+    def __init__(self, reason: str, rank: int):
+        self.reason = reason
+        self.rank = rank
+        super().__init__(f"rank {rank} skipped: {reason}")
+
+
+def render(headline: str, outcomes: list[RankOutcome]) -> str:
+    """One block per rank, in rank order, so the report reads top to bottom."""
+    lines = [headline]
+    for outcome in sorted(outcomes, key=lambda o: o.rank):
+        lines.append(f"---------- rank {outcome.rank}: {outcome.summary} ----------")
+        if outcome.detail:
+            lines.append(outcome.detail.rstrip("\n"))
+    return "\n".join(lines)

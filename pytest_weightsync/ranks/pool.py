@@ -1,0 +1,436 @@
+"""A warm pool of rank processes that runs functions in every rank.
+
+Starting a rank costs seconds (a fresh interpreter importing torch, then a rendezvous); a
+trivial collective costs milliseconds. The pool pays the first cost once per
+(world size, backend) and reuses the processes and their process group for every later call.
+
+Rendezvous goes through a ``FileStore`` in a private temporary directory rather than a TCP
+store, so no port is ever bound for it and concurrent pools (xdist workers, parallel CI jobs)
+cannot collide. gloo is pinned to the loopback interface for the same reason.
+
+A pool that saw a failure, a death or a timeout is killed at once: a rank that raised may
+have left its peers blocked in a collective, and the group may be poisoned. The next call
+starts a fresh set of processes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any, Callable
+
+from pytest_weightsync.ranks import target as _target
+from pytest_weightsync.ranks.errors import (
+    RankFailed,
+    RankOutcome,
+    RankSkipped,
+    RankStartupError,
+    RankTimeout,
+)
+
+#: Seconds a call may run before its still-running ranks are dumped and killed.
+DEFAULT_TIMEOUT = 180.0
+#: Seconds to wait for the ranks to start and join the group (interpreter + torch import +
+#: rendezvous; slow on a loaded machine, and not charged to the test's own timeout).
+DEFAULT_START_TIMEOUT = 300.0
+#: Seconds the other ranks get to finish once one rank failed, before they are killed. Ranks
+#: blocked in a collective with the failed rank would otherwise wait for the full timeout.
+FAILURE_GRACE = 2.0
+#: Seconds a stopping rank gets to leave its process group before it is killed.
+STOP_GRACE = 3.0
+BACKENDS = ("gloo", "nccl")
+
+_live_pools: "weakref.WeakSet[RankPool]" = weakref.WeakSet()
+
+
+class RankPool:
+    """``world_size`` rank processes with ``torch.distributed`` initialized, kept warm.
+
+    Usable without pytest::
+
+        with RankPool(world_size=4, backend="gloo") as pool:
+            results = pool.run(fn, 10)   # fn(10) in every rank -> [r0, r1, r2, r3]
+
+    ``fn`` must be importable by a fresh interpreter (a module-level function, a method of a
+    module-level class, or a picklable callable); arguments and return values travel by
+    pickle. ``threads`` is passed to ``torch.set_num_threads`` in every rank (0 leaves torch's
+    default). ``devices`` sets ``CUDA_VISIBLE_DEVICES`` of the ranks (None inherits it).
+
+    The ranks are tied to the thread that starts them (the kernel kills them when it exits),
+    so create and use a pool from a long-lived thread, normally the main one.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "gloo",
+        threads: int = 1,
+        timeout: float = DEFAULT_TIMEOUT,
+        *,
+        devices: Sequence[str] | None = None,
+        start_timeout: float = DEFAULT_START_TIMEOUT,
+        grace: float = FAILURE_GRACE,
+    ):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"RankPool world_size must be a positive int, got {world_size!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"RankPool backend must be one of {BACKENDS}, got {backend!r}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+            raise ValueError(f"RankPool threads must be an int >= 0 (0 = torch default), got {threads!r}")
+        _check_timeout(timeout, "RankPool timeout")
+        _check_timeout(start_timeout, "RankPool start_timeout")
+        self.world_size = world_size
+        self.backend = backend
+        self.threads = threads
+        self.timeout = float(timeout)
+        self.devices = tuple(devices) if devices is not None else None
+        self.start_timeout = float(start_timeout)
+        self.grace = float(grace)
+        self._procs: list = []
+        self._conns: list = []
+        self._tmpdir: str | None = None
+        #: How many times processes were started; tests and benchmarks read it.
+        self.starts = 0
+
+    # -- public API -------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"RankPool(world_size={self.world_size}, backend={self.backend!r}, {state})"
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    @property
+    def running(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
+        """Call ``fn(*args, **kwargs)`` in every rank; return the results in rank order.
+
+        Raises :class:`RankFailed` (with every failing rank's traceback),
+        :class:`RankTimeout` (with every hung rank's stack) or :class:`RankSkipped`.
+        """
+        what = f"{getattr(fn, '__qualname__', fn)!s}"
+        arguments = _target.dumps_arguments(args, kwargs, what)
+        return self.call(_target.describe(fn), arguments, timeout=timeout, what=what)
+
+    def call(self, fn_ref, arguments: bytes, *, timeout: float | None = None, what: str = "") -> list:
+        """:meth:`run` with the function already described and the arguments pickled."""
+        timeout = self.timeout if timeout is None else _check_timeout(timeout, "timeout")
+        self.start()
+        try:
+            return self._call(fn_ref, arguments, timeout, what or str(getattr(fn_ref, "qualname", "call")))
+        except BaseException:
+            self._kill()  # failure, timeout, skip mid-collective or Ctrl-C: never reuse
+            raise
+
+    def start(self) -> None:
+        """Start the ranks and wait until they all joined the group (no-op when running)."""
+        if self.running:
+            return
+        self._kill()  # a half-dead pool (a rank died between calls) is rebuilt whole
+        try:
+            self._spawn()
+            self._await_ready()
+        except BaseException:
+            self._kill()
+            raise
+
+    def close(self) -> None:
+        """Stop the ranks (politely, then by force) and remove the temporary directory."""
+        if not self._procs:
+            self._cleanup_dir()
+            return
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(("stop",)))
+            except OSError:
+                pass
+        multiprocessing.connection.wait([p.sentinel for p in self._procs], timeout=STOP_GRACE)
+        deadline = time.monotonic() + STOP_GRACE
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._kill()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        self._tmpdir = tempfile.mkdtemp(prefix="weightsync-ranks-")
+        store_path = os.path.join(self._tmpdir, "store")
+        ctx = multiprocessing.get_context("spawn")
+        env = self._rank_env()
+        from pytest_weightsync.ranks.worker import rank_main
+
+        for rank in range(self.world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            process = ctx.Process(
+                target=rank_main,
+                args=(
+                    rank,
+                    self.world_size,
+                    self.backend,
+                    store_path,
+                    child_conn,
+                    self.threads,
+                    env,
+                    self._stack_path(rank),
+                    os.getpid(),
+                ),
+                name=f"weightsync-rank-{rank}-of-{self.world_size}",
+            )
+            process.start()
+            child_conn.close()
+            self._procs.append(process)
+            self._conns.append(parent_conn)
+        self.starts += 1
+        _live_pools.add(self)
+
+    def _rank_env(self) -> dict[str, str]:
+        env = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+        if self.threads > 0:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        if self.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
+        return env
+
+    def _await_ready(self) -> None:
+        replies, pending = self._collect(self.start_timeout)
+        failures = [_outcome(r, m) for r, m in sorted(replies.items()) if m[0] != "ready"]
+        if not failures and not pending:
+            return
+        stalled = self._stalled_outcomes(pending, "hung" if not failures else "stalled")
+        if failures:
+            headline = (
+                f"{len(failures)} of {self.world_size} ranks failed to start "
+                f"(world_size={self.world_size}, backend={self.backend})"
+            )
+        else:
+            headline = (
+                f"ranks {_ranks(pending)} did not join the {self.backend} process group within "
+                f"{self.start_timeout:g} s (world_size={self.world_size})"
+            )
+        raise RankStartupError(headline, failures + stalled)
+
+    def _kill(self) -> None:
+        """Kill every rank's process group, reap, close pipes, remove the directory."""
+        for p in self._procs:
+            if p.pid is None:
+                continue
+            try:
+                # The rank leads its own process group (setpgid in the worker): this also
+                # kills whatever the test body started. Safe from pid reuse because the
+                # rank is not reaped yet.
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                p.kill()
+            except (OSError, ValueError):
+                pass
+        for p in self._procs:
+            p.join(timeout=10)
+            try:
+                p.close()
+            except ValueError:
+                pass
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        _live_pools.discard(self)
+        self._cleanup_dir()
+
+    def _cleanup_dir(self) -> None:
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    # -- one call ---------------------------------------------------------------------------
+
+    def _call(self, fn_ref, arguments: bytes, timeout: float, what: str) -> list:
+        task = pickle.dumps(
+            ("run", fn_ref, list(sys.path), os.getcwd(), arguments), protocol=pickle.HIGHEST_PROTOCOL
+        )
+        died: dict[int, tuple] = {}
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(task)
+            except OSError:
+                died[rank] = ("died", self._procs[rank].exitcode)
+        replies, pending = self._collect(timeout, skip=died)
+        replies.update(died)
+        errors = [_outcome(r, m) for r, m in sorted(replies.items()) if m[0] in ("error", "died")]
+        skips = [(r, m[1]) for r, m in sorted(replies.items()) if m[0] == "skip"]
+        where = f"(world_size={self.world_size}, backend={self.backend})"
+        if errors:
+            stalled = self._stalled_outcomes(pending, "stalled")
+            raise RankFailed(f"{len(errors)} of {self.world_size} ranks failed in {what} {where}", errors + stalled)
+        if skips:
+            rank, reason = skips[0]
+            raise RankSkipped(reason, rank)
+        if pending:
+            hung = self._stalled_outcomes(pending, "hung", timeout)
+            raise RankTimeout(
+                f"{what} timed out after {timeout:g} s: rank(s) {_ranks(pending)} of "
+                f"{self.world_size} still running {where}; their Python stacks follow",
+                hung,
+            )
+        results = [pickle.loads(replies[r][1]) for r in range(self.world_size)]
+        if any(replies[r][2] for r in range(self.world_size)):
+            self._kill()  # the call destroyed the process group; start afresh next time
+        return results
+
+    def _collect(self, timeout: float, *, skip=()) -> tuple[dict, set]:
+        """Wait for one reply per rank until the deadline; return (replies, unanswered ranks).
+
+        A rank whose process exits without replying counts as ``died``. Once any rank failed
+        (or skipped), the others get :data:`FAILURE_GRACE` more seconds, not the full timeout.
+        """
+        replies: dict[int, tuple] = {}
+        pending = set(range(self.world_size)) - set(skip)
+        deadline = time.monotonic() + timeout
+        while pending:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            waitables = {}
+            for rank in pending:
+                waitables[self._conns[rank]] = rank
+                waitables[self._procs[rank].sentinel] = rank
+            ready = multiprocessing.connection.wait(list(waitables), timeout=deadline - now)
+            for obj in ready:
+                rank = waitables[obj]
+                if rank not in pending:
+                    continue
+                replies[rank] = self._receive(rank)
+                pending.discard(rank)
+                if replies[rank][0] not in ("ok", "ready"):
+                    deadline = min(deadline, time.monotonic() + self.grace)
+        return replies, pending
+
+    def _receive(self, rank: int) -> tuple:
+        conn, process = self._conns[rank], self._procs[rank]
+        try:
+            if conn.poll():
+                return pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            pass
+        process.join(timeout=1)
+        return ("died", process.exitcode)
+
+    def _stalled_outcomes(self, ranks, kind: str, timeout: float | None = None) -> list[RankOutcome]:
+        stacks = self._dump_stacks(sorted(ranks))
+        outcomes = []
+        for rank in sorted(ranks):
+            if kind == "hung":
+                summary = f"hung; still running after {timeout:g} s" if timeout else "hung"
+            else:
+                summary = f"still running {self.grace:g} s after another rank failed; killed"
+            outcomes.append(
+                RankOutcome(rank, kind, summary + "; its Python stack:", stacks.get(rank, "(no stack dumped)"))
+            )
+        return outcomes
+
+    def _stack_path(self, rank: int) -> str:
+        assert self._tmpdir is not None
+        return os.path.join(self._tmpdir, f"stack-rank{rank}.txt")
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Ask each rank's faulthandler for its Python stacks (SIGUSR1) and read them back."""
+        if not ranks or self._tmpdir is None:
+            return {}
+        offsets = {}
+        for rank in ranks:
+            path = self._stack_path(rank)
+            offsets[rank] = os.path.getsize(path) if os.path.exists(path) else 0
+            try:
+                os.kill(self._procs[rank].pid, signal.SIGUSR1)
+            except (ProcessLookupError, TypeError):
+                pass
+        stacks: dict[int, str] = {}
+        deadline = time.monotonic() + 2.0
+        last_sizes: dict[int, int] = {}
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            settled = True
+            for rank in ranks:
+                path = self._stack_path(rank)
+                size = os.path.getsize(path) if os.path.exists(path) else 0
+                if size == offsets[rank] or last_sizes.get(rank) != size:
+                    settled = False
+                last_sizes[rank] = size
+            if settled:
+                break
+        for rank in ranks:
+            try:
+                with open(self._stack_path(rank)) as f:
+                    f.seek(offsets[rank])
+                    stacks[rank] = _trim_stack(f.read())
+            except OSError:
+                pass
+        return stacks
+
+
+def _trim_stack(text: str) -> str:
+    """Drop the frames of the rank's serving loop and interpreter bootstrap from a dump.
+
+    What is left starts at the user's function, so the report shows where *it* is stuck.
+    """
+    from pytest_weightsync.ranks import worker
+
+    plumbing = (f'File "{os.path.abspath(worker.__file__)}"', f"{os.sep}multiprocessing{os.sep}", 'File "<string>"')
+    return "\n".join(line for line in text.splitlines() if not any(p in line for p in plumbing)) + "\n"
+
+
+def _outcome(rank: int, message: tuple) -> RankOutcome:
+    kind = message[0]
+    if kind == "error":
+        _, summary, detail, exc_bytes = message
+        exception = None
+        if exc_bytes is not None:
+            try:
+                exception = pickle.loads(exc_bytes)
+            except Exception:
+                exception = None
+        return RankOutcome(rank, "error", summary, detail, exception)
+    if kind == "died":
+        code = message[1]
+        how = f"killed by signal {-code}" if isinstance(code, int) and code < 0 else f"exit code {code}"
+        return RankOutcome(rank, "died", f"process died without answering ({how})")
+    if kind == "skip":
+        return RankOutcome(rank, "error", f"skipped while starting: {message[1]}")
+    return RankOutcome(rank, "error", f"unexpected reply {kind!r}")
+
+
+def _ranks(ranks) -> str:
+    return ", ".join(str(r) for r in sorted(ranks))
+
+
+def _check_timeout(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+@atexit.register
+def _close_all_pools() -> None:
+    """Last line of defence for library users who never closed their pool."""
+    for pool in list(_live_pools):
+        pool._kill()

@@ -1,0 +1,356 @@
+"""Handing tensors from a trainer process to a receiver process without copying them.
+
+This is how SGLang's ``update_weights_from_tensor`` gets weights from a colocated trainer:
+the trainer pickles its tensors with ``multiprocessing``'s ``ForkingPickler`` and
+``torch.multiprocessing``'s reductions (``MultiprocessingSerializer.serialize``), which for a
+CUDA tensor writes a CUDA IPC handle of its memory block, not its bytes; receiver rank ``r``
+unpickles entry ``r`` of the list (``rebuild_cuda_tensor`` opens the handle), moves the tensor
+to its device (a no-op on the same device) and loads it. CPU tensors travel the same way
+through shared memory, which is what lets the protocol be exercised on a machine without GPU.
+
+Two details decide whether this can run for thousands of updates:
+
+* the device travels as the GPU's UUID, not its index (SGLang patches torch's reductions the
+  same way), so a receiver whose ``CUDA_VISIBLE_DEVICES`` numbers GPUs differently still opens
+  the handle on the right one;
+* handles must be released. The receiver drops every rebuilt tensor once its copies have
+  finished (closing its mappings); the trainer keeps its payload alive until the receiver
+  answered, then drops it and calls :func:`collect` (``torch.cuda.ipc_collect``), which frees
+  blocks whose consumers are done. A receiver that keeps a payload makes the trainer's
+  allocated memory grow by one payload per update.
+
+:class:`ReceiverProcess` is one receiver rank in its own spawned process, driven over a pipe:
+the trainer side of a test talks to it as a trainer talks to an engine.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import multiprocessing.connection
+import os
+import traceback
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from typing import Optional
+
+import torch
+from torch.multiprocessing import reductions
+
+from reference_impl.layout import MoESpec, ReceiverTopology, WeightSyncError
+
+#: Position of ``storage_device`` in the arguments of ``reductions.rebuild_cuda_tensor``.
+_DEVICE_ARG = 6
+
+
+class IpcError(WeightSyncError):
+    """A payload that cannot be shared or rebuilt (non-tensor entry, unknown GPU)."""
+
+
+class ReceiverProcessError(WeightSyncError):
+    """The receiver process refused a request, died, or did not answer in time."""
+
+
+# --------------------------------------------------------------------------------------------
+# Serialization (trainer side) and rebuilding (receiver side)
+# --------------------------------------------------------------------------------------------
+
+
+def _device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _device_index(uuid_or_index) -> int:
+    if isinstance(uuid_or_index, int):
+        return uuid_or_index
+    for index in range(torch.cuda.device_count()):
+        if _device_uuid(index) == uuid_or_index:
+            return index
+    raise IpcError(f"no visible GPU has UUID {uuid_or_index!r} (this process sees "
+                   f"{torch.cuda.device_count()} GPU(s)); the sender's GPU must be visible")
+
+
+def rebuild_cuda_tensor_by_uuid(*args):
+    """``reductions.rebuild_cuda_tensor`` with the device given as a GPU UUID."""
+    args = list(args)
+    args[_DEVICE_ARG] = _device_index(args[_DEVICE_ARG])
+    return reductions.rebuild_cuda_tensor(*args)
+
+
+def _reduce_tensor(tensor: torch.Tensor):
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if rebuild is reductions.rebuild_cuda_tensor:
+        args = list(args)
+        args[_DEVICE_ARG] = _device_uuid(args[_DEVICE_ARG])
+        return rebuild_cuda_tensor_by_uuid, tuple(args)
+    return rebuild, args
+
+
+class _TensorPickler(ForkingPickler):
+    """``ForkingPickler`` with torch's reductions, CUDA devices named by UUID."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dispatch_table[torch.Tensor] = _reduce_tensor
+        self.dispatch_table[torch.nn.Parameter] = _reduce_tensor
+
+
+def serialize(named_tensors) -> bytes:
+    """One receiver rank's payload ``[(name, tensor), ...]`` as bytes holding handles, not data.
+
+    The caller must keep the tensors alive (and unmodified) until the receiver has loaded them.
+    """
+    named_tensors = list(named_tensors)
+    for i, item in enumerate(named_tensors):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise IpcError(f"payload entry {i} is not a (name, tensor) pair: {item!r:.80}")
+        if item[1].requires_grad:
+            raise IpcError(f"payload entry {item[0]!r} requires grad; send tensor.detach()")
+    buf = io.BytesIO()
+    _TensorPickler(buf).dump(named_tensors)
+    return buf.getvalue()
+
+
+def serialize_per_rank(payloads) -> list[bytes]:
+    """SGLang's ``serialized_named_tensors``: one entry per receiver rank, rank ``r`` reads
+    entry ``r`` (rank-local payloads for the direct path, the same payload for the others)."""
+    return [serialize(p) for p in payloads]
+
+
+def deserialize(data: bytes, device=None) -> list[tuple[str, torch.Tensor]]:
+    """Rebuild a payload in the receiver; with ``device``, move each tensor there (a no-op when
+    it already is, as in SGLang's ``_unwrap_tensor``). Drop the tensors when done with them:
+    that closes the IPC mappings."""
+    named = ForkingPickler.loads(data)
+    if device is None:
+        return named
+    device = torch.device(device)
+    return [(name, tensor.to(device)) for name, tensor in named]
+
+
+def collect(device) -> None:
+    """Trainer side, after the receiver answered: free shared blocks nobody uses any more."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.ipc_collect()
+
+
+def payload_bytes(named_tensors) -> int:
+    return sum(t.numel() * t.element_size() for _, t in named_tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory as each process sees it
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """``allocated``: bytes of live tensors of this process on the device (CUDA only);
+    ``device_free``: free bytes of the whole device (CUDA only, every process counts);
+    ``open_fds``: open file descriptors (shared-memory handles on CPU)."""
+
+    allocated: Optional[int]
+    device_free: Optional[int]
+    open_fds: int
+
+
+def memory_stats(device) -> MemoryStats:
+    device = torch.device(device)
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else -1
+    if device.type != "cuda":
+        return MemoryStats(None, None, fds)
+    torch.cuda.synchronize(device)
+    return MemoryStats(torch.cuda.memory_allocated(device), torch.cuda.mem_get_info(device)[0], fds)
+
+
+# --------------------------------------------------------------------------------------------
+# A receiver rank in its own process
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UpdateReport:
+    """What the receiver saw in one update: entries and bytes received, the address of every
+    parameter after loading, and its memory afterwards (rebuilt tensors already dropped)."""
+
+    rank: int
+    entries: int
+    nbytes: int
+    param_ptrs: tuple
+    memory: MemoryStats
+
+
+class ReceiverProcess:
+    """A :class:`reference_impl.receiver.ReferenceReceiver` rank living in a spawned process.
+
+    ``configure`` (re)creates the receiver's parameters for a model and topology; ``update``
+    hands it serialized payload bytes; ``params`` reads its parameters back (CUDA: IPC views
+    of the live parameters, to be dropped before the next update; CPU: copies). With
+    ``keep_payloads`` the receiver never drops what it rebuilt - a deliberately leaking
+    receiver, to prove that the leak checks can fail.
+    """
+
+    def __init__(self, device="cpu", *, timeout: float = 300.0, start_timeout: float = 300.0):
+        self.device = str(torch.device(device))
+        self.timeout = float(timeout)
+        self.start_timeout = float(start_timeout)
+        self._process = None
+        self._conn = None
+
+    def __enter__(self) -> "ReceiverProcess":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    @property
+    def pid(self) -> Optional[int]:
+        return None if self._process is None else self._process.pid
+
+    def start(self) -> None:
+        """Spawn the process (non-blocking; the first request waits until it is ready)."""
+        if self._process is not None:
+            return
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(target=_receiver_main, args=(child, self.device),
+                                    name=f"weightsync-receiver-{self.device}", daemon=True)
+        self._process.start()
+        child.close()
+        self._conn = parent
+        self._ready = False
+
+    def close(self) -> None:
+        """Stop the process, by force if it does not stop within a few seconds."""
+        if self._process is None:
+            return
+        try:
+            self._conn.send(("stop",))
+        except (OSError, ValueError):
+            pass
+        self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout=10)
+        self._conn.close()
+        self._process.close()
+        self._process, self._conn = None, None
+
+    def configure(self, spec: MoESpec, topo: ReceiverTopology, rank: int, *,
+                  keep_payloads: bool = False, poison: bool = True) -> dict:
+        """Fresh receiver parameters for ``(spec, topo, rank)``; returns ``{name: data_ptr}``."""
+        return self._request(("configure", spec, topo, rank, keep_payloads, poison))
+
+    def update(self, data: bytes, load_format: Optional[str] = None) -> UpdateReport:
+        """One complete update from one serialized payload (one ``load`` call)."""
+        return self._request(("update", data, load_format))
+
+    def params(self) -> dict:
+        """The receiver's parameters as tensors readable here (see the class docstring)."""
+        reply = self._request(("params",))
+        return dict(deserialize(reply) if isinstance(reply, bytes) else reply)
+
+    def memory(self) -> MemoryStats:
+        return self._request(("memory",))
+
+    def _request(self, message):
+        if self._process is None:
+            self.start()
+        if not self._ready:
+            self._await(self.start_timeout, "start")
+            self._ready = True
+        try:
+            self._conn.send(message)
+        except (OSError, ValueError) as exc:
+            raise self._fail(f"cannot send {message[0]!r}: {exc}") from exc
+        return self._await(self.timeout, message[0])
+
+    def _await(self, timeout: float, what: str):
+        ready = multiprocessing.connection.wait([self._conn, self._process.sentinel], timeout)
+        if self._conn in ready or self._conn.poll():
+            try:
+                reply = self._conn.recv()
+            except (EOFError, OSError) as exc:
+                raise self._fail(f"lost the connection during {what!r}: {exc}") from exc
+            if reply[0] == "error":
+                raise ReceiverProcessError(f"receiver process ({self.device}) failed in "
+                                           f"{what!r}: {reply[1]}\n{reply[2]}")
+            return reply[1]
+        if not ready:
+            raise self._fail(f"no answer to {what!r} within {timeout:g} s")
+        self._process.join(timeout=5)
+        raise self._fail(f"died during {what!r} (exit code {self._process.exitcode})")
+
+    def _fail(self, why: str) -> ReceiverProcessError:
+        error = ReceiverProcessError(f"receiver process ({self.device}, pid {self.pid}) {why}")
+        self.close()
+        return error
+
+
+def _receiver_main(conn, device: str) -> None:
+    """Serve requests until told to stop; every reply is ``("ok", value)`` or ``("error", ...)``."""
+    torch.set_num_threads(1)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    state = {"receiver": None, "keep": False, "kept": []}
+    conn.send(("ok", os.getpid()))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message[0] == "stop":
+            return
+        try:
+            reply = ("ok", _serve(state, dev, message))
+        except BaseException as exc:  # reported to the trainer side, which raises it
+            reply = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        conn.send(reply)
+
+
+def _serve(state: dict, device: torch.device, message):
+    from reference_impl import synth
+    from reference_impl.receiver import ReferenceReceiver
+
+    kind = message[0]
+    if kind == "configure":
+        _, spec, topo, rank, keep, poison = message
+        state["kept"].clear()
+        state["receiver"] = None
+        receiver = ReferenceReceiver(spec, topo, rank, device)
+        if poison:
+            for tensor in receiver.params.values():
+                synth.poison_(tensor)
+        state["receiver"], state["keep"] = receiver, keep
+        return {name: t.data_ptr() for name, t in receiver.params.items()}
+    receiver = state["receiver"]
+    if kind == "memory":
+        return memory_stats(device)
+    if receiver is None:
+        raise ReceiverProcessError(f"{kind!r} before 'configure'")
+    if kind == "update":
+        _, data, load_format = message
+        rebuilt = deserialize(data)
+        payload = [(name, tensor.to(device)) for name, tensor in rebuilt]
+        report = (len(payload), payload_bytes(payload))
+        receiver.begin_update()
+        receiver.load(payload, load_format=load_format)
+        receiver.end_update()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # every copy done before the mappings close
+        if state["keep"]:
+            state["kept"].append(rebuilt)
+        del payload, rebuilt
+        return UpdateReport(receiver.rank, report[0], report[1],
+                            tuple((n, t.data_ptr()) for n, t in receiver.params.items()),
+                            memory_stats(device))
+    if kind == "params":
+        if device.type == "cuda":
+            return serialize(list(receiver.params.items()))
+        # Sharing CPU parameters would move them into shared memory (new addresses): send
+        # copies, which the pipe's pickler shares instead.
+        return [(name, tensor.clone()) for name, tensor in receiver.params.items()]
+    raise ReceiverProcessError(f"unknown request {kind!r}")

@@ -1,0 +1,499 @@
+"""The one layout model every sync path shares: shapes, names and who owns what.
+
+Megatron-Core holds MoE experts sharded by expert parallelism (EP: whole experts per rank),
+expert tensor parallelism (ETP: rows of fc1 / columns of fc2) and pipeline parallelism
+(PP: contiguous layers per stage). SGLang's ``FusedMoE`` holds them as two fused parameters
+per layer, ``w13_weight [E_local, 2 * I_local, H]`` and ``w2_weight [E_local, H, I_local]``,
+sharded by MoE-EP and MoE-TP. Every question of the form "which experts, which rows, which
+rank, which name" is answered here and nowhere else, so a path that disagrees with another
+path disagrees with this module, and a new topology reaches every path at once.
+
+Everything here is pure: frozen dataclasses and functions of them. Impossible combinations
+raise :class:`TopologyError` naming the constraint and the values that broke it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+import torch
+
+#: Projections of one gated expert, in Hugging Face terms.
+PROJECTIONS = ("gate", "up", "down")
+#: Receiver orders of the two halves of ``w13_weight``.
+GATE_UP_ORDERS = ("gate_up", "up_gate")
+#: How a receiver with padded buffers slices the intermediate dimension (see ``ReceiverTopology``).
+PAD_MODES = ("even", "blocked")
+#: Trainer expert implementations (Megatron-Core class names in parameter naming terms).
+EXPERT_IMPLS = ("sequential", "te_grouped")
+#: The two fused receiver parameters of one layer.
+RECEIVER_PARAMS = ("w13", "w2")
+
+
+class WeightSyncError(ValueError):
+    """Base of every error the reference implementation raises on bad input."""
+
+
+class TopologyError(WeightSyncError):
+    """A model shape / parallel layout combination that cannot exist."""
+
+
+def _require(ok: bool, constraint: str, **values) -> None:
+    if not ok:
+        shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
+        raise TopologyError(f"{constraint} (got {shown})")
+
+
+# --------------------------------------------------------------------------------------------
+# Model shape
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Shape of the routed experts of a model: ``num_layers`` MoE layers of ``num_experts``
+    gated experts each, ``gate_proj``/``up_proj`` ``[intermediate, hidden]`` and
+    ``down_proj`` ``[hidden, intermediate]``."""
+
+    num_layers: int
+    num_experts: int
+    hidden: int
+    intermediate: int
+    dtype: torch.dtype = torch.bfloat16
+    gated: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_experts", "hidden", "intermediate"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, f"MoESpec.{name} must be an int >= 1",
+                     **{name: value})
+        _require(isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point,
+                 "MoESpec.dtype must be a floating torch.dtype", dtype=self.dtype)
+        _require(self.gated, "only gated (SwiGLU: gate_proj + up_proj) experts are modelled; "
+                 "MoESpec.gated must be True", gated=self.gated)
+
+    def hf_shape(self, projection: str) -> tuple[int, int]:
+        """Shape of one unsharded Hugging Face expert projection."""
+        if projection in ("gate", "up"):
+            return (self.intermediate, self.hidden)
+        if projection == "down":
+            return (self.hidden, self.intermediate)
+        raise WeightSyncError(f"unknown projection {projection!r}; expected one of {PROJECTIONS}")
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """The three unsharded Hugging Face tensors of one expert."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+    def __getitem__(self, projection: str) -> torch.Tensor:
+        return getattr(self, projection)
+
+
+#: Full (unsharded) expert weights, as every sender path takes them:
+#: ``{global_layer: (ExpertWeights of expert 0, of expert 1, ...)}``.
+FullWeights = dict[int, tuple[ExpertWeights, ...]]
+
+
+# --------------------------------------------------------------------------------------------
+# Names
+# --------------------------------------------------------------------------------------------
+
+_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(w13|w2)_weight$")
+_MEGATRON_SEQ = re.compile(
+    r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc(1|2)\.weight$")
+_MEGATRON_TE = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.linear_fc(1|2)\.weight(\d+)$")
+
+
+def hf_expert_name(layer: int, expert: int, projection: str) -> str:
+    """Per-expert Hugging Face name, e.g. ``model.layers.0.mlp.experts.3.gate_proj.weight``."""
+    return f"model.layers.{layer}.mlp.experts.{expert}.{projection}_proj.weight"
+
+
+def fused_name(layer: int, param: str) -> str:
+    """SGLang ``FusedMoE`` parameter name (``param`` is ``"w13"`` or ``"w2"``). The packed
+    payload uses the same names with the global, unsharded shape."""
+    return f"model.layers.{layer}.mlp.experts.{param}_weight"
+
+
+def megatron_expert_name(impl: str, local_layer: int, local_expert: int, fc: int) -> str:
+    """Megatron-Core parameter name of one local expert's ``linear_fc{fc}`` on a PP stage."""
+    if impl == "sequential":
+        return (f"decoder.layers.{local_layer}.mlp.experts.local_experts.{local_expert}"
+                f".linear_fc{fc}.weight")
+    if impl == "te_grouped":
+        return f"decoder.layers.{local_layer}.mlp.experts.linear_fc{fc}.weight{local_expert}"
+    raise TopologyError(f"unknown expert_impl {impl!r}; expected one of {EXPERT_IMPLS}")
+
+
+class ParsedName(NamedTuple):
+    kind: str  # "expert" (per-expert HF) | "fused" (w13/w2)
+    layer: int
+    expert: Optional[int]  # per-expert names only
+    projection: Optional[str]  # "gate"/"up"/"down" for per-expert, "w13"/"w2" for fused
+
+
+def parse_receiver_name(name: str) -> Optional[ParsedName]:
+    """Parse a receiver-side name; ``None`` when it is not an expert weight name."""
+    m = _HF_EXPERT.match(name)
+    if m:
+        return ParsedName("expert", int(m.group(1)), int(m.group(2)), m.group(3))
+    m = _FUSED.match(name)
+    if m:
+        return ParsedName("fused", int(m.group(1)), None, m.group(2))
+    return None
+
+
+def parse_megatron_name(name: str) -> Optional[tuple[int, int, int]]:
+    """``(local_layer, local_expert, fc)`` of a Megatron expert parameter name, else ``None``.
+    Both SequentialMLP and TEGroupedMLP spellings are accepted."""
+    m = _MEGATRON_SEQ.match(name)
+    if m:
+        return int(m.group(1)), int(m.group(2)), int(m.group(3))
+    m = _MEGATRON_TE.match(name)
+    if m:
+        return int(m.group(1)), int(m.group(3)), int(m.group(2))
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Trainer (Megatron-Core) topology
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainerTopology:
+    """Megatron-Core parallel sizes that matter for experts.
+
+    ``dp`` is the dense data-parallel size; ``None`` picks the smallest one for which the
+    expert grid fits (``tp * dp`` divisible by ``etp * ep``). Rank order follows Megatron's
+    default ``tp-cp-ep-dp-pp``: within a PP stage the dense TP rank is ``r % tp`` and the
+    expert ranks are ``etp_rank = r % etp``, ``ep_rank = (r // etp) % ep``,
+    ``edp_rank = r // (etp * ep)``; the PP stage is ``rank // (world_size // pp)``.
+    """
+
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+    pp: int = 1
+    dp: Optional[int] = None
+    expert_impl: str = "sequential"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "ep", "etp", "pp"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1,
+                     f"TrainerTopology.{name} must be an int >= 1", **{name: value})
+        _require(self.expert_impl in EXPERT_IMPLS,
+                 f"TrainerTopology.expert_impl must be one of {EXPERT_IMPLS}",
+                 expert_impl=self.expert_impl)
+        if self.dp is None:
+            expert_grid = self.etp * self.ep
+            object.__setattr__(self, "dp", math.lcm(self.tp, expert_grid) // self.tp)
+        _require(isinstance(self.dp, int) and self.dp >= 1, "TrainerTopology.dp must be >= 1",
+                 dp=self.dp)
+        _require((self.tp * self.dp) % (self.etp * self.ep) == 0,
+                 "ranks per pipeline stage (tp * dp) must be divisible by etp * ep",
+                 tp=self.tp, dp=self.dp, etp=self.etp, ep=self.ep)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    @property
+    def stage_size(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def edp(self) -> int:
+        return self.stage_size // (self.etp * self.ep)
+
+
+@dataclass(frozen=True)
+class TrainerShard:
+    """What trainer rank ``rank`` holds: global layers, global experts, fc1/fc2 intermediate
+    rows ``[row_start, row_start + rows)`` of each of gate, up (fc1) and down columns (fc2)."""
+
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    etp_rank: int
+    ep_rank: int
+    edp_rank: int
+    layers: range
+    experts: range
+    row_start: int
+    rows: int
+
+    def global_layer(self, local_layer: int) -> int:
+        return self.layers[local_layer]
+
+    def global_expert(self, local_expert: int) -> int:
+        """EP renumbering: ``ep_rank * num_local_experts + local_index``."""
+        return self.experts[local_expert]
+
+
+def validate_trainer(spec: MoESpec, topo: TrainerTopology) -> None:
+    _require(spec.num_experts % topo.ep == 0,
+             "num_experts must be divisible by the trainer's expert parallel size (ep)",
+             num_experts=spec.num_experts, ep=topo.ep)
+    _require(spec.intermediate % topo.etp == 0,
+             "intermediate must be divisible by the trainer's expert tensor parallel size (etp)",
+             intermediate=spec.intermediate, etp=topo.etp)
+    _require(spec.num_layers % topo.pp == 0,
+             "num_layers must be divisible by the trainer's pipeline parallel size (pp)",
+             num_layers=spec.num_layers, pp=topo.pp)
+
+
+def trainer_shard(spec: MoESpec, topo: TrainerTopology, rank: int) -> TrainerShard:
+    """Ownership of trainer rank ``rank`` (global rank in ``range(topo.world_size)``)."""
+    validate_trainer(spec, topo)
+    _require(0 <= rank < topo.world_size, "trainer rank must be in range(world_size)",
+             rank=rank, world_size=topo.world_size)
+    pp_rank, r = divmod(rank, topo.stage_size)
+    etp_rank = r % topo.etp
+    ep_rank = (r // topo.etp) % topo.ep
+    edp_rank = r // (topo.etp * topo.ep)
+    layers_per_stage = spec.num_layers // topo.pp
+    experts_per_rank = spec.num_experts // topo.ep
+    rows = spec.intermediate // topo.etp
+    return TrainerShard(
+        rank=rank, pp_rank=pp_rank, tp_rank=r % topo.tp, etp_rank=etp_rank, ep_rank=ep_rank,
+        edp_rank=edp_rank,
+        layers=range(pp_rank * layers_per_stage, (pp_rank + 1) * layers_per_stage),
+        experts=range(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank),
+        row_start=etp_rank * rows, rows=rows,
+    )
+
+
+def trainer_groups(spec: MoESpec, topo: TrainerTopology, kind: str) -> list[list[int]]:
+    """Rank lists of every ``kind`` group (``"etp"``, ``"ep"``, ``"edp"``, ``"pp"``), in the
+    order each group's members are indexed (member i has ``{kind}_rank == i``)."""
+    shards = [trainer_shard(spec, topo, r) for r in range(topo.world_size)]
+    coords = ("pp_rank", "etp_rank", "ep_rank", "edp_rank")
+    member = {"etp": "etp_rank", "ep": "ep_rank", "edp": "edp_rank", "pp": "pp_rank"}
+    _require(kind in member, "group kind must be one of etp, ep, edp, pp", kind=kind)
+    key_fields = [c for c in coords if c != member[kind]]
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for s in shards:
+        key = tuple(getattr(s, c) for c in key_fields)
+        groups.setdefault(key, []).append((getattr(s, member[kind]), s.rank))
+    return [[rank for _, rank in sorted(members)] for _, members in sorted(groups.items())]
+
+
+# --------------------------------------------------------------------------------------------
+# Receiver (SGLang FusedMoE) topology
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReceiverTopology:
+    """One SGLang engine's MoE layout.
+
+    ``moe_tp = tp // moe_ep // moe_dp``; within the TP group ``moe_tp_rank = r % moe_tp`` and
+    ``moe_ep_rank = (r // moe_tp) % moe_ep`` (EP-only / DeepEP style is ``moe_tp == 1``).
+
+    ``order``: which half of ``w13_weight`` holds gate (``"gate_up"``: SGLang's default;
+    ``"up_gate"``: runners with ``load_up_proj_weight_first``, e.g. flashinfer_cutlass).
+
+    ``intermediate_padded``: rows per rank of each w13 half (and columns of w2) when the
+    buffers are padded; ``None`` means unpadded (``intermediate // moe_tp``). ``pad_mode``:
+    ``"even"`` (SGLang's default loader: rank r takes the even slice
+    ``[r * I/moe_tp, (r+1) * I/moe_tp)`` and zeroes the tail of its buffer) or ``"blocked"``
+    (SGLang's padded loader on CPU / trtllm: rank r takes ``[r * P, min((r+1) * P, I))`` with
+    ``P = intermediate_padded``, so uneven intermediate sizes are allowed).
+    """
+
+    tp: int = 1
+    moe_ep: int = 1
+    moe_dp: int = 1
+    order: str = "gate_up"
+    intermediate_padded: Optional[int] = None
+    pad_mode: str = "even"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "moe_ep", "moe_dp"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1,
+                     f"ReceiverTopology.{name} must be an int >= 1", **{name: value})
+        _require(self.tp % (self.moe_ep * self.moe_dp) == 0,
+                 "receiver tp must be divisible by moe_ep * moe_dp (moe_tp = tp // moe_ep // moe_dp)",
+                 tp=self.tp, moe_ep=self.moe_ep, moe_dp=self.moe_dp)
+        _require(self.order in GATE_UP_ORDERS, f"ReceiverTopology.order must be one of {GATE_UP_ORDERS}",
+                 order=self.order)
+        _require(self.pad_mode in PAD_MODES, f"ReceiverTopology.pad_mode must be one of {PAD_MODES}",
+                 pad_mode=self.pad_mode)
+        _require(self.intermediate_padded is None
+                 or (isinstance(self.intermediate_padded, int) and self.intermediate_padded >= 1),
+                 "ReceiverTopology.intermediate_padded must be None or an int >= 1",
+                 intermediate_padded=self.intermediate_padded)
+        _require(self.pad_mode == "even" or self.intermediate_padded is not None,
+                 "pad_mode='blocked' needs intermediate_padded", pad_mode=self.pad_mode,
+                 intermediate_padded=self.intermediate_padded)
+
+    @property
+    def moe_tp(self) -> int:
+        return self.tp // self.moe_ep // self.moe_dp
+
+    @property
+    def world_size(self) -> int:
+        return self.tp
+
+    @property
+    def padded(self) -> bool:
+        return self.intermediate_padded is not None
+
+
+@dataclass(frozen=True)
+class ReceiverShard:
+    """What receiver rank ``rank`` owns: experts ``experts`` (global ids, stored at local slots
+    ``0..len-1``) and intermediate rows ``[row_start, row_start + rows)`` of gate, up and down,
+    stored in a buffer of ``buffer_rows`` rows per half (the tail beyond ``rows`` is zero)."""
+
+    rank: int
+    moe_tp_rank: int
+    moe_ep_rank: int
+    moe_dp_rank: int
+    experts: range
+    row_start: int
+    rows: int
+    buffer_rows: int
+
+    def local_expert(self, expert: int) -> Optional[int]:
+        """Global -> local expert slot; ``None`` for an expert this rank does not hold."""
+        if expert in self.experts:
+            return expert - self.experts.start
+        return None
+
+    def half_offset(self, projection: str, order: str) -> int:
+        """Row offset of ``projection`` (gate/up) inside one expert's ``w13`` buffer."""
+        first = "gate" if order == "gate_up" else "up"
+        if projection not in ("gate", "up"):
+            raise WeightSyncError(f"w13 holds gate and up, not {projection!r}")
+        return 0 if projection == first else self.buffer_rows
+
+
+def validate_receiver(spec: MoESpec, topo: ReceiverTopology) -> None:
+    _require(spec.num_experts % topo.moe_ep == 0,
+             "num_experts must be divisible by the receiver's moe_ep",
+             num_experts=spec.num_experts, moe_ep=topo.moe_ep)
+    if topo.pad_mode == "blocked":
+        _require(topo.intermediate_padded * topo.moe_tp >= spec.intermediate,
+                 "blocked padding needs intermediate_padded * moe_tp >= intermediate",
+                 intermediate_padded=topo.intermediate_padded, moe_tp=topo.moe_tp,
+                 intermediate=spec.intermediate)
+        return
+    _require(spec.intermediate % topo.moe_tp == 0,
+             "intermediate must be divisible by the receiver's moe_tp "
+             "(or use pad_mode='blocked' with intermediate_padded)",
+             intermediate=spec.intermediate, moe_tp=topo.moe_tp)
+    if topo.intermediate_padded is not None:
+        _require(topo.intermediate_padded >= spec.intermediate // topo.moe_tp,
+                 "intermediate_padded must be >= intermediate // moe_tp",
+                 intermediate_padded=topo.intermediate_padded,
+                 intermediate=spec.intermediate, moe_tp=topo.moe_tp)
+
+
+def receiver_shard(spec: MoESpec, topo: ReceiverTopology, rank: int) -> ReceiverShard:
+    """Ownership of receiver rank ``rank`` (its rank inside the engine's TP group)."""
+    validate_receiver(spec, topo)
+    _require(0 <= rank < topo.tp, "receiver rank must be in range(tp)", rank=rank, tp=topo.tp)
+    moe_tp_rank = rank % topo.moe_tp
+    moe_ep_rank = (rank // topo.moe_tp) % topo.moe_ep
+    moe_dp_rank = rank // (topo.moe_tp * topo.moe_ep)
+    per_rank = spec.num_experts // topo.moe_ep
+    if topo.pad_mode == "blocked":
+        buffer_rows = topo.intermediate_padded
+        start = min(buffer_rows * moe_tp_rank, spec.intermediate)
+        rows = min(buffer_rows, spec.intermediate - start)
+    else:
+        rows = spec.intermediate // topo.moe_tp
+        start = rows * moe_tp_rank
+        buffer_rows = topo.intermediate_padded if topo.intermediate_padded is not None else rows
+    return ReceiverShard(
+        rank=rank, moe_tp_rank=moe_tp_rank, moe_ep_rank=moe_ep_rank, moe_dp_rank=moe_dp_rank,
+        experts=range(moe_ep_rank * per_rank, (moe_ep_rank + 1) * per_rank),
+        row_start=start, rows=rows, buffer_rows=buffer_rows,
+    )
+
+
+def receiver_param_shapes(spec: MoESpec, topo: ReceiverTopology, rank: int) -> dict[str, tuple]:
+    """Names and shapes of every pre-allocated receiver parameter on ``rank``."""
+    shard = receiver_shard(spec, topo, rank)
+    e_local = len(shard.experts)
+    shapes = {}
+    for layer in range(spec.num_layers):
+        shapes[fused_name(layer, "w13")] = (e_local, 2 * shard.buffer_rows, spec.hidden)
+        shapes[fused_name(layer, "w2")] = (e_local, spec.hidden, shard.buffer_rows)
+    return shapes
+
+
+def packed_shape(spec: MoESpec, param: str) -> tuple[int, int, int]:
+    """Global (unsharded, all experts) shape of a packed ``w13``/``w2`` payload tensor."""
+    if param == "w13":
+        return (spec.num_experts, 2 * spec.intermediate, spec.hidden)
+    if param == "w2":
+        return (spec.num_experts, spec.hidden, spec.intermediate)
+    raise WeightSyncError(f"unknown fused parameter {param!r}; expected one of {RECEIVER_PARAMS}")
+
+
+# --------------------------------------------------------------------------------------------
+# Locating an element (for messages)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Location:
+    """Model coordinates of one receiver element. ``row`` / ``col`` index the unsharded HF
+    tensor of ``projection``. A zero-padding element (``padding`` True) has no HF
+    counterpart: its intermediate coordinate (``row`` of gate/up, ``col`` of down) is
+    ``None``."""
+
+    layer: int
+    expert: int
+    projection: str
+    row: Optional[int]
+    col: Optional[int]
+    rank: Optional[int] = None
+    padding: bool = False
+    param_index: tuple = field(default=())
+
+    def __str__(self) -> str:
+        where = (f"layer={self.layer} expert={self.expert} projection={self.projection} "
+                 f"row={self.row} col={self.col}")
+        if self.padding:
+            where += " (zero padding)"
+        if self.rank is not None:
+            where += f" receiver_rank={self.rank}"
+        return where
+
+
+def locate_receiver_element(spec: MoESpec, topo: ReceiverTopology, rank: int, name: str,
+                            index: tuple) -> Optional[Location]:
+    """Model coordinates of ``param[index]`` for receiver parameter ``name`` on ``rank``."""
+    parsed = parse_receiver_name(name)
+    if parsed is None or parsed.kind != "fused":
+        return None
+    shard = receiver_shard(spec, topo, rank)
+    slot, i, j = (int(x) for x in index)
+    expert = shard.experts[slot]
+    if parsed.projection == "w13":
+        first, second = ("gate", "up") if topo.order == "gate_up" else ("up", "gate")
+        half, local_row = divmod(i, shard.buffer_rows)
+        projection = first if half == 0 else second
+        padding = local_row >= shard.rows
+        row = None if padding else shard.row_start + local_row
+        col = j
+    else:
+        projection = "down"
+        padding = j >= shard.rows
+        row = i
+        col = None if padding else shard.row_start + j
+    return Location(parsed.layer, expert, projection, row, col, rank, padding, (slot, i, j))

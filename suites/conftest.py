@@ -1,0 +1,39 @@
+"""Fixtures shared by the expert-sync suites.
+
+``moe_case`` is parametrized over the topology matrix (``matrix.CASES``) plus the cases
+plugins add through ``pytest_weightsync_extra_topologies``: a test asks for ``moe_case`` and
+runs on every topology, including ones added later.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import matrix
+
+
+def _extra_cases(config) -> list:
+    hook = getattr(config.hook, "pytest_weightsync_extra_topologies", None)
+    if hook is None:
+        return []
+    extra = []
+    for items in hook(config=config):
+        for item in items or ():
+            extra.append(item if isinstance(item, matrix.Case) else matrix.Case(*item))
+    return extra
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "moe_case" in metafunc.fixturenames:
+        metafunc.parametrize("moe_case", matrix.case_params(_extra_cases(metafunc.config)))
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Small copies are ~100x slower with more than one intra-op thread on a shared CPU."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

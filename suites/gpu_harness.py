@@ -1,0 +1,326 @@
+"""Device-generic scenario steps shared by the GPU suites (and run on CPU by their CPU tests).
+
+Every step takes a ``device``: the GPU suites pass ``"cuda"``, the CPU tests of the same logic
+pass ``"cpu"``, so what runs on the GPU machine is the code that was exercised here.
+
+The oracle is :mod:`reference_impl.synth`: expected receiver parameters are evaluated at the
+layout's coordinates, never sliced from what a sender produced. :func:`expected_params` does
+that on the target device (the Qwen3.5 layer shape is ~800M elements: too slow for a CPU
+thread) and is checked against ``synth.expected_receiver_params`` bit for bit on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from pytest_weightsync import compare
+from reference_impl import compat, direct, moe_forward, packed, synth
+from reference_impl.layout import (
+    PROJECTIONS,
+    ExpertWeights,
+    MoESpec,
+    ReceiverTopology,
+    fused_name,
+    locate_receiver_element,
+    receiver_shard,
+)
+from reference_impl.receiver import ReferenceReceiver
+
+PATHS = ("compat", "packed", "direct")
+LOAD_FORMAT = {"compat": None, "packed": None, "direct": "direct"}
+#: Qwen3.5-35B-A3B: one MoE layer of 256 experts, hidden 2048, moe_ffn 512 (1.5 GiB in BF16).
+QWEN35_LAYER = MoESpec(num_layers=1, num_experts=256, hidden=2048, intermediate=512)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A model, a receiver engine layout and the forward used to check outputs."""
+
+    spec: MoESpec
+    topo: ReceiverTopology
+    tokens: int = 16
+    top_k: int = 2
+    seed: int = 0
+
+    def __str__(self) -> str:
+        t = self.topo
+        pad = f"-pad{t.intermediate_padded}{t.pad_mode[0]}" if t.padded else ""
+        return (f"L{self.spec.num_layers}E{self.spec.num_experts}H{self.spec.hidden}"
+                f"I{self.spec.intermediate}-tp{t.tp}ep{t.moe_ep}dp{t.moe_dp}-{t.order}{pad}")
+
+
+# --------------------------------------------------------------------------------------------
+# Weights, on the device
+# --------------------------------------------------------------------------------------------
+
+
+def full_weights(spec: MoESpec, version: int, device, seed: int = 0) -> dict:
+    """``synth.full_weights`` evaluated on ``device`` (same bits: the same function)."""
+    device = torch.device(device)
+    out = {}
+    for layer in range(spec.num_layers):
+        experts = []
+        for expert in range(spec.num_experts):
+            tensors = {}
+            for projection in PROJECTIONS:
+                rows, cols = spec.hf_shape(projection)
+                tensors[projection] = synth.expert_block(
+                    spec, version, layer, expert, projection,
+                    torch.arange(rows, device=device), torch.arange(cols, device=device), seed)
+            experts.append(ExpertWeights(**tensors))
+        out[layer] = tuple(experts)
+    return out
+
+
+def expected_params(spec: MoESpec, topo: ReceiverTopology, rank: int, version: int, device,
+                    seed: int = 0) -> dict:
+    """``synth.expected_receiver_params`` evaluated on ``device``."""
+    device = torch.device(device)
+    shard = receiver_shard(spec, topo, rank)
+    cols_h = torch.arange(spec.hidden, device=device)
+    rows_i = torch.arange(shard.row_start, shard.row_start + shard.rows, device=device)
+    out = {}
+    for layer in range(spec.num_layers):
+        w13 = torch.zeros(len(shard.experts), 2 * shard.buffer_rows, spec.hidden,
+                          dtype=spec.dtype, device=device)
+        w2 = torch.zeros(len(shard.experts), spec.hidden, shard.buffer_rows, dtype=spec.dtype,
+                         device=device)
+        for slot, expert in enumerate(shard.experts):
+            for projection in ("gate", "up"):
+                off = shard.half_offset(projection, topo.order)
+                w13[slot, off:off + shard.rows] = synth.expert_block(
+                    spec, version, layer, expert, projection, rows_i, cols_h, seed)
+            w2[slot, :, :shard.rows] = synth.expert_block(
+                spec, version, layer, expert, "down", cols_h, rows_i, seed)
+        out[fused_name(layer, "w13")] = w13
+        out[fused_name(layer, "w2")] = w2
+    return out
+
+
+def payload(path: str, spec: MoESpec, topo: ReceiverTopology, rank: int, full: dict,
+            layers=None) -> list:
+    """What receiver ``rank`` gets along ``path`` (compat and packed are rank independent)."""
+    if path == "compat":
+        return compat.export(full, layers)
+    if path == "packed":
+        return packed.export(spec, full, topo.order, layers)
+    if path == "direct":
+        return direct.export(spec, topo, rank, full, layers)
+    raise ValueError(f"unknown path {path!r}; expected one of {PATHS}")
+
+
+# --------------------------------------------------------------------------------------------
+# Receivers and checks
+# --------------------------------------------------------------------------------------------
+
+
+def make_receivers(spec: MoESpec, topo: ReceiverTopology, device) -> list:
+    """One receiver per rank on ``device``, every buffer poisoned (nothing passes by luck)."""
+    receivers = [ReferenceReceiver(spec, topo, r, device) for r in range(topo.world_size)]
+    for receiver in receivers:
+        for tensor in receiver.params.values():
+            synth.poison_(tensor)
+    return receivers
+
+
+def update(receivers: list, path: str, full: dict) -> None:
+    """One complete update of every rank: one chunk per layer, inside an update session."""
+    for receiver in receivers:
+        receiver.begin_update()
+        for layer in range(receiver.spec.num_layers):
+            receiver.load(payload(path, receiver.spec, receiver.topo, receiver.rank, full, [layer]),
+                          load_format=LOAD_FORMAT[path])
+        receiver.end_update()
+
+
+def locator(spec: MoESpec, topo: ReceiverTopology, rank: int):
+    return functools.partial(locate_receiver_element, spec, topo, rank)
+
+
+def assert_bits_equal(actual, expected, name: str, locate=None, rank=None) -> None:
+    """Raw-bit equality, decided on the tensors' device; located message on failure."""
+    if (actual.shape == expected.shape and actual.dtype == expected.dtype
+            and torch.equal(compare.raw_bits(actual), compare.raw_bits(expected))):
+        return
+    compare.assert_bitwise_equal(actual, expected, name=name, locate=locate, rank=rank)
+    raise AssertionError(f"{name}: torch.equal of raw bits failed but the located comparison "
+                         f"found no difference")  # pragma: no cover - would be a torch bug
+
+
+def assert_params_exact(params: dict, spec: MoESpec, topo: ReceiverTopology, rank: int,
+                        version: int, seed: int = 0) -> None:
+    """Every parameter of receiver ``rank`` holds exactly ``version`` (padding zero)."""
+    device = next(iter(params.values())).device
+    expected = expected_params(spec, topo, rank, version, device, seed)
+    assert sorted(params) == sorted(expected), f"rank {rank}: parameter names differ"
+    for name, tensor in expected.items():
+        assert_bits_equal(params[name], tensor, name, locator(spec, topo, rank), rank)
+
+
+def addresses(params: dict) -> dict:
+    return {name: (t.data_ptr(), tuple(t.shape), tuple(t.stride())) for name, t in params.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------
+
+
+def forward_inputs(scenario: Scenario, device) -> tuple:
+    """``(hidden [T, H] in the model dtype, router logits per layer [T, E] float32)``, seeded."""
+    spec = scenario.spec
+    gen = torch.Generator().manual_seed(1_000_003 + scenario.seed)
+    hidden = (torch.randn(scenario.tokens, spec.hidden, generator=gen) * 0.5).to(spec.dtype)
+    logits = [torch.randn(scenario.tokens, spec.num_experts, generator=gen)
+              for _ in range(spec.num_layers)]
+    return hidden.to(device), [t.to(device) for t in logits]
+
+
+def forward(params: dict, scenario: Scenario, rank: int, layer: int, hidden, logits):
+    """Receiver ``rank``'s partial MoE output of ``layer`` over ``params`` (float32)."""
+    shard = receiver_shard(scenario.spec, scenario.topo, rank)
+    return moe_forward.moe_forward(
+        hidden, logits, params[fused_name(layer, "w13")], params[fused_name(layer, "w2")],
+        top_k=scenario.top_k, expert_start=shard.experts.start, order=scenario.topo.order,
+        out_dtype=torch.float32)
+
+
+def capture(params: dict, scenario: Scenario, rank: int, layer: int, hidden, logits):
+    """A CUDA graph of :func:`forward` over the live parameters."""
+    shard = receiver_shard(scenario.spec, scenario.topo, rank)
+    return moe_forward.capture_forward(
+        hidden, logits, params[fused_name(layer, "w13")], params[fused_name(layer, "w2")],
+        top_k=scenario.top_k, expert_start=shard.experts.start, order=scenario.topo.order,
+        out_dtype=torch.float32)
+
+
+def count_differing(a, b) -> int:
+    return int((compare.raw_bits(a) != compare.raw_bits(b)).sum())
+
+
+# --------------------------------------------------------------------------------------------
+# The scenario both the CUDA-graph and the repeated-update suites run
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class UpdateLog:
+    """What a run of updates checked: per update, how many output elements changed since the
+    previous version (a stale forward would show 0)."""
+
+    versions: list
+    outputs_checked: int
+    graph_checks: int
+    changed_elements: list
+
+
+def run_updates(scenario: Scenario, path: str, versions, device, *, graphs: bool = False
+                ) -> UpdateLog:
+    """Update every receiver rank in place to each of ``versions`` along ``path``; after each:
+
+    * parameters bit-exact to the oracle, at the addresses they had before the first update;
+    * the forward over the live parameters bit-equal to the same forward over separately built
+      expected tensors (eager, same kernels and shapes);
+    * with ``graphs``: CUDA graphs captured over the live parameters after the *first* update
+      replay to exactly that eager output after every later one;
+    * the output differs from the previous version's (the forward really reads the update).
+    """
+    spec, topo = scenario.spec, scenario.topo
+    receivers = make_receivers(spec, topo, device)
+    before = [addresses(r.params) for r in receivers]
+    hidden, logits = forward_inputs(scenario, device)
+    captured, previous = {}, {}
+    log = UpdateLog(list(versions), 0, 0, [])
+    for step, version in enumerate(versions):
+        full = full_weights(spec, version, device, scenario.seed)
+        update(receivers, path, full)
+        del full
+        changed = 0
+        for receiver in receivers:
+            rank = receiver.rank
+            where = f"{path} path, update {step} (version {version}), receiver rank {rank}"
+            assert addresses(receiver.params) == before[rank], (
+                f"{where}: a parameter was reallocated (address, shape or stride changed)")
+            assert_params_exact(receiver.params, spec, topo, rank, version, scenario.seed)
+            expected = expected_params(spec, topo, rank, version, device, scenario.seed)
+            for layer in range(spec.num_layers):
+                key = (rank, layer)
+                eager = forward(expected, scenario, rank, layer, hidden, logits[layer])
+                live = forward(receiver.params, scenario, rank, layer, hidden, logits[layer])
+                assert_bits_equal(live, eager, f"{where} layer {layer}: forward over the live "
+                                  f"parameters vs over the expected weights")
+                log.outputs_checked += 1
+                if graphs:
+                    if key not in captured:
+                        captured[key] = capture(receiver.params, scenario, rank, layer, hidden,
+                                                logits[layer])
+                    replayed = captured[key].replay().clone()
+                    assert_bits_equal(replayed, eager, f"{where} layer {layer}: CUDA graph "
+                                      f"captured before this update, replayed after it, vs an "
+                                      f"eager forward with the new weights")
+                    log.graph_checks += 1
+                if key in previous:
+                    diff = count_differing(eager, previous[key])
+                    assert diff > 0, (f"{where} layer {layer}: output identical to the previous "
+                                      f"version's: the check cannot see a stale update")
+                    changed += diff
+                previous[key] = eager
+        log.changed_elements.append(changed)
+    return log
+
+
+# --------------------------------------------------------------------------------------------
+# Trainer process -> receiver processes, over CUDA IPC (shared memory on CPU)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class IpcLog:
+    """Per update: payload bytes sent to all ranks, the trainer's memory after releasing the
+    payload, and every receiver rank's report."""
+
+    payload_bytes: list
+    trainer: list
+    receivers: list
+
+
+def run_ipc_updates(processes: list, spec: MoESpec, topo: ReceiverTopology, path: str, versions,
+                    device, *, seed: int = 0, check: bool = True,
+                    keep_payloads: bool = False) -> IpcLog:
+    """The trainer side of SGLang's ``update_weights_from_tensor``, once per version.
+
+    ``processes[r]`` (a :class:`reference_impl.ipc.ReceiverProcess`) is receiver rank ``r``.
+    Each update: build every rank's payload on ``device``, serialize it (handles, not bytes),
+    let rank ``r`` rebuild entry ``r`` and load it, then drop the payload and collect released
+    blocks. Checks receiver parameter addresses after every update and, with ``check``, every
+    parameter bit for bit (read back through IPC views on CUDA)."""
+    from reference_impl import ipc
+
+    assert len(processes) == topo.world_size, "one receiver process per receiver rank"
+    ptrs = [p.configure(spec, topo, r, keep_payloads=keep_payloads)
+            for r, p in enumerate(processes)]
+    log = IpcLog([], [], [])
+    for step, version in enumerate(versions):
+        full = full_weights(spec, version, device, seed)
+        payloads = [payload(path, spec, topo, r, full) for r in range(topo.world_size)]
+        del full
+        data = ipc.serialize_per_rank(payloads)
+        reports = [p.update(data[r], LOAD_FORMAT[path]) for r, p in enumerate(processes)]
+        log.payload_bytes.append(sum(ipc.payload_bytes(p) for p in payloads))
+        del payloads, data
+        ipc.collect(device)
+        log.trainer.append(ipc.memory_stats(device))
+        log.receivers.append(reports)
+        for rank, report in enumerate(reports):
+            assert dict(report.param_ptrs) == ptrs[rank], (
+                f"update {step} (version {version}): receiver rank {rank} reallocated a "
+                f"parameter: addresses {dict(report.param_ptrs)} != {ptrs[rank]}")
+        if check:
+            for rank, process in enumerate(processes):
+                params = process.params()
+                assert_params_exact(params, spec, topo, rank, version, seed)
+                del params
+    return log

@@ -1,0 +1,150 @@
+"""Component-ordered tensor-parallel gathers: GLU fc1, GDN in_proj and conv1d, attention QKV.
+
+The unsharded tensors and every rank's shard are built here by slicing each component (the
+shard of TP rank ``r`` is ``[c_0[r-th block]; c_1[r-th block]; ...]``). The check names the
+component, source rank and row of the first wrong row, so a gather that concatenates whole
+shards - same shape, rows in the wrong order - fails with a message that says where.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from reference_impl.component_gather import (
+    ComponentLayout,
+    ComponentLayoutError,
+    assemble_components,
+    gdn_conv1d_layout,
+    gdn_in_proj_layout,
+    glu_fc1_layout,
+    qkv_layout,
+    shard_of,
+)
+
+pytestmark = pytest.mark.weightsync_property("component-gather")
+
+# GDN with 2 key heads and 4 value heads of dim 2 (Qwen3.5 has 16 / 32 of dim 128).
+LAYOUTS = {
+    "glu_fc1": glu_fc1_layout(8),
+    "gdn_in_proj": gdn_in_proj_layout(2, 2, 2, 4),
+    "gdn_conv1d": gdn_conv1d_layout(2, 2, 2, 4),
+    "qkv": qkv_layout(8, 4),
+}
+
+
+def unsharded(layout: ComponentLayout, cols: int = 3):
+    """Every element's bits distinct and readable: ``component * 4096 + row * 64 + col``."""
+    import torch
+
+    rows = []
+    for index, size in enumerate(layout.sizes):
+        rows.append(torch.arange(size).unsqueeze(1) * 64 + torch.arange(cols) + 4096 * index)
+    return torch.cat(rows).to(torch.int16).view(torch.bfloat16)
+
+
+def shards_by_slicing(full, layout: ComponentLayout, tp: int) -> list:
+    """Each rank's shard, built component by component from the unsharded tensor."""
+    import torch
+
+    out = []
+    for rank in range(tp):
+        pieces, start = [], 0
+        for size in layout.sizes:
+            block = size // tp
+            pieces.append(full[start + rank * block : start + (rank + 1) * block])
+            start += size
+        out.append(torch.cat(pieces))
+    return out
+
+
+def assert_component_major(actual, expected, layout: ComponentLayout, tp: int) -> None:
+    """Raw-bit equality; the message locates the first wrong row by component and source rank."""
+    import torch
+
+    assert tuple(actual.shape) == tuple(expected.shape), f"{layout.name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a = actual.reshape(actual.shape[0], -1).view(torch.int16)
+    e = expected.reshape(expected.shape[0], -1).view(torch.int16)
+    diff = (a != e).nonzero()
+    if len(diff):
+        row, col = diff[0].tolist()
+        component, source_rank, local_row = layout.locate(row, tp)
+        raise AssertionError(
+            f"{layout.name} at TP {tp}: row {row} (component {component!r}, row {local_row} of TP rank "
+            f"{source_rank}'s block), col {col}: got 0x{a[row, col].item() & 0xFFFF:04x}, "
+            f"expected 0x{e[row, col].item() & 0xFFFF:04x}"
+        )
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_single_process_assembly_restores_the_unsharded_tensor(name, tp):
+    layout = LAYOUTS[name]
+    full = unsharded(layout)
+    shards = shards_by_slicing(full, layout, tp)
+    assert_component_major(assemble_components(shards, layout), full, layout, tp)
+    for rank, shard in enumerate(shards):
+        assert_component_major(shard_of(full, layout, tp, rank), shard, ComponentLayout("shard", ("all",), (shard.shape[0],)), 1)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_concatenated_shards_are_caught_with_the_first_wrong_component(name):
+    import torch
+
+    layout = LAYOUTS[name]
+    full = unsharded(layout)
+    shards = shards_by_slicing(full, layout, 2)
+    naive = torch.cat(shards)
+    first = layout.sizes[0]
+    with pytest.raises(AssertionError, match=rf"row {first // 2} \(component '{layout.components[0]}', row 0 of TP rank 1's block\)"):
+        assert_component_major(naive, full, layout, 2)
+
+
+def test_three_dimensional_conv_weights_are_gathered_along_dim_0():
+    import torch
+
+    layout = LAYOUTS["gdn_conv1d"]
+    full = torch.arange(layout.rows * 4, dtype=torch.float32).reshape(layout.rows, 1, 4).to(torch.bfloat16)
+    shards = shards_by_slicing(full, layout, 2)
+    assert_component_major(assemble_components(shards, layout), full, layout, 2)
+
+
+def test_components_that_do_not_divide_by_tp_are_rejected():
+    with pytest.raises(ComponentLayoutError, match=r"gdn_in_proj: components \[\('b', 3\), \('a', 3\)\] do not divide by TP size 2"):
+        gdn_in_proj_layout(2, 2, 2, 3).shard_sizes(2)
+
+
+def test_a_shard_of_the_wrong_height_is_rejected():
+    import torch
+
+    layout = LAYOUTS["glu_fc1"]
+    with pytest.raises(ComponentLayoutError, match=r"shard of rank 1 has \(7, 3\), dim 0 must be 8"):
+        assemble_components([torch.zeros(8, 3), torch.zeros(7, 3)], layout)
+
+
+def gather_both_ways(name: str) -> dict:
+    """Rank body: sequential and async gathers of this rank's shard, checked against the full tensor."""
+    import torch
+    import torch.distributed as dist
+
+    from reference_impl.component_gather import gather_components_async, gather_components_sequential
+
+    torch.set_num_threads(1)
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    layout = LAYOUTS[name]
+    full = unsharded(layout)
+    shard = shards_by_slicing(full, layout, tp)[rank]
+    sequential = gather_components_sequential(shard, layout)
+    overlapped = gather_components_async(shard, layout)
+    assert_component_major(sequential, full, layout, tp)
+    assert_component_major(overlapped, sequential, layout, tp)
+    return {"sequential": sequential.view(torch.int16).tolist(), "async": overlapped.view(torch.int16).tolist()}
+
+
+@pytest.mark.parametrize(
+    "name, tp",
+    [("glu_fc1", 2), ("gdn_in_proj", 2), ("gdn_in_proj", 4), ("gdn_conv1d", 2), ("qkv", 4)],
+)
+def test_async_gather_equals_sequential_gather_across_ranks(rank_pool, name, tp):
+    results = rank_pool.run(gather_both_ways, tp, name)
+    assert all(r == results[0] for r in results), "ranks disagree on the gathered tensor"
+    assert results[0]["sequential"] == results[0]["async"]

@@ -1,0 +1,137 @@
+"""The sync paths across processes over CUDA IPC, as a colocated trainer feeds SGLang.
+
+A trainer process serializes its payload tensors (CUDA IPC handles, not bytes: SGLang's
+``MultiprocessingSerializer``) and every receiver rank, in its own process, rebuilds its entry,
+loads it into its pre-allocated parameters and drops it (:mod:`reference_impl.ipc`). Over
+repeated updates:
+
+* every receiver parameter is bit-identical to the oracle after every update (read back
+  through IPC views of the receiver's live parameters);
+* receiver parameter addresses never change;
+* IPC handles are released: after the payload is dropped and ``torch.cuda.ipc_collect`` ran,
+  the trainer's allocated memory, the receivers' allocated memory and the device's free memory
+  are where they were after the first updates - and a receiver that keeps its payloads is
+  caught by exactly these checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import gpu_harness as h
+from reference_impl.layout import MoESpec, ReceiverTopology
+
+pytestmark = [pytest.mark.gpu, pytest.mark.weightsync_property("cuda-ipc")]
+
+UPDATES = 10
+#: Updates before the memory baseline is taken (allocator caches and IPC state warm up).
+WARMUP = 2
+SPEC = MoESpec(num_layers=2, num_experts=16, hidden=512, intermediate=256)
+
+
+@pytest.fixture(scope="module")
+def receivers_on_gpu0():
+    """Two receiver processes on cuda:0 (a colocated engine of up to two ranks), reused by
+    every test of the module; each test configures fresh parameters."""
+    from reference_impl.ipc import ReceiverProcess
+
+    processes = [ReceiverProcess("cuda:0"), ReceiverProcess("cuda:0")]
+    try:
+        yield processes
+    finally:
+        for process in processes:
+            process.close()
+
+
+def assert_released(log, receivers_count: int, where: str) -> None:
+    """No memory growth after the warm-up updates, in the trainer, the receivers or the device.
+
+    A leak keeps one payload per update alive, so growth below one payload over the remaining
+    updates cannot be a leak; a leak over them is several payloads."""
+    one = min(log.payload_bytes)
+    first, last = log.trainer[WARMUP - 1], log.trainer[-1]
+    grown = last.allocated - first.allocated
+    assert grown < one, (f"{where}: trainer allocated memory grew by {grown} B over "
+                         f"{len(log.trainer) - WARMUP} updates (one payload is {one} B): IPC "
+                         f"blocks are not released")
+    dropped = first.device_free - last.device_free
+    assert dropped < 2 * one, (f"{where}: device free memory dropped by {dropped} B over "
+                               f"{len(log.trainer) - WARMUP} updates (one payload is {one} B)")
+    for rank in range(receivers_count):
+        a = log.receivers[WARMUP - 1][rank].memory.allocated
+        b = log.receivers[-1][rank].memory.allocated
+        assert b - a < one, f"{where}: receiver rank {rank} allocated memory grew by {b - a} B"
+
+
+CASES = [
+    pytest.param("direct", ReceiverTopology(tp=1), id="direct-moe_tp1"),
+    pytest.param("direct", ReceiverTopology(tp=2), id="direct-moe_tp2"),
+    pytest.param("direct", ReceiverTopology(tp=2, moe_ep=2, order="up_gate"), id="direct-moe_ep2-up_gate"),
+    pytest.param("direct", ReceiverTopology(tp=2, intermediate_padded=160), id="direct-moe_tp2-padded"),
+    pytest.param("packed", ReceiverTopology(tp=2), id="packed-moe_tp2"),
+    pytest.param("compat", ReceiverTopology(tp=2, moe_ep=2), id="compat-moe_ep2"),
+]
+
+
+@pytest.mark.parametrize("path, topo", CASES)
+def test_updates_over_cuda_ipc_are_exact_in_place_and_release_handles(receivers_on_gpu0, path, topo):
+    processes = receivers_on_gpu0[: topo.world_size]
+    log = h.run_ipc_updates(processes, SPEC, topo, path, range(UPDATES), "cuda:0")
+    assert all(r.entries > 0 for reports in log.receivers for r in reports)
+    assert_released(log, topo.world_size, f"{path} path, {topo}")
+
+
+@pytest.mark.parametrize("topo", [ReceiverTopology(tp=1), ReceiverTopology(tp=2)],
+                         ids=["moe_tp1", "moe_tp2"])
+def test_qwen35_layer_direct_path_over_cuda_ipc(receivers_on_gpu0, topo):
+    """One real Qwen3.5-35B-A3B MoE layer (256 experts, hidden 2048, moe_ffn 512: 1.5 GiB)."""
+    spec = h.QWEN35_LAYER
+    processes = receivers_on_gpu0[: topo.world_size]
+    log = h.run_ipc_updates(processes, spec, topo, "direct", range(4), "cuda:0")
+    assert log.payload_bytes[0] == 3 * 256 * 2048 * 512 * 2  # every byte of the layer, once
+    assert_released(log, topo.world_size, f"Qwen3.5 layer, {topo}")
+
+
+def test_a_receiver_that_keeps_its_payloads_is_caught(receivers_on_gpu0):
+    """The release checks can fail: a receiver holding every rebuilt payload pins one payload
+    of trainer memory per update."""
+    topo = ReceiverTopology(tp=1)
+    log = h.run_ipc_updates(receivers_on_gpu0[:1], SPEC, topo, "direct", range(6), "cuda:0",
+                            check=False, keep_payloads=True)
+    grown = log.trainer[-1].allocated - log.trainer[WARMUP - 1].allocated
+    assert grown >= (len(log.trainer) - WARMUP) * log.payload_bytes[0], grown
+    with pytest.raises(AssertionError, match="IPC blocks are not released"):
+        assert_released(log, 1, "leaking receiver")
+    receivers_on_gpu0[0].configure(SPEC, topo, 0)  # drops the kept payloads
+
+
+def test_a_refused_payload_leaves_parameters_untouched_and_releases_handles(receivers_on_gpu0):
+    import torch
+
+    from reference_impl import ipc
+    from reference_impl.ipc import ReceiverProcessError
+
+    topo = ReceiverTopology(tp=1)
+    process = receivers_on_gpu0[0]
+    h.run_ipc_updates([process], SPEC, topo, "direct", [3], "cuda:0")
+    baseline = ipc.memory_stats("cuda:0").allocated
+    bad = [(name, t.to(torch.float32))
+           for name, t in h.payload("direct", SPEC, topo, 0, h.full_weights(SPEC, 4, "cuda:0"))]
+    with pytest.raises(ReceiverProcessError, match="dtype torch.float32"):
+        process.update(ipc.serialize(bad), "direct")
+    del bad
+    ipc.collect("cuda:0")
+    h.assert_params_exact(process.params(), SPEC, topo, 0, 3)
+    assert ipc.memory_stats("cuda:0").allocated <= baseline
+
+
+@pytest.mark.gpu(n=2)
+def test_receiver_ranks_on_two_gpus_rebuild_by_uuid_and_copy_to_their_device():
+    """Trainer on cuda:0, receiver rank r on cuda:r: the handle opens on the trainer's GPU
+    (found by UUID) and rank 1 copies to its own device, as SGLang's ``_unwrap_tensor`` does."""
+    from reference_impl.ipc import ReceiverProcess
+
+    topo = ReceiverTopology(tp=2)
+    with ReceiverProcess("cuda:0") as rank0, ReceiverProcess("cuda:1") as rank1:
+        log = h.run_ipc_updates([rank0, rank1], SPEC, topo, "direct", range(UPDATES), "cuda:0")
+        assert_released(log, 2, "receivers on two GPUs")

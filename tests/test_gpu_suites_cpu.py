@@ -1,0 +1,355 @@
+"""The CPU-checkable parts of the GPU suites, run here on CPU.
+
+The GPU suites (suites/test_gpu_*.py) are written device-generic: their scenario steps
+(suites/gpu_harness.py), their rank bodies and their checks take a device. This file runs that
+same code with ``device="cpu"`` (gloo instead of NCCL, shared memory instead of CUDA IPC, no
+graphs), checks the reference MoE forward they rely on against a naive loop, and checks that
+the GPU suites themselves skip cleanly without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from reference_impl import moe_forward as mf
+from reference_impl import synth
+from reference_impl.layout import MoESpec, ReceiverTopology, fused_name
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITES = ROOT / "suites"
+
+
+def _load(name: str):
+    """A module of suites/ under its own name (as pytest's prepend import mode names it)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    if str(SUITES) not in sys.path:
+        sys.path.append(str(SUITES))  # the suite modules import gpu_harness by name
+    spec = importlib.util.spec_from_file_location(name, SUITES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+h = _load("gpu_harness")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+# --------------------------------------------------------------------------------------------
+# The reference MoE forward
+# --------------------------------------------------------------------------------------------
+
+
+def _random_layer(experts=6, hidden=16, inter=10, tokens=7, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    gate = torch.randn(experts, inter, hidden, generator=gen) * 0.3
+    up = torch.randn(experts, inter, hidden, generator=gen) * 0.3
+    down = torch.randn(experts, hidden, inter, generator=gen) * 0.3
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    return gate, up, down, x, logits
+
+
+def _naive(gate, up, down, x, logits, top_k):
+    """Token by token, expert by expert, in float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    probs = torch.softmax(logits.double(), dim=-1)
+    for t in range(x.shape[0]):
+        weights, ids = torch.topk(probs[t], top_k)
+        weights = weights / weights.sum()
+        for w, e in zip(weights.tolist(), ids.tolist()):
+            xt = x[t].double()
+            act = torch.nn.functional.silu(gate[e].double() @ xt) * (up[e].double() @ xt)
+            out[t] += w * (down[e].double() @ act)
+    return out
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 6])
+def test_moe_forward_matches_a_naive_token_loop(top_k):
+    gate, up, down, x, logits = _random_layer()
+    w13 = torch.cat([gate, up], dim=1)
+    got = mf.moe_forward(x, logits, w13, down, top_k=top_k, out_dtype=torch.float64)
+    torch.testing.assert_close(got, _naive(gate, up, down, x, logits, top_k), rtol=1e-5, atol=1e-5)
+
+
+def test_moe_forward_reads_the_gate_half_the_order_names():
+    gate, up, down, x, logits = _random_layer()
+    gate_up = mf.moe_forward(x, logits, torch.cat([gate, up], 1), down, top_k=2)
+    up_gate = mf.moe_forward(x, logits, torch.cat([up, gate], 1), down, top_k=2, order="up_gate")
+    assert torch.equal(gate_up, up_gate)
+    wrong = mf.moe_forward(x, logits, torch.cat([up, gate], 1), down, top_k=2)
+    assert not torch.allclose(gate_up, wrong), "swapping gate and up must change the output"
+
+
+def test_partial_outputs_of_moe_tp_and_ep_ranks_sum_to_the_full_output():
+    gate, up, down, x, logits = _random_layer(experts=6, inter=10)
+    full = mf.moe_forward(x, logits, torch.cat([gate, up], 1), down, top_k=3, out_dtype=torch.float64)
+    tp = sum(mf.moe_forward(x, logits, torch.cat([gate[:, s], up[:, s]], 1), down[:, :, s], top_k=3,
+                            out_dtype=torch.float64) for s in (slice(0, 5), slice(5, 10)))
+    ep = sum(mf.moe_forward(x, logits, torch.cat([gate[e], up[e]], 1), down[e], top_k=3, expert_start=e.start,
+                            out_dtype=torch.float64) for e in (range(0, 2), range(2, 6)))
+    torch.testing.assert_close(tp, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ep, full, rtol=1e-5, atol=1e-5)
+
+
+def test_zero_padding_of_the_receiver_buffers_changes_nothing():
+    gate, up, down, x, logits = _random_layer(inter=10)
+    pad = lambda t, dim: torch.cat([t, torch.zeros_like(t.narrow(dim, 0, 3))], dim)  # noqa: E731
+    plain = mf.moe_forward(x, logits, torch.cat([gate, up], 1), down, top_k=2, out_dtype=torch.float64)
+    padded = mf.moe_forward(x, logits, torch.cat([pad(gate, 1), pad(up, 1)], 1), pad(down, 2), top_k=2,
+                            out_dtype=torch.float64)
+    torch.testing.assert_close(padded, plain, rtol=1e-6, atol=1e-6)
+
+
+def test_moe_forward_is_shape_static_and_never_reads_values_on_the_host():
+    """On ``meta`` tensors any host read (.item(), nonzero, data-dependent shapes) raises: a
+    forward that runs there can be captured in a CUDA graph."""
+    w13 = torch.empty(4, 2 * 8, 16, dtype=torch.bfloat16, device="meta")
+    w2 = torch.empty(4, 16, 8, dtype=torch.bfloat16, device="meta")
+    x = torch.empty(5, 16, dtype=torch.bfloat16, device="meta")
+    logits = torch.empty(5, 12, device="meta")
+    out = mf.moe_forward(x, logits, w13, w2, top_k=3, expert_start=4, out_dtype=torch.float32)
+    assert out.shape == (5, 16) and out.device.type == "meta" and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(w2=torch.zeros(4, 16, 7)), "w2 shape"),
+    (dict(x=torch.zeros(5, 15)), "hidden size 15"),
+    (dict(logits=torch.zeros(4, 12)), "router_logits must be"),
+    (dict(top_k=13), "top_k must be"),
+    (dict(expert_start=9), "do not fit"),
+    (dict(order="gate-up"), "order must be"),
+])
+def test_moe_forward_names_bad_inputs(change, match):
+    args = dict(x=torch.zeros(5, 16), logits=torch.zeros(5, 12), w13=torch.zeros(4, 16, 16),
+                w2=torch.zeros(4, 16, 8), top_k=2, expert_start=0, order="gate_up")
+    args.update(change)
+    with pytest.raises(mf.MoEForwardError, match=match):
+        mf.moe_forward(args["x"], args["logits"], args["w13"], args["w2"], top_k=args["top_k"],
+                       expert_start=args["expert_start"], order=args["order"])
+
+
+def test_capture_refuses_cpu_tensors_by_name():
+    with pytest.raises(mf.MoEForwardError, match="CUDA graph capture needs CUDA tensors"):
+        mf.capture_forward(torch.zeros(2, 4), torch.zeros(2, 3), torch.zeros(3, 4, 4), torch.zeros(3, 4, 2), top_k=1)
+
+
+# --------------------------------------------------------------------------------------------
+# The scenario steps of the GPU suites, on CPU
+# --------------------------------------------------------------------------------------------
+
+SPEC = MoESpec(num_layers=2, num_experts=6, hidden=16, intermediate=12)
+TOPOS = [
+    pytest.param(ReceiverTopology(tp=1), id="moe_tp1"),
+    pytest.param(ReceiverTopology(tp=2), id="moe_tp2"),
+    pytest.param(ReceiverTopology(tp=2, moe_ep=2, order="up_gate"), id="moe_ep2-up_gate"),
+    pytest.param(ReceiverTopology(tp=2, intermediate_padded=8), id="moe_tp2-padded"),
+    pytest.param(ReceiverTopology(tp=3, intermediate_padded=5, pad_mode="blocked"), id="moe_tp3-blocked"),
+]
+
+
+@pytest.mark.parametrize("topo", TOPOS)
+def test_on_device_oracle_equals_synth_bit_for_bit(topo):
+    spec = MoESpec(1, 6, 16, 13) if topo.pad_mode == "blocked" else SPEC
+    for rank in range(topo.world_size):
+        got = h.expected_params(spec, topo, rank, 7, "cpu", seed=3)
+        want = synth.expected_receiver_params(spec, topo, rank, 7, seed=3)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            h.assert_bits_equal(got[name], want[name], name)
+    full, want = h.full_weights(spec, 2, "cpu", 1), synth.full_weights(spec, 2, 1)
+    for layer in want:
+        for e, w in enumerate(want[layer]):
+            for p in ("gate", "up", "down"):
+                h.assert_bits_equal(full[layer][e][p], w[p], f"layer {layer} expert {e} {p}")
+
+
+def test_qwen35_shape_constant_is_one_real_layer():
+    spec = h.QWEN35_LAYER
+    assert (spec.num_experts, spec.hidden, spec.intermediate, spec.num_layers) == (256, 2048, 512, 1)
+    assert 3 * spec.num_experts * spec.hidden * spec.intermediate * 2 == 3 << 29  # 1.5 GiB
+
+
+@pytest.mark.parametrize("path", h.PATHS)
+@pytest.mark.parametrize("topo", TOPOS[:4])
+def test_update_scenario_on_cpu(topo, path):
+    log = h.run_updates(h.Scenario(SPEC, topo, tokens=8, top_k=2), path, range(3), "cpu")
+    assert log.outputs_checked == 3 * topo.world_size * SPEC.num_layers
+    assert log.graph_checks == 0
+
+
+def test_twenty_repeated_updates_on_cpu_are_exact_every_time():
+    scenario = h.Scenario(SPEC, ReceiverTopology(tp=2, moe_ep=2), tokens=8, top_k=3)
+    log = h.run_updates(scenario, "direct", range(21), "cpu")
+    assert log.outputs_checked == 21 * 2 * SPEC.num_layers
+    assert len(log.changed_elements) == 21 and all(c > 0 for c in log.changed_elements[1:])
+
+
+def test_update_scenario_catches_a_reallocating_loader(monkeypatch):
+    real = h.update
+
+    def reallocating(receivers, path, full):
+        real(receivers, path, full)
+        name = fused_name(0, "w2")
+        receivers[0].params[name] = receivers[0].params[name].clone()
+
+    monkeypatch.setattr(h, "update", reallocating)
+    with pytest.raises(AssertionError, match="reallocated"):
+        h.run_updates(h.Scenario(SPEC, ReceiverTopology(tp=1)), "packed", range(2), "cpu")
+
+
+def test_update_scenario_catches_a_stale_layer_with_its_location(monkeypatch):
+    real = h.update
+
+    def skips_layer_1_after_first(receivers, path, full):
+        for receiver in receivers:
+            receiver.begin_update()
+            layers = range(receiver.spec.num_layers) if not skips_layer_1_after_first.done else [0]
+            for layer in layers:
+                receiver.load(h.payload(path, receiver.spec, receiver.topo, receiver.rank, full, [layer]),
+                              load_format=h.LOAD_FORMAT[path])
+        skips_layer_1_after_first.done = True
+
+    skips_layer_1_after_first.done = False
+    monkeypatch.setattr(h, "update", skips_layer_1_after_first)
+    with pytest.raises(AssertionError, match=r"layer=1 expert=0 projection=\w+ row=0 col=0"):
+        h.run_updates(h.Scenario(SPEC, ReceiverTopology(tp=1)), "direct", range(2), "cpu")
+    del real
+
+
+# --------------------------------------------------------------------------------------------
+# The IPC path, through shared memory on CPU
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_receivers():
+    from reference_impl.ipc import ReceiverProcess
+
+    processes = [ReceiverProcess("cpu"), ReceiverProcess("cpu")]
+    yield processes
+    for process in processes:
+        process.close()
+    assert all(p.pid is None for p in processes)
+
+
+@pytest.mark.parametrize("path, topo", [("direct", ReceiverTopology(tp=2)),
+                                        ("packed", ReceiverTopology(tp=2, moe_ep=2, order="up_gate"))],
+                         ids=["direct-moe_tp2", "packed-moe_ep2"])
+def test_ipc_updates_on_cpu_are_exact_in_place_and_leak_no_handles(cpu_receivers, path, topo):
+    log = h.run_ipc_updates(cpu_receivers, SPEC, topo, path, range(10), "cpu")
+    for rank in range(2):
+        fds = [reports[rank].memory.open_fds for reports in log.receivers]
+        assert fds[-1] <= fds[1], f"receiver rank {rank} open descriptors grew: {fds}"
+    assert log.trainer[-1].open_fds <= log.trainer[1].open_fds + 2, [m.open_fds for m in log.trainer]
+    assert all(r.nbytes > 0 for reports in log.receivers for r in reports)
+
+
+def test_ipc_receiver_refuses_a_bad_payload_and_keeps_its_parameters(cpu_receivers):
+    from reference_impl import ipc
+
+    topo = ReceiverTopology(tp=1)
+    process = cpu_receivers[0]
+    h.run_ipc_updates([process], SPEC, topo, "direct", [4], "cpu")
+    bad = [(n, t.float()) for n, t in h.payload("direct", SPEC, topo, 0, h.full_weights(SPEC, 5, "cpu"))]
+    with pytest.raises(ipc.ReceiverProcessError, match="dtype torch.float32"):
+        process.update(ipc.serialize(bad), "direct")
+    h.assert_params_exact(process.params(), SPEC, topo, 0, 4)
+    with pytest.raises(ipc.ReceiverProcessError, match="failed in 'update'"):
+        process.update(b"not a payload", "direct")
+    with pytest.raises(ipc.IpcError, match="not a \\(name, tensor\\) pair"):
+        ipc.serialize([("x", [1, 2])])
+
+
+def test_ipc_receiver_that_dies_is_reported_and_reaped():
+    from reference_impl.ipc import ReceiverProcess, ReceiverProcessError
+
+    process = ReceiverProcess("cpu", timeout=60)
+    process.configure(SPEC, ReceiverTopology(tp=1), 0)
+    pid = process.pid
+    os.kill(pid, 9)
+    with pytest.raises(ReceiverProcessError, match="died during 'memory'|lost the connection|cannot send"):
+        process.memory()
+    assert process.pid is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# The NCCL suite's rank bodies, over gloo
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gloo_pool():
+    from pytest_weightsync.ranks import RankPool
+
+    with RankPool(world_size=2, backend="gloo") as pool:
+        yield pool
+
+
+def test_nccl_suite_bodies_run_over_gloo(gloo_pool):
+    nccl = _load("test_gpu_nccl")
+    case = nccl.ExpertCase(ep=2, etp=1, experts=4, hidden=24, ffn=16, budget=4096)
+    nccl.check_expert_gather(case, gloo_pool.run(nccl.gather_experts, case), "cpu")
+    case = nccl.ExpertCase(ep=1, etp=2, experts=3, hidden=16, ffn=12, budget=2048)
+    nccl.check_expert_gather(case, gloo_pool.run(nccl.gather_experts, case), "cpu")
+    for spec, topo in nccl.trainer_cases():
+        nccl.check_trainer_gather(spec, 5, gloo_pool.run(nccl.gather_trainer_weights, spec, topo, 5))
+
+
+def test_nccl_suite_component_gathers_run_over_gloo(gloo_pool):
+    nccl = _load("test_gpu_nccl")
+    nccl.check_component_gather(7, gloo_pool.run(nccl.gather_components, 7))
+
+
+def test_nccl_suite_checks_can_fail():
+    nccl = _load("test_gpu_nccl")
+    case = nccl.ExpertCase(ep=2, etp=1, experts=2, hidden=8, ffn=4, budget=1024)
+    results = [{"device": "cpu", "peak": 0, "plan": None,
+                "experts": {(e, p): case.full(e, p).clone() for e in range(2) for p in ("fc1", "fc2")}}]
+    results[0]["experts"][(1, "fc2")].view(torch.int16)[2, 3] ^= 1
+    with pytest.raises(AssertionError, match=r"expert 1 fc2.*\[2, 3\]"):
+        nccl.check_expert_gather(case, results, "cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# The GPU suites and the CI script, as files
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip behaviour without CUDA")
+def test_gpu_suites_collect_and_skip_cleanly_without_cuda():
+    files = sorted(str(p) for p in SUITES.glob("test_gpu_*.py"))
+    assert len(files) == 4, files
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "weightsync", "-q", "-rs", "-p", "no:cacheprovider",
+                          *files], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    last = run.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"\d+ skipped in [\d.]+s( \([\d:]+\))?", last), out  # no pass, no error
+    assert "CUDA is not available" in out, out
+
+
+def test_ci_gpu_script_is_valid_bash_and_keeps_nvlink_multicast_off():
+    script = ROOT / "ci" / "gpu.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert "unset NCCL" not in text and "NCCL_NVLS_ENABLE=1" not in text
+    assert "CUDA_VISIBLE_DEVICES=0" in text and "-m gpu" in text
