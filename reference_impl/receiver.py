@@ -117,7 +117,7 @@ class ReferenceReceiver:
             name: torch.zeros(shape, dtype=spec.dtype, device=self.device)
             for name, shape in receiver_param_shapes(spec, topo, rank).items()
         }
-        self._session: Optional[set] = None
+        self._in_update: Optional[set] = None
 
     # -- the hooks a loader variant would change ----------------------------------------------
 
@@ -143,12 +143,12 @@ class ReferenceReceiver:
         return self.params.items()
 
     def begin_update(self) -> None:
-        self._session = set()
+        self._in_update = set()
 
     def end_update(self) -> None:
         """Close an update; raise :class:`IncompleteUpdateError` naming every parameter no chunk
         of it wrote (those still hold the previous version)."""
-        touched, self._session = self._session, None
+        touched, self._in_update = self._in_update, None
         if touched is None:
             raise IncompleteUpdateError("end_update() without begin_update()")
         missing = [n for n in self.params if n not in touched]
@@ -161,8 +161,8 @@ class ReferenceReceiver:
         """Validate the whole chunk, then write it in place. Returns the executed plan."""
         plan = self.plan(payload, load_format)
         self._apply(plan)
-        if self._session is not None:
-            self._session |= plan.touched
+        if self._in_update is not None:
+            self._in_update |= plan.touched
         return plan
 
     # -- validation and planning ---------------------------------------------------------------

@@ -57,9 +57,18 @@ class Scenario:
 # --------------------------------------------------------------------------------------------
 
 
+def resolve(device) -> torch.device:
+    """``"cuda"`` -> ``cuda:<current>``: receivers compare devices exactly, and a tensor made
+    on ``"cuda"`` reports its index."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def full_weights(spec: MoESpec, version: int, device, seed: int = 0) -> dict:
     """``synth.full_weights`` evaluated on ``device`` (same bits: the same function)."""
-    device = torch.device(device)
+    device = resolve(device)
     out = {}
     for layer in range(spec.num_layers):
         experts = []
@@ -78,7 +87,7 @@ def full_weights(spec: MoESpec, version: int, device, seed: int = 0) -> dict:
 def expected_params(spec: MoESpec, topo: ReceiverTopology, rank: int, version: int, device,
                     seed: int = 0) -> dict:
     """``synth.expected_receiver_params`` evaluated on ``device``."""
-    device = torch.device(device)
+    device = resolve(device)
     shard = receiver_shard(spec, topo, rank)
     cols_h = torch.arange(spec.hidden, device=device)
     rows_i = torch.arange(shard.row_start, shard.row_start + shard.rows, device=device)
@@ -119,7 +128,7 @@ def payload(path: str, spec: MoESpec, topo: ReceiverTopology, rank: int, full: d
 
 def make_receivers(spec: MoESpec, topo: ReceiverTopology, device) -> list:
     """One receiver per rank on ``device``, every buffer poisoned (nothing passes by luck)."""
-    receivers = [ReferenceReceiver(spec, topo, r, device) for r in range(topo.world_size)]
+    receivers = [ReferenceReceiver(spec, topo, r, resolve(device)) for r in range(topo.world_size)]
     for receiver in receivers:
         for tensor in receiver.params.values():
             synth.poison_(tensor)
@@ -176,6 +185,7 @@ def forward_inputs(scenario: Scenario, device) -> tuple:
     hidden = (torch.randn(scenario.tokens, spec.hidden, generator=gen) * 0.5).to(spec.dtype)
     logits = [torch.randn(scenario.tokens, spec.num_experts, generator=gen)
               for _ in range(spec.num_layers)]
+    device = resolve(device)
     return hidden.to(device), [t.to(device) for t in logits]
 
 

@@ -61,8 +61,9 @@ def check_rank(receiver, case, version, before=None):
 
 
 def sync_and_check(case, path, version, receivers=None, full=None):
-    """Send ``version`` along ``path`` to every receiver rank (one chunk per layer, inside an
-    update session), then check every rank. Returns the receivers for further updates."""
+    """Send ``version`` along ``path`` to every receiver rank (one chunk per layer, between
+    ``begin_update()`` and ``end_update()``), then check every rank. Returns the receivers
+    for further updates."""
     receivers = fresh_receivers(case) if receivers is None else receivers
     full = gathered_weights(case, version) if full is None else full
     for rec in receivers:

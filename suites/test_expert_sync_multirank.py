@@ -35,7 +35,7 @@ def _sync_in_ranks(trainer_topo, receiver_topo, versions=(0, 1, 2)):
     """Body run in every rank: gather from own shards, load own payload, check; per version."""
     import torch.distributed as dist
 
-    from harness import LOAD_FORMAT, payload
+    from harness import LOAD_FORMAT, locator, payload
     from matrix import Case
     from pytest_weightsync import compare
     from reference_impl import synth, trainer
@@ -61,7 +61,7 @@ def _sync_in_ranks(trainer_topo, receiver_topo, versions=(0, 1, 2)):
         receiver.end_update()
         expected = synth.expected_receiver_params(SPEC, receiver_topo, receiver.rank, version)
         compare.assert_loaded(receiver.params, expected, before=before,
-                              locate=__import__("harness").locator(case, receiver.rank),
+                              locate=locator(case, receiver.rank),
                               rank=receiver.rank)
     return receiver.rank
 

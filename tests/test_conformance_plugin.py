@@ -80,7 +80,7 @@ def test_example_loaders_found_by_entry_point_good_passes_swapped_fails(
         suites: pytest.Pytester, example_site: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("PYTHONPATH", str(example_site))
     result = suites.runpytest_subprocess(
-        "-p", "weightsync", "suites/test_conformance.py", "-n", "2",
+        "-p", "weightsync", "suites/test_conformance.py",
         "-k", f"on_every_rank and {TOPOLOGY}", "--weightsync-report", "report.json")
     result.stdout.re_match_lines([
         r"implementation\s+bit_exact\s+verdict",
