@@ -31,6 +31,8 @@ MARKERS = (
     "(gloo on CPU, NCCL on GPU by default); under torchrun, in the existing process group.",
     "weightsync_property(name): the conformance property a test checks, used as the column of "
     "the conformance matrix report.",
+    "weightsync_backend(name): the optional third-party backend (megatron, sglang, "
+    "megatron_bridge, deep_ep) a test exercises; the JSON report counts pass/skip per backend.",
 )
 
 

@@ -97,7 +97,15 @@ def _serve(conn) -> None:
         if message[0] == "stop":
             _shutdown()
             return
-        _send(conn, _run(*message[1:]))
+        reply = _run(*message[1:])
+        # stdout of a spawned process is block-buffered: flush so a rank's prints land in
+        # the capture of the test that made them, not of some later test.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        _send(conn, reply)
 
 
 def _run(target, sys_path: list[str], cwd: str, arguments: bytes) -> tuple:
