@@ -39,6 +39,11 @@ def test_rank_pool_runs_nccl_with_cuda_tensors(rank_pool):
 
 
 @pytest.mark.gpu
+def test_single_nccl_rank(rank_pool):
+    assert rank_pool.run(device_and_sum, 1) == [("cuda:0", "cuda:0", 4.0, "nccl")]
+
+
+@pytest.mark.gpu
 @pytest.mark.ranks(1)
 @pytest.mark.parametrize("i", range(4))
 def test_xdist_worker_ranks_see_their_gpu_block(i):

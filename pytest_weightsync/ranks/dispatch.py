@@ -199,7 +199,7 @@ def run_in_ranks(
     if backend == "nccl":
         why = _nccl_unavailable(world_size)
         if why:
-            pytest.skip(why)
+            _skip_at_test(why)
     seconds, source = resolve_timeout(config, timeout)
     what = getattr(fn, "__qualname__", repr(fn))
     fn_ref = _target.describe(fn)
@@ -226,13 +226,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if _torchrun.active():
         have = _torchrun.world_size()
         if spec.n != have:
-            pytest.skip(f"ranks({spec.n}) needs WORLD_SIZE={spec.n} under torchrun; this job has WORLD_SIZE={have}")
+            _skip_at_test(f"ranks({spec.n}) needs WORLD_SIZE={spec.n} under torchrun; this job has WORLD_SIZE={have}")
         return
     backend = resolve_backend(item.config, item, spec.backend)
     if backend == "nccl" and item.get_closest_marker("gpu") is None:
         why = _nccl_unavailable(spec.n)
         if why:
-            pytest.skip(why)
+            _skip_at_test(why)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -325,7 +325,7 @@ class RankPoolFixture:
         if _torchrun.active():
             have = _torchrun.world_size()
             if world_size != have:
-                pytest.skip(f"rank_pool.run(world_size={world_size}) under torchrun needs WORLD_SIZE={world_size}; this job has {have}")
+                _skip_at_test(f"rank_pool.run(world_size={world_size}) under torchrun needs WORLD_SIZE={world_size}; this job has {have}")
             _torchrun.ensure_initialized(_torchrun_backend(self._config, backend))
             try:
                 return _torchrun.run_local(fn, args, kwargs)
