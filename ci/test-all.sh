@@ -4,7 +4,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash ci/install.sh || exit 1
-.venv/bin/python -m pytest -p weightsync -n 2 tests/ suites/ "$@"
+.venv/bin/python -m pytest -p weightsync -n 2 tests/ suites/ --weightsync-baseline ci/baselines/cpu.json "$@"
 rc=$?
 # pytest exits 5 when it collected no test: that is a broken run, not a green one.
 if [ $rc -eq 5 ]; then echo "test-all: no tests were collected"; exit 1; fi

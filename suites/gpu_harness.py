@@ -160,13 +160,15 @@ def assert_bits_equal(actual, expected, name: str, locate=None, rank=None) -> No
 
 
 def assert_params_exact(params: dict, spec: MoESpec, topo: ReceiverTopology, rank: int,
-                        version: int, seed: int = 0) -> None:
-    """Every parameter of receiver ``rank`` holds exactly ``version`` (padding zero)."""
+                        version: int, seed: int = 0) -> dict:
+    """Every parameter of receiver ``rank`` holds exactly ``version`` (padding zero).
+    Returns the expected tensors (on the parameters' device) for further use."""
     device = next(iter(params.values())).device
     expected = expected_params(spec, topo, rank, version, device, seed)
     assert sorted(params) == sorted(expected), f"rank {rank}: parameter names differ"
     for name, tensor in expected.items():
         assert_bits_equal(params[name], tensor, name, locator(spec, topo, rank), rank)
+    return expected
 
 
 def addresses(params: dict) -> dict:
@@ -254,8 +256,7 @@ def run_updates(scenario: Scenario, path: str, versions, device, *, graphs: bool
             where = f"{path} path, update {step} (version {version}), receiver rank {rank}"
             assert addresses(receiver.params) == before[rank], (
                 f"{where}: a parameter was reallocated (address, shape or stride changed)")
-            assert_params_exact(receiver.params, spec, topo, rank, version, scenario.seed)
-            expected = expected_params(spec, topo, rank, version, device, scenario.seed)
+            expected = assert_params_exact(receiver.params, spec, topo, rank, version, scenario.seed)
             for layer in range(spec.num_layers):
                 key = (rank, layer)
                 eager = forward(expected, scenario, rank, layer, hidden, logits[layer])

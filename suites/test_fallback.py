@@ -112,7 +112,22 @@ def test_hidden_megatron_skips_its_suite_and_falls_back_to_reference_shards(pyte
     assert reasons and all("megatron" in r for r in reasons), reasons
 
 
-def test_with_sglang_present_its_tests_run(pytester):
+@pytest.fixture(scope="module")
+def sglang_runner_modules():
+    """Import SGLang's runner modules before pytester snapshots ``sys.modules``.
+
+    The in-process run below restores ``sys.modules`` when it ends; a runner module first
+    imported inside it would be dropped while its process-wide registrations stay, and the
+    next layer built with that runner would fail with "already registered". A module-scoped
+    fixture is set up before the function-scoped ``pytester`` takes its snapshot.
+    """
+    if probe("sglang").available:
+        from reference_impl.backends.sglang import preload_runner_modules
+
+        preload_runner_modules()
+
+
+def test_with_sglang_present_its_tests_run(sglang_runner_modules, pytester):
     """In-process (SGLang is already imported here, so no second 15 s import)."""
     status = probe("sglang")
     if not status.available:

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.weightsync_property("cuda-ipc")]
 UPDATES = 10
 #: Updates before the memory baseline is taken (allocator caches and IPC state warm up).
 WARMUP = 2
-SPEC = MoESpec(num_layers=2, num_experts=16, hidden=512, intermediate=256)
+SPEC = MoESpec(num_layers=1, num_experts=16, hidden=512, intermediate=256)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def receivers_on_gpu0():
     every test of the module; each test configures fresh parameters."""
     from reference_impl.ipc import ReceiverProcess
 
-    processes = [ReceiverProcess("cuda:0"), ReceiverProcess("cuda:0")]
+    processes = [ReceiverProcess("cuda:0", timeout=120), ReceiverProcess("cuda:0", timeout=120)]
     try:
         yield processes
     finally:
@@ -65,11 +65,9 @@ def assert_released(log, receivers_count: int, where: str) -> None:
 
 CASES = [
     pytest.param("direct", ReceiverTopology(tp=1), id="direct-moe_tp1"),
-    pytest.param("direct", ReceiverTopology(tp=2), id="direct-moe_tp2"),
     pytest.param("direct", ReceiverTopology(tp=2, moe_ep=2, order="up_gate"), id="direct-moe_ep2-up_gate"),
     pytest.param("direct", ReceiverTopology(tp=2, intermediate_padded=160), id="direct-moe_tp2-padded"),
     pytest.param("packed", ReceiverTopology(tp=2), id="packed-moe_tp2"),
-    pytest.param("compat", ReceiverTopology(tp=2, moe_ep=2), id="compat-moe_ep2"),
 ]
 
 
@@ -87,7 +85,7 @@ def test_qwen35_layer_direct_path_over_cuda_ipc(receivers_on_gpu0, topo):
     """One real Qwen3.5-35B-A3B MoE layer (256 experts, hidden 2048, moe_ffn 512: 1.5 GiB)."""
     spec = h.QWEN35_LAYER
     processes = receivers_on_gpu0[: topo.world_size]
-    log = h.run_ipc_updates(processes, spec, topo, "direct", range(4), "cuda:0")
+    log = h.run_ipc_updates(processes, spec, topo, "direct", range(3), "cuda:0")
     assert log.payload_bytes[0] == 3 * 256 * 2048 * 512 * 2  # every byte of the layer, once
     assert_released(log, topo.world_size, f"Qwen3.5 layer, {topo}")
 

@@ -19,15 +19,13 @@ from reference_impl.layout import MoESpec, ReceiverTopology
 pytestmark = [pytest.mark.gpu, pytest.mark.weightsync_property("repeated-updates")]
 
 UPDATES = 24
-SPEC = MoESpec(num_layers=2, num_experts=16, hidden=256, intermediate=128)
+SPEC = MoESpec(num_layers=2, num_experts=8, hidden=256, intermediate=128)
 
 SCENARIOS = [
-    pytest.param(h.Scenario(SPEC, ReceiverTopology(tp=1), tokens=32, top_k=4), id="moe_tp1"),
     pytest.param(h.Scenario(SPEC, ReceiverTopology(tp=2), tokens=32, top_k=4), id="moe_tp2"),
-    pytest.param(h.Scenario(SPEC, ReceiverTopology(tp=2, moe_ep=2, order="up_gate"), tokens=32,
-                            top_k=4), id="moe_ep2-up_gate"),
-    pytest.param(h.Scenario(MoESpec(2, 8, 192, 96), ReceiverTopology(tp=2, intermediate_padded=64),
-                            tokens=24, top_k=2), id="moe_tp2-padded"),
+    pytest.param(h.Scenario(MoESpec(1, 8, 192, 96),
+                            ReceiverTopology(tp=2, moe_ep=2, order="up_gate", intermediate_padded=112),
+                            tokens=24, top_k=2), id="moe_ep2-up_gate-padded"),
 ]
 
 
@@ -45,6 +43,6 @@ def test_versions_that_wrap_the_mask_cycle_and_go_back_are_still_exact():
     """Versions 0..255 mask-wrap (version v and v+256 hold the same bits); going back to an
     older version, then forward again, must still land exactly."""
     scenario = h.Scenario(SPEC, ReceiverTopology(tp=2), tokens=16, top_k=2)
-    versions = [0, 1, 2, 255, 256 + 7, 3, 2, 1, 0, 1] + list(range(40, 50))
+    versions = [0, 1, 2, 255, 256 + 7, 3, 2, 1, 0, 1, 40, 41]
     log = h.run_updates(scenario, "direct", versions, "cuda", graphs=True)
     assert log.outputs_checked == len(versions) * 2 * SPEC.num_layers

@@ -232,6 +232,30 @@ def _activated(context, runner: str) -> Iterator[None]:
             yield
 
 
+#: Modules SGLang imports lazily when a layer with that runner is built. Each registers its
+#: fused functions in a process-wide table at import time, so importing one twice (after
+#: something dropped it from ``sys.modules``) fails with "already registered".
+RUNNER_MODULES = {
+    "triton": (),
+    "flashinfer_cutlass": ("sglang.srt.layers.moe.moe_runner.flashinfer_cutlass",),
+    "triton_kernels": (),
+}
+
+
+def preload_runner_modules(runners: Iterable[str] = RUNNERS) -> None:
+    """Import the runner modules ``runners`` need, once, before anything snapshots sys.modules.
+
+    pytester's in-process runs restore ``sys.modules`` afterwards; a runner module first
+    imported inside such a run would be dropped while its registrations stay, and the next
+    layer built with that runner would fail. Importing them beforehand keeps them alive.
+    """
+    import importlib
+
+    for runner in runners:
+        for module in RUNNER_MODULES[runner]:
+            importlib.import_module(module)
+
+
 def build_fused_moe(
     *,
     num_experts: int,
