@@ -112,11 +112,14 @@ class ReferenceReceiver:
         self.topo = topo
         self.rank = rank
         self.shard = receiver_shard(spec, topo, rank)
-        self.device = torch.device(device)
         self.params: dict[str, torch.Tensor] = {
-            name: torch.zeros(shape, dtype=spec.dtype, device=self.device)
+            name: torch.zeros(shape, dtype=spec.dtype, device=device)
             for name, shape in receiver_param_shapes(spec, topo, rank).items()
         }
+        # The device the parameters really live on: "cuda" means the current GPU, and a payload
+        # tensor reports "cuda:0", so compare against the resolved device, not the request.
+        first = next(iter(self.params.values()), None)
+        self.device = first.device if first is not None else torch.device(device)
         self._in_update: Optional[set] = None
 
     # -- the hooks a loader variant would change ----------------------------------------------
