@@ -9,10 +9,7 @@ kernel launch per expert on a GPU (7% of a plain copy at MoE-TP 1, 2% at MoE-TP 
 Qwen3.5-35B-A3B layer on an H200), and ``torch._foreach_copy_`` degrades on the strided slices
 of MoE-TP 2. On a GPU this module copies every pair in one Triton launch per element width and
 row-length class (:mod:`reference_impl.triton_copy`); on a CPU a single-threaded loop of
-in-place copies is kept, with each strided pair copied as the widest integers its rows allow
-(:func:`widen_pair`): the strided fc2 column slices of MoE-TP > 1 are rows of a few hundred
-bytes, and a bf16 copy pays per row about as much as it moves (half the speed of a plain copy
-when the data is in cache) where an int64 copy of the same rows does not.
+in-place copies already runs at the speed of one plain copy, so it is kept.
 
 Backends (``backend=``): ``"auto"`` picks ``"triton"`` for CUDA tensors when triton imports,
 ``"foreach"`` (``torch._foreach_copy_``) for CUDA tensors without triton, and ``"loop"`` for
@@ -158,50 +155,6 @@ def _as_bits(t):
     return None if name is None else t.view(getattr(torch, name))
 
 
-def _int_view_ok(t, width: int) -> bool:
-    """Whether ``t.view(<integer of width bytes>)`` is legal: unit innermost stride, and every
-    byte offset, outer stride and innermost row length a multiple of ``width``."""
-    elem = t.element_size()
-    if t.dim() == 0 or t.stride(-1) != 1 or (t.shape[-1] * elem) % width:
-        return False
-    if (t.storage_offset() * elem) % width:
-        return False
-    return all((stride * elem) % width == 0 for stride in t.stride()[:-1])
-
-
-def widen_pair(dst, src) -> tuple[Any, Any]:
-    """``(dst, src)`` viewed as the widest integer dtype (up to 8 bytes) both sides allow.
-
-    Copying integers is bit-identical to copying the original dtype, and a wider element
-    means fewer elements per row: a CPU copy of a strided bf16 row slice costs about twice
-    an int64 copy of the same bytes. Pairs that are contiguous on both sides (already copied
-    at full speed), are not on the CPU, or carry a conjugate/negative bit come back unchanged.
-    """
-    import torch
-
-    if (
-        dst.device.type != "cpu"
-        or dst.layout != torch.strided
-        or (dst.is_contiguous() and src.is_contiguous())
-        or dst.is_conj()
-        or src.is_conj()
-        or dst.is_neg()
-        or src.is_neg()
-        or dst.is_quantized
-    ):
-        return dst, src
-    for width in (8, 4, 2):
-        if width <= dst.element_size():
-            break
-        if _int_view_ok(dst, width) and _int_view_ok(src, width):
-            dtype = getattr(torch, _INT_OF_WIDTH[width])
-            try:
-                return dst.view(dtype), src.view(dtype)
-            except RuntimeError:  # a view rule not mirrored above: keep the original dtype
-                break
-    return dst, src
-
-
 @dataclass
 class CopyPlan:
     """A validated pair list bound to a backend; :meth:`run` performs the copies.
@@ -215,14 +168,13 @@ class CopyPlan:
     pairs: list[tuple[Any, Any]]
     _launches: list[Any] = field(default_factory=list, repr=False)
     _leftover: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
-    _widened: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
 
     def run(self) -> None:
         import torch
 
         with torch.no_grad():
             if self.backend == "loop":
-                for dst, src in self._widened or self.pairs:
+                for dst, src in self.pairs:
                     dst.copy_(src)
             elif self.backend == "foreach":
                 # As integers: _foreach_copy_ on CUDA converts through the compute type, which
@@ -288,11 +240,6 @@ def plan_copies(pairs: Iterable[Any], backend: str = "auto") -> CopyPlan:
     plan = CopyPlan(backend=backend, pairs=checked)
     if backend == "triton":
         _build_triton(plan)
-    elif backend == "loop":
-        import torch
-
-        with torch.no_grad():
-            plan._widened = [widen_pair(dst, src) for dst, src in checked]
     return plan
 
 
