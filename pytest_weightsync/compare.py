@@ -109,7 +109,8 @@ def assert_state_equal(actual: Mapping, expected: Mapping, *, locate: Optional[L
     missing = sorted(set(expected) - set(actual))
     extra = sorted(set(actual) - set(expected))
     if missing or extra:
-        raise MetadataMismatchError(f"parameter names differ on receiver rank {rank}: missing "
+        where = f" on receiver rank {rank}" if rank is not None else ""
+        raise MetadataMismatchError(f"parameter names differ{where}: missing "
                                     f"{missing[:4]}, unexpected {extra[:4]}")
     for name in expected:
         assert_bitwise_equal(actual[name], expected[name], name=name, locate=locate, rank=rank)

@@ -184,9 +184,10 @@ def load_eligibility_function(spec: str) -> EligibilityImpl:
         )
     try:
         obj: object = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:  # not only ImportError: a module may fail while importing
         raise pytest.UsageError(
-            f"--weightsync-eligibility {spec!r}: cannot import module {module_name!r}: {exc}"
+            f"--weightsync-eligibility {spec!r}: cannot import module {module_name!r}: "
+            f"{type(exc).__name__}: {exc}"
         ) from exc
     for part in attr.split("."):
         try:

@@ -32,7 +32,7 @@ def required_gpus(item: pytest.Item) -> int | None:
     if marker is None:
         return None
     n = marker.kwargs.get("n", marker.args[0] if marker.args else 1)
-    if not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise pytest.UsageError(f"{item.nodeid}: gpu marker needs a positive int n, got {n!r}")
     return n
 

@@ -14,11 +14,16 @@ import pytest
 def pytest_weightsync_register_implementations(config: pytest.Config) -> list:
     """Return implementations (loaders/exporters) the conformance suites should run against.
 
-    Each item is an object following the protocols of ``pytest_weightsync.registry``, or a
-    ``"module:attr"`` string naming one. Results of all implementations are concatenated.
+    Each item is an object following the protocols of ``pytest_weightsync.protocols``, a class
+    instantiated with no arguments, or a ``"module:attr"`` string naming either. The lists
+    returned by every implementation of this hook are concatenated.
     """
 
 
 @pytest.hookspec
 def pytest_weightsync_extra_topologies(config: pytest.Config) -> list:
-    """Return extra receiver/trainer topology cases to add to every conformance matrix."""
+    """Return extra topology cases to add to every conformance matrix.
+
+    Each item is a ``suites/matrix.Case`` or a ``(spec, trainer, receiver)`` tuple of
+    ``reference_impl.layout`` objects (``MoESpec``, ``TrainerTopology``, ``ReceiverTopology``).
+    """

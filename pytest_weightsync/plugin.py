@@ -17,7 +17,6 @@ import pytest
 SUB_PLUGINS = (
     "pytest_weightsync.gpu_gate",
     "pytest_weightsync.ranks.dispatch",
-    "pytest_weightsync.fixtures",
     "pytest_weightsync.registry",
     "pytest_weightsync.report",
     "pytest_weightsync.throughput",

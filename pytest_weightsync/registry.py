@@ -219,15 +219,18 @@ def _fixture_extras(metafunc: pytest.Metafunc) -> tuple[tuple, str]:
     func = fixturedef.func
     if getattr(func, "__module__", None) == __name__:  # the default above: no extras
         return (), ""
-    source = f"fixture weightsync_implementations ({fixturedef.baseid or 'plugin'})"
+    # baseid is empty for a rootdir conftest and for plugins: name the defining module then.
+    where = fixturedef.baseid or getattr(func, "__module__", None) or "plugin"
+    source = f"fixture weightsync_implementations ({where})"
     cache = metafunc.config.stash.setdefault(_FIXTURE_EXTRAS, {})
     if id(fixturedef) not in cache:
         unsupported = [a for a in fixturedef.argnames if a != "pytestconfig"]
         if unsupported or inspect.isgeneratorfunction(func):
+            found = (f"it asks for {unsupported}" if unsupported else "it is a generator")
             raise RegistrationError(
                 f"{source}: it parametrizes tests, so it is evaluated at collection time and may "
                 f"ask for no fixture but pytestconfig and must return (not yield) a list; "
-                f"it asks for {unsupported}")
+                f"{found}")
         kwargs = {"pytestconfig": metafunc.config} if fixturedef.argnames else {}
         result = func(**kwargs)
         if not isinstance(result, (list, tuple)):

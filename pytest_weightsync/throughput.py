@@ -122,6 +122,8 @@ def interleaved_samples(
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if best_of < 1:
+        raise ValueError(f"best_of must be >= 1, got {best_of}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -418,6 +420,7 @@ class ThroughputGuard:
                 "machine": machine_info(),
                 "measurements": [self.measurements[n] for n in sorted(self.measurements)],
             }
+            os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)
             with open(save, "w") as f:
                 json.dump(payload, f, indent=2, sort_keys=True)
                 f.write("\n")

@@ -18,6 +18,7 @@ from reference_impl.layout import (
     ExpertWeights,
     MoESpec,
     ReceiverTopology,
+    WeightSyncError,
     fused_name,
     receiver_shard,
 )
@@ -25,7 +26,11 @@ from reference_impl.layout import (
 
 def export_layer(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
                  experts: Sequence[ExpertWeights], device=None) -> list[tuple[str, torch.Tensor]]:
-    """Rank-local ``w13``/``w2`` of one layer for receiver ``rank`` (padding zeroed)."""
+    """Rank-local ``w13``/``w2`` of one layer for receiver ``rank`` (padding zeroed).
+    ``experts`` holds every expert of the layer, indexed by global expert id."""
+    if len(experts) != spec.num_experts:
+        raise WeightSyncError(f"direct export of layer {layer} needs all {spec.num_experts} "
+                              f"experts (indexed by global id), got {len(experts)}")
     shard = receiver_shard(spec, topo, rank)
     device = experts[0].gate.device if device is None else device
     n_local, buf, rows = len(shard.experts), shard.buffer_rows, shard.rows
@@ -53,10 +58,3 @@ def export(spec: MoESpec, topo: ReceiverTopology, rank: int,
         out.extend(export_layer(spec, topo, rank, layer, full[layer], device))
     return out
 
-
-def export_all_ranks(spec: MoESpec, topo: ReceiverTopology,
-                     full: Mapping[int, Sequence[ExpertWeights]],
-                     layers: Iterable[int] | None = None) -> list[list[tuple[str, torch.Tensor]]]:
-    """One direct payload per receiver rank, in rank order (SGLang's
-    ``serialized_named_tensors`` list: rank r deserializes entry r)."""
-    return [export(spec, topo, r, full, layers) for r in range(topo.world_size)]

@@ -16,10 +16,6 @@ from __future__ import annotations
 from pytest_weightsync.protocols import FORMATS, Capabilities
 
 
-class ReceiverParamsError(ValueError):
-    """The receiver parameters handed to ``load_weights`` do not match the topology."""
-
-
 class PayloadFormatError(ValueError):
     """An unknown format, or a payload name that does not belong to the declared format."""
 
@@ -48,26 +44,13 @@ class ReferenceImplementation:
     capabilities = Capabilities()
 
     def load_weights(self, params, payload, *, format, spec, topology, rank) -> None:
-        """Validate the whole payload, then copy it into ``params`` in place."""
-        import torch
-
-        from reference_impl.layout import receiver_param_shapes
+        """Validate the whole payload, then copy it into ``params`` in place. ``params`` that do
+        not fit the topology raise :class:`reference_impl.receiver.ReceiverParamsError`."""
         from reference_impl.receiver import ReferenceReceiver
 
         payload = list(payload)
         _check_format(format, payload)
-        shapes = receiver_param_shapes(spec, topology, rank)
-        for name, shape in shapes.items():
-            tensor = params.get(name)
-            if not isinstance(tensor, torch.Tensor):
-                raise ReceiverParamsError(f"receiver rank {rank} has no parameter {name!r}")
-            if tuple(tensor.shape) != shape or tensor.dtype != spec.dtype:
-                raise ReceiverParamsError(
-                    f"receiver rank {rank} parameter {name!r} is {tuple(tensor.shape)} "
-                    f"{tensor.dtype}; the topology needs {shape} {spec.dtype}")
-        device = next(iter(params[n] for n in shapes)).device if shapes else "cpu"
-        receiver = ReferenceReceiver(spec, topology, rank, device=device)
-        receiver.params = {name: params[name] for name in shapes}
+        receiver = ReferenceReceiver(spec, topology, rank, params=params)
         receiver.load(payload, load_format="direct" if format == "direct" else None)
 
     def export_weights(self, trainer_states, *, format, spec, trainer, receiver, rank):

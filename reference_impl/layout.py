@@ -47,6 +47,14 @@ def _require(ok: bool, constraint: str, **values) -> None:
         raise TopologyError(f"{constraint} (got {shown})")
 
 
+def gate_up_halves(order: str) -> tuple[str, str]:
+    """The projections held by the first and second half of ``w13``, in that order:
+    ``("gate", "up")`` for ``"gate_up"``, ``("up", "gate")`` for ``"up_gate"``."""
+    _require(order in GATE_UP_ORDERS, f"gate/up order must be one of {GATE_UP_ORDERS}",
+             order=order)
+    return ("gate", "up") if order == "gate_up" else ("up", "gate")
+
+
 # --------------------------------------------------------------------------------------------
 # Model shape
 # --------------------------------------------------------------------------------------------
@@ -374,7 +382,7 @@ class ReceiverShard:
 
     def half_offset(self, projection: str, order: str) -> int:
         """Row offset of ``projection`` (gate/up) inside one expert's ``w13`` buffer."""
-        first = "gate" if order == "gate_up" else "up"
+        first, _ = gate_up_halves(order)
         if projection not in ("gate", "up"):
             raise WeightSyncError(f"w13 holds gate and up, not {projection!r}")
         return 0 if projection == first else self.buffer_rows
@@ -485,7 +493,7 @@ def locate_receiver_element(spec: MoESpec, topo: ReceiverTopology, rank: int, na
     slot, i, j = (int(x) for x in index)
     expert = shard.experts[slot]
     if parsed.projection == "w13":
-        first, second = ("gate", "up") if topo.order == "gate_up" else ("up", "gate")
+        first, second = gate_up_halves(topo.order)
         half, local_row = divmod(i, shard.buffer_rows)
         projection = first if half == 0 else second
         padding = local_row >= shard.rows

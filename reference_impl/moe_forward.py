@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from reference_impl.layout import GATE_UP_ORDERS, WeightSyncError
+from reference_impl.layout import GATE_UP_ORDERS, WeightSyncError, gate_up_halves
 
 
 class MoEForwardError(WeightSyncError):
@@ -81,8 +81,8 @@ def expert_outputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_local, two_i, h = w13.shape
     x = hidden.to(w13.dtype).unsqueeze(0).expand(num_local, -1, -1)  # [E, T, H]
     gate_up = torch.bmm(x, w13.transpose(1, 2))  # [E, T, 2I]
-    first, second = gate_up.split(two_i // 2, dim=-1)
-    gate, up = (first, second) if order == "gate_up" else (second, first)
+    halves = dict(zip(gate_up_halves(order), gate_up.split(two_i // 2, dim=-1)))
+    gate, up = halves["gate"], halves["up"]
     act = F.silu(gate) * up
     return torch.bmm(act, w2.transpose(1, 2))  # [E, T, H]
 

@@ -14,19 +14,26 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from reference_impl import fastcopy
-from reference_impl.layout import ExpertWeights, MoESpec, fused_name, packed_shape
+from reference_impl.layout import (
+    ExpertWeights,
+    MoESpec,
+    WeightSyncError,
+    fused_name,
+    gate_up_halves,
+    packed_shape,
+)
 
 
 def export_layer(spec: MoESpec, layer: int, experts: Sequence[ExpertWeights], order: str,
                  device=None) -> list[tuple[str, torch.Tensor]]:
     """``[(w13 name, [E, 2I, H]), (w2 name, [E, H, I])]`` of one layer in ``order``."""
     if len(experts) != spec.num_experts:
-        raise ValueError(f"packed export of layer {layer} needs all {spec.num_experts} experts, "
-                         f"got {len(experts)}")
+        raise WeightSyncError(f"packed export of layer {layer} needs all {spec.num_experts} "
+                              f"experts, got {len(experts)}")
     device = experts[0].gate.device if device is None else device
     w13 = torch.empty(packed_shape(spec, "w13"), dtype=spec.dtype, device=device)
     w2 = torch.empty(packed_shape(spec, "w2"), dtype=spec.dtype, device=device)
-    first, second = ("gate", "up") if order == "gate_up" else ("up", "gate")
+    first, second = gate_up_halves(order)
     size = spec.intermediate
     pairs = []
     for e, weights in enumerate(experts):

@@ -30,7 +30,7 @@ parameter bit-identical.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 
@@ -40,6 +40,7 @@ from reference_impl.layout import (
     ReceiverTopology,
     WeightSyncError,
     fused_name,
+    gate_up_halves,
     packed_shape,
     parse_receiver_name,
     receiver_param_shapes,
@@ -89,6 +90,10 @@ class MissingExpertError(PayloadError):
     """A chunk touches a receiver parameter without carrying all of it."""
 
 
+class ReceiverParamsError(WeightSyncError):
+    """Existing parameters handed to :class:`ReferenceReceiver` do not match its topology."""
+
+
 class IncompleteUpdateError(WeightSyncError):
     """``end_update`` found receiver parameters that no chunk of the update wrote."""
 
@@ -105,17 +110,27 @@ class LoadPlan:
 
 
 class ReferenceReceiver:
-    """One receiver rank's expert parameters and its loader."""
+    """One receiver rank's expert parameters and its loader.
 
-    def __init__(self, spec: MoESpec, topo: ReceiverTopology, rank: int, device="cpu"):
+    Without ``params`` the receiver allocates zeroed parameters on ``device``. With ``params``
+    (a mapping holding at least every expert parameter of this rank, e.g. a model's own
+    tensors) it loads into those tensors in place, after checking each one's shape, dtype and
+    that they share one device (which replaces ``device``); other entries are ignored."""
+
+    def __init__(self, spec: MoESpec, topo: ReceiverTopology, rank: int, device="cpu",
+                 params: Optional[Mapping[str, torch.Tensor]] = None):
         self.spec = spec
         self.topo = topo
         self.rank = rank
         self.shard = receiver_shard(spec, topo, rank)
-        self.params: dict[str, torch.Tensor] = {
-            name: torch.zeros(shape, dtype=spec.dtype, device=device)
-            for name, shape in receiver_param_shapes(spec, topo, rank).items()
-        }
+        shapes = receiver_param_shapes(spec, topo, rank)
+        if params is None:
+            self.params: dict[str, torch.Tensor] = {
+                name: torch.zeros(shape, dtype=spec.dtype, device=device)
+                for name, shape in shapes.items()
+            }
+        else:
+            self.params = _checked_params(params, shapes, spec.dtype, rank)
         # The device the parameters really live on: "cuda" means the current GPU, and a payload
         # tensor reports "cuda:0", so compare against the resolved device, not the request.
         first = next(iter(self.params.values()), None)
@@ -283,7 +298,7 @@ class ReferenceReceiver:
     def _plan_packed(self, entries) -> LoadPlan:
         spec, plan = self.spec, LoadPlan()
         size = spec.intermediate
-        first = "gate" if self.topo.order == "gate_up" else "up"
+        first, _ = gate_up_halves(self.topo.order)
         for name, parsed, tensor in entries:
             self._check_shape(name, tensor, packed_shape(spec, parsed.projection),
                               f"packed {parsed.projection}_weight of all {spec.num_experts} "
@@ -315,6 +330,30 @@ class ReferenceReceiver:
             plan.pairs.append((param, tensor))
             plan.touched.add(name)
         return plan
+
+
+def _checked_params(params: Mapping[str, torch.Tensor], shapes: dict[str, tuple],
+                    dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor]:
+    """``params`` restricted to ``shapes``' names, each checked against its expected shape and
+    ``dtype``; all on one device. Raises :class:`ReceiverParamsError` naming the first misfit."""
+    checked = {}
+    for name, shape in shapes.items():
+        if name not in params:
+            raise ReceiverParamsError(f"receiver rank {rank} has no parameter {name!r}")
+        tensor = params[name]
+        if not isinstance(tensor, torch.Tensor):
+            raise ReceiverParamsError(f"receiver rank {rank} parameter {name!r} is a "
+                                      f"{type(tensor).__name__}, not a torch.Tensor")
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ReceiverParamsError(
+                f"receiver rank {rank} parameter {name!r} is {tuple(tensor.shape)} "
+                f"{tensor.dtype}; the topology needs {shape} {dtype}")
+        checked[name] = tensor
+    devices = {t.device for t in checked.values()}
+    if len(devices) > 1:
+        raise ReceiverParamsError(f"receiver rank {rank} parameters are spread over devices "
+                                  f"{sorted(map(str, devices))}; they must share one")
+    return checked
 
 
 def make_receivers(spec: MoESpec, topo: ReceiverTopology, device="cpu") -> list[ReferenceReceiver]:

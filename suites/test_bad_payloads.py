@@ -192,3 +192,40 @@ def test_non_local_experts_alone_change_nothing():
     plan = rec.load(compat.export(full, experts=[2, 3]))
     assert plan.ignored == 2 * 2 * 3 and not plan.touched
     compare.assert_unchanged(before, rec.params, rank=0)
+
+
+@pytest.mark.weightsync_property("bad_payload_refused")
+@pytest.mark.parametrize("misfit, fragment", [
+    ("missing", "has no parameter 'model.layers.0.mlp.experts.w2_weight'"),
+    ("shape", "w13_weight"),
+    ("dtype", "torch.float32"),
+    ("not-a-tensor", "w13_weight"),
+])
+def test_receiver_built_over_misfit_params_is_refused(misfit, fragment):
+    """A receiver wrapped around a caller's parameters checks every one of them up front."""
+    spec = MoESpec(num_layers=1, num_experts=2, hidden=8, intermediate=4)
+    topo = ReceiverTopology()
+    params = dict(rx.ReferenceReceiver(spec, topo, 0).params)
+    w13, w2 = "model.layers.0.mlp.experts.w13_weight", "model.layers.0.mlp.experts.w2_weight"
+    if misfit == "missing":
+        del params[w2]
+    elif misfit == "shape":
+        params[w13] = torch.zeros(2, 9, 8, dtype=spec.dtype)
+    elif misfit == "dtype":
+        params[w13] = params[w13].float()
+    else:
+        params[w13] = params[w13].tolist()
+    with pytest.raises(rx.ReceiverParamsError, match="receiver rank 0") as info:
+        rx.ReferenceReceiver(spec, topo, 0, params=params)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.weightsync_property("bad_payload_refused")
+def test_direct_export_of_a_layer_missing_experts_is_refused():
+    from reference_impl import direct, synth
+    from reference_impl.layout import WeightSyncError
+
+    spec = MoESpec(num_layers=1, num_experts=4, hidden=8, intermediate=4)
+    experts = synth.full_weights(spec, 1)[0][:3]
+    with pytest.raises(WeightSyncError, match="needs all 4 experts .* got 3"):
+        direct.export_layer(spec, ReceiverTopology(), 0, 0, experts)

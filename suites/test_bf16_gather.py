@@ -9,9 +9,13 @@ from the smallest that fits one row (many chunks, many rounds) to one that fits 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import pytest
+from located_bits import assert_expert_bits
+
+from pytest_weightsync.compare import assert_bitwise_equal
 
 pytestmark = pytest.mark.weightsync_property("bf16-gather")
 
@@ -56,7 +60,12 @@ def unsharded(layer: int, expert: int, proj: str, case: Case):
 
 
 def trainer_shard(layer: int, expert: int, proj: str, etp_rank: int, case: Case):
-    """What ETP rank ``etp_rank`` holds: ``[gate_t; up_t]`` for fc1, a column block for fc2."""
+    """What ETP rank ``etp_rank`` holds: ``[gate_t; up_t]`` for fc1, a column block for fc2.
+
+    Built here on purpose rather than taken from ``reference_impl.layout``: this is the test's
+    independent oracle of Megatron's ETP layout, so a wrong layout in the code under test
+    cannot make its own expected values.
+    """
     import torch
 
     full = unsharded(layer, expert, proj, case)
@@ -83,19 +92,9 @@ def local_shards(rank: int, case: Case) -> dict:
     }
 
 
-def assert_bits_equal(actual, expected, where: str) -> None:
-    """Raw-bit equality; the message names the first differing (row, col) of ``where``."""
-    import torch
-
-    assert actual.shape == expected.shape, f"{where}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a, e = actual.view(torch.int16), expected.view(torch.int16)
-    diff = (a != e).nonzero()
-    if len(diff):
-        row, col = diff[0].tolist()
-        raise AssertionError(
-            f"{where}: first differing row {row}, col {col}: got 0x{a[row, col].item() & 0xFFFF:04x}, "
-            f"expected 0x{e[row, col].item() & 0xFFFF:04x} ({len(diff)} elements differ)"
-        )
+def fc1_blocks(case: Case, etp: int = 1) -> tuple:
+    """Row blocks of an fc1 tensor (unsharded, or one of ``etp`` shards) for located messages."""
+    return (("gate", case.ffn // etp), ("up", case.ffn // etp))
 
 
 def gather_and_check(case: Case) -> dict:
@@ -115,9 +114,11 @@ def gather_and_check(case: Case) -> dict:
         for proj in ("fc1", "fc2"):
             shards = [result.tensors[shard_key(LAYER, g, proj, t)] for t in range(case.etp)]
             for t, shard in enumerate(shards):
-                assert_bits_equal(shard, trainer_shard(LAYER, g, proj, t, case), f"rank {rank} layer {LAYER} expert {g} {proj} etp shard {t}")
+                assert_expert_bits(shard, trainer_shard(LAYER, g, proj, t, case), layer=LAYER, expert=g, projection=proj,
+                                   where=f"rank {rank} etp shard {t}", row_blocks=fc1_blocks(case, case.etp) if proj == "fc1" else ())
             full = assemble_components(shards, glu_fc1_layout(case.ffn)) if proj == "fc1" else torch.cat(shards, dim=1)
-            assert_bits_equal(full, unsharded(LAYER, g, proj, case), f"rank {rank} layer {LAYER} expert {g} {proj}")
+            assert_expert_bits(full, unsharded(LAYER, g, proj, case), layer=LAYER, expert=g, projection=proj,
+                               where=f"rank {rank} unsharded", row_blocks=fc1_blocks(case) if proj == "fc1" else ())
     return {
         "rounds": result.stats.rounds,
         "peak": result.stats.peak_buffer_bytes,
@@ -158,22 +159,32 @@ def test_gathered_experts_are_bit_identical_within_budget_and_balanced(rank_pool
 
 
 def plan_with_budget(budget: int):
-    from reference_impl.bf16_gather import plan_from_local
-
-    case = Case(ep=2, etp=1, dp=1, experts=2, hidden=12, ffn=8, budget_rows=1)
+    """Rank body: plan within ``budget``; a refusal is returned (type name, message), not
+    raised, so every rank's answer is checked and the warm rank pool is kept."""
     import torch.distributed as dist
 
-    return plan_from_local(local_shards(dist.get_rank(), case), budget)
+    from reference_impl.bf16_gather import plan_from_local
+    from reference_impl.gather_plan import GatherBudgetError
+
+    case = Case(ep=2, etp=1, dp=1, experts=2, hidden=12, ffn=8, budget_rows=1)
+    try:
+        return plan_from_local(local_shards(dist.get_rank(), case), budget)
+    except GatherBudgetError as exc:
+        return (type(exc).__name__, str(exc))
 
 
 def test_budget_below_one_row_fails_on_every_rank_before_any_transfer(rank_pool):
-    from reference_impl.gather_plan import GatherBudgetError
+    from reference_impl.gather_plan import GatherPlan
 
     row, world = 2 * 12, 2
-    assert len(rank_pool.run(plan_with_budget, world, row * world * 2)) == world
-    with pytest.raises(Exception, match=rf"one row is {row} B.*budget of {row * world * 2 - 1} B") as info:
-        rank_pool.run(plan_with_budget, world, row * world * 2 - 1)
-    assert GatherBudgetError.__name__ in str(info.value) or isinstance(info.value, GatherBudgetError)
+    plans = rank_pool.run(plan_with_budget, world, row * world * 2)
+    assert all(isinstance(p, GatherPlan) for p in plans), plans
+    refusals = rank_pool.run(plan_with_budget, world, row * world * 2 - 1)
+    for rank, refusal in enumerate(refusals):
+        assert isinstance(refusal, tuple), f"rank {rank} planned within a budget below one row: {refusal}"
+        name, message = refusal
+        assert name == "GatherBudgetError", f"rank {rank}: {name}: {message}"
+        assert re.search(rf"one row is {row} B.*budget of {row * world * 2 - 1} B", message), f"rank {rank}: {message}"
 
 
 def gather_with_wrong_local_tensor() -> str:
@@ -226,8 +237,8 @@ def gather_flat_buffers(direct):
     prepared = prepare_gather(plan_from_local(local, case.budget, alignment=1), local, out=out, direct=direct)
     result = prepared.run()
     for r in range(world):
-        for key, t in shards[r].items():
-            assert_bits_equal(result.tensors[key], t, f"rank {rank} {key}")
+        for key, t in shards[r].items():  # the key names layer, projection, expert and ETP shard
+            assert_bitwise_equal(result.tensors[key], t, name=f"rank {rank} {key}")
     return result.stats.peak_buffer_bytes, len(prepared.buffers), case.budget
 
 
@@ -244,5 +255,6 @@ def test_reassembly_check_catches_a_gather_that_concatenates_fc1_shards():
 
     case = Case(ep=1, etp=2, dp=1, experts=1, hidden=6, ffn=4, budget_rows=None)
     naive = torch.cat([trainer_shard(LAYER, 0, "fc1", t, case) for t in range(2)])
-    with pytest.raises(AssertionError, match=r"layer 0 expert 0 fc1: first differing row 2, col \d+"):
-        assert_bits_equal(naive, unsharded(LAYER, 0, "fc1", case), "layer 0 expert 0 fc1")
+    with pytest.raises(AssertionError, match=r"first at layer=0 expert=0 projection=fc1\.gate row=2 col=\d+ "):
+        assert_expert_bits(naive, unsharded(LAYER, 0, "fc1", case), layer=LAYER, expert=0, projection="fc1",
+                           where="unsharded", row_blocks=fc1_blocks(case))

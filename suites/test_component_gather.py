@@ -9,6 +9,7 @@ shards - same shape, rows in the wrong order - fails with a message that says wh
 from __future__ import annotations
 
 import pytest
+from located_bits import assert_component_bits
 
 from reference_impl.component_gather import (
     ComponentLayout,
@@ -57,33 +58,15 @@ def shards_by_slicing(full, layout: ComponentLayout, tp: int) -> list:
     return out
 
 
-def assert_component_major(actual, expected, layout: ComponentLayout, tp: int) -> None:
-    """Raw-bit equality; the message locates the first wrong row by component and source rank."""
-    import torch
-
-    assert tuple(actual.shape) == tuple(expected.shape), f"{layout.name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a = actual.reshape(actual.shape[0], -1).view(torch.int16)
-    e = expected.reshape(expected.shape[0], -1).view(torch.int16)
-    diff = (a != e).nonzero()
-    if len(diff):
-        row, col = diff[0].tolist()
-        component, source_rank, local_row = layout.locate(row, tp)
-        raise AssertionError(
-            f"{layout.name} at TP {tp}: row {row} (component {component!r}, row {local_row} of TP rank "
-            f"{source_rank}'s block), col {col}: got 0x{a[row, col].item() & 0xFFFF:04x}, "
-            f"expected 0x{e[row, col].item() & 0xFFFF:04x}"
-        )
-
-
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_single_process_assembly_restores_the_unsharded_tensor(name, tp):
     layout = LAYOUTS[name]
     full = unsharded(layout)
     shards = shards_by_slicing(full, layout, tp)
-    assert_component_major(assemble_components(shards, layout), full, layout, tp)
+    assert_component_bits(assemble_components(shards, layout), full, layout, tp)
     for rank, shard in enumerate(shards):
-        assert_component_major(shard_of(full, layout, tp, rank), shard, ComponentLayout("shard", ("all",), (shard.shape[0],)), 1)
+        assert_component_bits(shard_of(full, layout, tp, rank), shard, ComponentLayout("shard", ("all",), (shard.shape[0],)), 1)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -96,7 +79,7 @@ def test_concatenated_shards_are_caught_with_the_first_wrong_component(name):
     naive = torch.cat(shards)
     first = layout.sizes[0]
     with pytest.raises(AssertionError, match=rf"row {first // 2} \(component '{layout.components[0]}', row 0 of TP rank 1's block\)"):
-        assert_component_major(naive, full, layout, 2)
+        assert_component_bits(naive, full, layout, 2)
 
 
 def test_three_dimensional_conv_weights_are_gathered_along_dim_0():
@@ -105,7 +88,7 @@ def test_three_dimensional_conv_weights_are_gathered_along_dim_0():
     layout = LAYOUTS["gdn_conv1d"]
     full = torch.arange(layout.rows * 4, dtype=torch.float32).reshape(layout.rows, 1, 4).to(torch.bfloat16)
     shards = shards_by_slicing(full, layout, 2)
-    assert_component_major(assemble_components(shards, layout), full, layout, 2)
+    assert_component_bits(assemble_components(shards, layout), full, layout, 2)
 
 
 def test_components_that_do_not_divide_by_tp_are_rejected():
@@ -135,8 +118,8 @@ def gather_both_ways(name: str) -> dict:
     shard = shards_by_slicing(full, layout, tp)[rank]
     sequential = gather_components_sequential(shard, layout)
     overlapped = gather_components_async(shard, layout)
-    assert_component_major(sequential, full, layout, tp)
-    assert_component_major(overlapped, sequential, layout, tp)
+    assert_component_bits(sequential, full, layout, tp)
+    assert_component_bits(overlapped, sequential, layout, tp)
     return {"sequential": sequential.view(torch.int16).tolist(), "async": overlapped.view(torch.int16).tolist()}
 
 

@@ -47,7 +47,14 @@ def ensure_initialized(backend: str) -> None:
         if backend == "auto":
             backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         if "nccl" in backend:
-            local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count()
+            count = torch.cuda.device_count()
+            if count == 0:
+                raise RuntimeError(
+                    f"backend {backend!r} needs a CUDA GPU, this torchrun rank sees none "
+                    f"(RANK={os.environ['RANK']}, "
+                    f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+                )
+            local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % count
             torch.cuda.set_device(local)
         dist.init_process_group(backend, init_method="env://")
     if torch.cuda.is_available() and "nccl" in str(dist.get_backend()):

@@ -80,7 +80,13 @@ def _init_process_group(rank: int, world_size: int, backend: str, store_path: st
         torch.set_num_threads(threads)
     device = "cpu"
     if backend == "nccl":
-        local = rank % torch.cuda.device_count()
+        count = torch.cuda.device_count()
+        if count == 0:  # RankPool used as a library on a host without CUDA
+            raise RuntimeError(
+                f"backend nccl needs a CUDA GPU, rank {rank} sees none "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+            )
+        local = rank % count
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
     store = dist.FileStore(store_path, world_size)

@@ -1,1 +1,0 @@
-"""Fixtures users see that belong to no single sub-plugin."""
