@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import functools
 
+import pytest
+
 import harness
 from pytest_weightsync import compare
 from reference_impl import synth
 from reference_impl.layout import receiver_param_shapes, receiver_shard
 from reference_impl.select import Capabilities as RoutingCapabilities
+from reference_impl.select import NoCompatiblePathError, select_path
 
 FORMATS = ("compat", "packed", "direct")
 #: A parameter every real receiver also holds (the MoE router); loaders must leave it alone.
@@ -159,6 +162,33 @@ def unclaimed(impl, role, case, fmt=None):
     if reason is None and fmt is not None:
         reason = caps.format_refusal(role, fmt, case.receiver)
     return None if reason is None else f"{impl.name} {reason}"
+
+
+def require_claim(impl, role, case, fmt=None) -> None:
+    """Skip the calling test, with the reason, unless ``impl`` claims ``case`` (and ``fmt``)."""
+    reason = unclaimed(impl, role, case, fmt)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def fallback_choice(impl, role, case, restriction):
+    """Route a ``direct`` update of ``impl`` with one capability taken away (``restriction``).
+
+    Skips when the restriction does not apply to ``case`` or leaves no claimed path; otherwise
+    returns the routing choice after asserting it fell back from ``direct`` to a path ``impl``
+    claims. Shared by the loader and exporter ``fallback_routing`` properties.
+    """
+    require_claim(impl, role, case)
+    caps, why_not = RESTRICTIONS[restriction](impl.capabilities.routing(role), case.receiver)
+    if caps is None:
+        pytest.skip(why_not)
+    try:
+        choice = select_path("direct", caps, case.receiver)
+    except NoCompatiblePathError as error:
+        pytest.skip(f"{impl.name} claims no path left with {restriction}: {error}")
+    assert choice.fell_back and choice.skipped[0][0] == "direct", choice
+    assert choice.path in caps.formats, f"routed to {choice.path}, not claimed: {choice}"
+    return choice
 
 
 def _without(caps, **changes):

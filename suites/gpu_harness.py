@@ -191,22 +191,23 @@ def forward_inputs(scenario: Scenario, device) -> tuple:
     return hidden.to(device), [t.to(device) for t in logits]
 
 
-def forward(params: dict, scenario: Scenario, rank: int, layer: int, hidden, logits):
-    """Receiver ``rank``'s partial MoE output of ``layer`` over ``params`` (float32)."""
+def _forward_call(run, params: dict, scenario: Scenario, rank: int, layer: int, hidden, logits):
+    """``run`` (eager forward or graph capture) over receiver ``rank``'s ``layer`` params."""
     shard = receiver_shard(scenario.spec, scenario.topo, rank)
-    return moe_forward.moe_forward(
+    return run(
         hidden, logits, params[fused_name(layer, "w13")], params[fused_name(layer, "w2")],
         top_k=scenario.top_k, expert_start=shard.experts.start, order=scenario.topo.order,
         out_dtype=torch.float32)
+
+
+def forward(params: dict, scenario: Scenario, rank: int, layer: int, hidden, logits):
+    """Receiver ``rank``'s partial MoE output of ``layer`` over ``params`` (float32)."""
+    return _forward_call(moe_forward.moe_forward, params, scenario, rank, layer, hidden, logits)
 
 
 def capture(params: dict, scenario: Scenario, rank: int, layer: int, hidden, logits):
-    """A CUDA graph of :func:`forward` over the live parameters."""
-    shard = receiver_shard(scenario.spec, scenario.topo, rank)
-    return moe_forward.capture_forward(
-        hidden, logits, params[fused_name(layer, "w13")], params[fused_name(layer, "w2")],
-        top_k=scenario.top_k, expert_start=shard.experts.start, order=scenario.topo.order,
-        out_dtype=torch.float32)
+    """A CUDA graph of :func:`forward` over the live parameters (same call, same kernels)."""
+    return _forward_call(moe_forward.capture_forward, params, scenario, rank, layer, hidden, logits)
 
 
 def count_differing(a, b) -> int:

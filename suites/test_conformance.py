@@ -24,15 +24,12 @@ import conformance_harness as ch
 import matrix
 from pytest_weightsync import compare
 from reference_impl.layout import fused_name, receiver_shard
-from reference_impl.select import NoCompatiblePathError, select_path
 
 ANCHORS = [pytest.param(case, id=case.id) for case in matrix.ANCHORS]
 
 
 def _require_claim(impl, case, fmt=None):
-    reason = ch.unclaimed(impl, "loader", case, fmt)
-    if reason is not None:
-        pytest.skip(reason)
+    ch.require_claim(impl, "loader", case, fmt)
 
 
 @pytest.mark.weightsync_property("bit_exact")
@@ -164,17 +161,7 @@ def test_loader_rejects_bad_input_and_writes_nothing(weightsync_loader, case, pa
 @pytest.mark.parametrize("restriction", sorted(ch.RESTRICTIONS))
 @pytest.mark.parametrize("case", ANCHORS)
 def test_loader_fallback_path_lands_bit_exact(weightsync_loader, case, restriction):
-    _require_claim(weightsync_loader, case)
-    caps, why_not = ch.RESTRICTIONS[restriction](
-        weightsync_loader.capabilities.routing("loader"), case.receiver)
-    if caps is None:
-        pytest.skip(why_not)
-    try:
-        choice = select_path("direct", caps, case.receiver)
-    except NoCompatiblePathError as error:
-        pytest.skip(f"{weightsync_loader.name} claims no path left with {restriction}: {error}")
-    assert choice.fell_back and choice.skipped[0][0] == "direct", choice
-    assert choice.path in caps.formats, f"routed to {choice.path}, not claimed: {choice}"
+    choice = ch.fallback_choice(weightsync_loader, "loader", case, restriction)
     for rank in range(case.receiver.world_size):
         params = ch.receiver_params(case, rank)
         before = compare.snapshot(params)

@@ -19,7 +19,6 @@ import matrix
 from harness import LOAD_FORMAT, fresh_receivers
 from pytest_weightsync import compare
 from reference_impl import synth, trainer
-from reference_impl.select import NoCompatiblePathError, select_path
 
 
 def _trainer_states(case, version):
@@ -47,9 +46,7 @@ def export_and_check(exporter, case, fmt, version):
 
 
 def _require_claim(impl, case, fmt=None):
-    reason = ch.unclaimed(impl, "exporter", case, fmt)
-    if reason is not None:
-        pytest.skip(reason)
+    ch.require_claim(impl, "exporter", case, fmt)
 
 
 @pytest.mark.weightsync_property("export_bit_exact")
@@ -63,15 +60,5 @@ def test_exporter_payload_lands_bit_exact(weightsync_exporter, moe_case, payload
 @pytest.mark.parametrize("restriction", sorted(ch.RESTRICTIONS))
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in matrix.ANCHORS])
 def test_exporter_fallback_path_lands_bit_exact(weightsync_exporter, case, restriction):
-    _require_claim(weightsync_exporter, case)
-    caps, why_not = ch.RESTRICTIONS[restriction](
-        weightsync_exporter.capabilities.routing("exporter"), case.receiver)
-    if caps is None:
-        pytest.skip(why_not)
-    try:
-        choice = select_path("direct", caps, case.receiver)
-    except NoCompatiblePathError as error:
-        pytest.skip(f"{weightsync_exporter.name} claims no path left with {restriction}: {error}")
-    assert choice.fell_back and choice.skipped[0][0] == "direct", choice
-    assert choice.path in caps.formats, f"routed to {choice.path}, not claimed: {choice}"
+    choice = ch.fallback_choice(weightsync_exporter, "exporter", case, restriction)
     export_and_check(weightsync_exporter, case, choice.path, version=4)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness import fresh_receivers, payload
 from pytest_weightsync.compare import assert_bitwise_equal
-from reference_impl import compat, synth
-from reference_impl.receiver import ReferenceReceiver
+from reference_impl import synth
 
 pytestmark = pytest.mark.weightsync_property("receiver_layout_oracle")
 
@@ -60,22 +60,13 @@ def _oracle(spec, topo, rank, full):
 def test_expected_state_and_reference_receiver_match_plain_slicing(moe_case):
     spec, topo = moe_case.spec, moe_case.receiver
     full = synth.full_weights(spec, VERSION)
-    payload = compat.export(full)
-    for rank in range(topo.world_size):
+    for receiver in fresh_receivers(moe_case):  # poisoned buffers: padding must be zeroed
+        rank = receiver.rank
+        for layer in range(spec.num_layers):  # a chunk touching a layer carries all its experts
+            receiver.load(payload("compat", moe_case, rank, full, [layer]))
         oracle = _oracle(spec, topo, rank, full)
         expected = synth.expected_receiver_params(spec, topo, rank, VERSION)
-        receiver = ReferenceReceiver(spec, topo, rank)
-        for chunk in _layer_chunks(payload):
-            receiver.load(chunk)
         assert sorted(expected) == sorted(oracle) == sorted(receiver.params)
         for name, want in oracle.items():
             assert_bitwise_equal(expected[name], want, name=f"expected {name}", rank=rank)
             assert_bitwise_equal(receiver.params[name], want, name=name, rank=rank)
-
-
-def _layer_chunks(payload):
-    """One chunk per layer: a chunk touching a layer must carry all of its experts."""
-    chunks: dict[int, list] = {}
-    for name, tensor in payload:
-        chunks.setdefault(int(name.split(".")[2]), []).append((name, tensor))
-    return [chunks[k] for k in sorted(chunks)]
