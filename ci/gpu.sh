@@ -5,21 +5,34 @@
 #   bash ci/gpu.sh [RESULTS_DIR] [STAGES]
 #
 # STAGES is a comma-separated subset of "one,two,bench" (default: all three, in that order):
-#   one    pytest -m gpu suites/ with CUDA_VISIBLE_DEVICES=0 (2-GPU tests skip with a reason)
-#   two    pytest -m gpu suites/ with the first two GPUs visible (when there are two)
+#   one    every file with GPU tests, one pytest run per file, CUDA_VISIBLE_DEVICES=0; then
+#          tests/test_ranks_gpu.py again under pytest-xdist (-n 2). Tests that need two GPUs
+#          skip there and are listed as "not run: needs 2 GPUs", not as failures.
+#   two    the files with two-GPU tests, with the first two GPUs visible (when there are two;
+#          otherwise the stage is listed as not run)
 #   bench  benchmarks/bench_expert_sync.py --device cuda on one GPU, bench_gather.py on two
-# Split the stages over several invocations when one call has a time limit.
+#
+# Every pytest run is bounded: a per-file wall-clock limit (`timeout`, which also ends the
+# receiver and rank processes a test spawned) and, where pytest-timeout is installed, a
+# per-test limit. GPU_DEADLINE_S (seconds from the start of this script) caps the whole run:
+# a file whose limit would pass it gets only the time left, or is listed as not run. The
+# summary (summary.txt) is written line by line as each file finishes, so a run killed from
+# outside still leaves every finished file's counts and the name of the one that was running.
 #
 # Needs python3 with torch (CUDA), triton and pytest; megatron-core and sglang are not needed.
-# NCCL settings already in the environment (e.g. NCCL_NVLS_ENABLE=0) are passed through
-# untouched. At the end it prints a summary (pass counts per suite, throughput lines, GPU
-# memory before and after) to paste into docs/gpu.md.
+# The suites import `pytest_weightsync.reference_impl` and `pytest_weightsync.suites`, which
+# exist only in an installed plugin (pyproject's package-dir mapping): the script installs it
+# editable, or else builds a wheel and installs that into the results folder; if neither
+# works it stops and says so. NCCL settings already in the environment are passed through;
+# NVLink multicast stays off unless the environment says otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 RESULTS="${1:-./gpu-results}"
 STAGES="${2:-one,two,bench}"
 PYTHON="${PYTHON:-python3}"
+TEST_TIMEOUT="${WEIGHTSYNC_TEST_TIMEOUT:-240}"   # seconds per test (pytest-timeout)
+GPU_DEADLINE_S="${GPU_DEADLINE_S:-0}"            # 0: no overall cap
 mkdir -p "$RESULTS"
 RESULTS="$(cd "$RESULTS" && pwd)"
 SUMMARY="$RESULTS/summary.txt"
@@ -27,6 +40,10 @@ SUMMARY="$RESULTS/summary.txt"
 # Same cuBLAS workspace on every stream: eager and graph-captured matmuls pick the same kernels.
 export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"
 export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
+export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
+export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
+T0=$(date +%s)
 
 say() { echo "$@" | tee -a "$SUMMARY"; }
 has_stage() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -45,22 +62,51 @@ PY
     fi
 }
 
-# ---- plugin: installed editable if possible, else from the source tree ---------------------
+# ---- plugin: editable install, else a wheel installed into the results folder -------------
+plugin_importable() {
+    "$PYTHON" - <<'PY'
+import importlib.metadata as md
+import pytest_weightsync.plugin, pytest_weightsync.reference_impl.synth, pytest_weightsync.suites  # noqa
+assert any(ep.name == "weightsync" for ep in md.entry_points(group="pytest11")), "no pytest11 entry point"
+PY
+}
 if "$PYTHON" -m pip install --no-deps --no-build-isolation -e . >"$RESULTS/install.log" 2>&1 \
-        && "$PYTHON" -c "import pytest_weightsync.plugin" 2>>"$RESULTS/install.log"; then
-    PLUGIN=(-p weightsync)
+        && plugin_importable >>"$RESULTS/install.log" 2>&1; then
     INSTALL="editable install"
 else
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    PLUGIN=(-p pytest_weightsync.plugin)
-    INSTALL="PYTHONPATH (pip install failed, see install.log)"
+    rm -rf "$RESULTS/wheel" "$RESULTS/site"
+    if "$PYTHON" -m pip wheel --no-deps --no-build-isolation -w "$RESULTS/wheel" . >>"$RESULTS/install.log" 2>&1 \
+            && "$PYTHON" -m pip install --no-deps --no-index --target "$RESULTS/site" "$RESULTS"/wheel/*.whl \
+                >>"$RESULTS/install.log" 2>&1; then
+        export PYTHONPATH="$RESULTS/site${PYTHONPATH:+:$PYTHONPATH}"
+        export PYTHONSAFEPATH=1  # the checkout's own pytest_weightsync/ lacks the mapped subpackages
+        INSTALL="wheel installed into $RESULTS/site (editable install failed, see install.log)"
+        if ! plugin_importable >>"$RESULTS/install.log" 2>&1; then
+            say "cannot install the plugin: neither an editable install nor a wheel gives an importable"
+            say "pytest_weightsync.reference_impl / pytest_weightsync.suites (see $RESULTS/install.log)"
+            exit 2
+        fi
+    else
+        say "cannot install the plugin: 'pip install -e .' and 'pip wheel .' both failed (see $RESULTS/install.log)."
+        say "The suites import pytest_weightsync.reference_impl and pytest_weightsync.suites, which only an"
+        say "installed plugin provides (pyproject package-dir mapping); PYTHONPATH=. does not."
+        exit 2
+    fi
 fi
+PLUGIN=(-p weightsync)
+TIMEOUT_ARGS=()
+if "$PYTHON" -c "import pytest_timeout" >/dev/null 2>&1; then
+    TIMEOUT_ARGS=(--timeout="$TEST_TIMEOUT")
+fi
+XDIST=0
+"$PYTHON" -c "import xdist" >/dev/null 2>&1 && XDIST=1
 
 NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
 say "== pytest-weightsync GPU run, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-say "   git: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty)')"
+say "   git: $(git rev-parse --short HEAD 2>/dev/null || echo 'no git')$(git diff --quiet 2>/dev/null || echo ' (working tree differs)')"
 say "   python: $("$PYTHON" -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)' 2>&1)"
 say "   plugin: $INSTALL; GPUs visible: $NGPU; stages: $STAGES"
+say "   limits: per test ${TIMEOUT_ARGS[*]:-none (pytest-timeout missing)}; per file see below; overall ${GPU_DEADLINE_S}s (0 = none)"
 say "   NCCL env: $(env | grep -E '^(NCCL_|TORCH_SYMM_MEM|NVSHMEM_)' | sort | tr '\n' ' ')"
 say "   GPU memory before:"
 gpu_memory | tee -a "$SUMMARY"
@@ -69,54 +115,136 @@ if [ "$NGPU" -lt 1 ]; then
     exit 1
 fi
 
-STATUS=0
-
-run_suites() {  # $1 = label, $2 = CUDA_VISIBLE_DEVICES
-    local label=$1 devices=$2 rc
-    say ""
-    say "== pytest -m gpu suites/ ($label, CUDA_VISIBLE_DEVICES=$devices)"
-    CUDA_VISIBLE_DEVICES=$devices "$PYTHON" -m pytest "${PLUGIN[@]}" -m gpu suites/ -rs -p no:cacheprovider \
-        --junitxml="$RESULTS/pytest-$label.xml" --weightsync-report="$RESULTS/report-$label.json" \
-        >"$RESULTS/pytest-$label.log" 2>&1
-    rc=$?
-    tail -n 1 "$RESULTS/pytest-$label.log" | tee -a "$SUMMARY"
-    "$PYTHON" - "$RESULTS/pytest-$label.xml" <<'PY' | tee -a "$SUMMARY"
-import collections, sys, xml.etree.ElementTree as ET
+# One line per pytest run from its junit XML, or from its -v log when the run was killed.
+cat >"$RESULTS/summarize.py" <<'PY'
+import collections, re, sys, xml.etree.ElementTree as ET
+xml_path, log_path, rc, seconds, label = sys.argv[1:6]
+rc = int(rc)
+TWO_GPU = re.compile(r"needs [2-9]\d* CUDA GPU")
+outcome, reasons, notes = {}, {}, []
 try:
-    root = ET.parse(sys.argv[1]).getroot()
-except Exception as exc:
-    print(f"    (no junit xml: {exc})"); sys.exit(0)
-counts = collections.defaultdict(collections.Counter)
-failed = []
-for case in root.iter("testcase"):
-    suite = case.get("classname", "?").split(".")[0]
-    kind = "passed"
-    for child in case:
-        if child.tag in ("failure", "error"):
-            kind = "failed"; failed.append(f"{case.get('classname')}::{case.get('name')}")
-        elif child.tag == "skipped":
-            kind = "skipped"
-    counts[suite][kind] += 1
-for suite, c in sorted(counts.items()):
-    print(f"    {suite:<28} passed {c['passed']:>3}  failed {c['failed']:>3}  skipped {c['skipped']:>3}")
-for name in failed:
-    print(f"    FAILED {name}")
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        node = f"{case.get('classname')}::{case.get('name')}"
+        kind = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                kind = "failed"
+            elif child.tag == "skipped" and kind == "passed":
+                kind, reasons[node] = "skipped", (child.get("message") or "").strip()
+        outcome[node] = kind
+        for prop in case.iter("property"):
+            if prop.get("name") == "gpu_memory":
+                notes.append(f"{case.get('name')}: {prop.get('value')}")
+    source = "junit"
+except Exception:
+    source = "log"
+    line_re = re.compile(r"(\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED)|(PASSED|FAILED|ERROR|SKIPPED)\s+(\S+::\S+)")
+    for line in open(log_path, errors="replace"):
+        m = line_re.search(line)
+        if m:
+            node, word = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(3))
+            outcome[node] = {"PASSED": "passed", "SKIPPED": "skipped"}.get(word, "failed")
+count = collections.Counter(outcome.values())
+two = [n for n, k in outcome.items() if k == "skipped" and TWO_GPU.search(reasons.get(n, ""))]
+other = collections.Counter(reasons[n] for n, k in outcome.items()
+                            if k == "skipped" and n in reasons and n not in two)
+status = "ok" if rc in (0, 5) and not count["failed"] else ("TIMED OUT" if rc in (124, 137) else f"exit {rc}")
+print(f"   {label:<44} passed {count['passed']:>3}  failed {count['failed']:>3}  "
+      f"skipped {count['skipped'] - len(two):>3}  not run (needs 2 GPUs) {len(two):>2}  "
+      f"{float(seconds):6.1f} s  {status}" + ("" if source == "junit" else "  (counts from the log)"))
+for n, k in outcome.items():
+    if k == "failed":
+        print(f"      FAILED {n}")
+for reason, c in sorted(other.items()):
+    print(f"      skipped {c}: {reason[:140]}")
+for n in two:
+    print(f"      not run, needs 2 GPUs: {n}")
+for note in notes:
+    print(f"      memory, {note}")
+if rc in (124, 137):
+    print(f"      stopped at the file's time limit; the test running then: see the end of its log")
 PY
-    if [ $rc -ne 0 ]; then
+
+STATUS=0
+RUN_INDEX=0
+
+remaining() { if [ "$GPU_DEADLINE_S" -gt 0 ]; then echo $((GPU_DEADLINE_S - ($(date +%s) - T0))); else echo 100000; fi; }
+
+# run_pytest LABEL DEVICES LIMIT_S ARGS...: one bounded pytest run, one summary line.
+run_pytest() {
+    local label=$1 devices=$2 limit=$3 rc start elapsed left name
+    shift 3
+    left=$(remaining)
+    if [ "$left" -lt 30 ]; then
+        say "   $label: not run, the overall limit (${GPU_DEADLINE_S}s) is spent"
         STATUS=1
-        say "   (exit code $rc; full log: pytest-$label.log)"
+        return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$((left - 10))
+    RUN_INDEX=$((RUN_INDEX + 1))
+    name=$(printf "%02d-%s" "$RUN_INDEX" "$(echo "$label" | tr -c 'A-Za-z0-9._-' '_' | sed 's/_*$//')")
+    echo "   ... $label (limit ${limit}s, log $name.log)" >>"$SUMMARY"
+    start=$(date +%s%N)
+    CUDA_VISIBLE_DEVICES=$devices timeout -k 15 "$limit" "$PYTHON" -m pytest "${PLUGIN[@]}" \
+        -v -rs -p no:cacheprovider -o junit_family=xunit1 "${TIMEOUT_ARGS[@]}" --junitxml="$RESULTS/$name.xml" "$@" \
+        >"$RESULTS/$name.log" 2>&1
+    rc=$?
+    elapsed=$(( ($(date +%s%N) - start) / 1000000 ))  # ms
+    elapsed="$((elapsed / 1000)).$(( (elapsed % 1000) / 100 ))"
+    sed -i '$ d' "$SUMMARY"  # the "..." line of this run
+    "$PYTHON" "$RESULTS/summarize.py" "$RESULTS/$name.xml" "$RESULTS/$name.log" "$rc" "$elapsed" "$label" \
+        | tee -a "$SUMMARY"
+    # 5: every test deselected (no GPU test in the file under this -m/-k)
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
+        STATUS=1
     fi
 }
 
+# File and per-file wall-clock limit (seconds). Any other suites/test_*.py with GPU tests
+# (e.g. the Megatron-Bridge / DeepEP suites, which skip unless those packages are installed) is
+# appended with the default limit, so a new GPU suite cannot be forgotten.
+ONE_GPU_FILES=(
+    "suites/test_gpu_cuda_graph.py 120"
+    "suites/test_gpu_repeated.py 150"
+    "suites/test_fastcopy.py 120"
+    "suites/test_gpu_ipc.py 240"
+    "suites/test_gpu_nccl.py 60"
+    "tests/test_ranks_gpu.py 90"
+)
+for f in $(grep -l "pytest.mark.gpu" suites/test_*.py 2>/dev/null); do
+    printf '%s\n' "${ONE_GPU_FILES[@]}" | grep -q "^$f " || ONE_GPU_FILES+=("$f 120")
+done
+
 if has_stage one; then
-    run_suites one-gpu 0
-fi
-if has_stage two; then
-    if [ "$NGPU" -ge 2 ]; then
-        run_suites two-gpu 0,1
+    say ""
+    say "== one GPU (CUDA_VISIBLE_DEVICES=0): pytest -m gpu, one run per file"
+    for entry in "${ONE_GPU_FILES[@]}"; do
+        read -r file limit <<<"$entry"
+        if [ ! -f "$file" ]; then
+            say "   $file: not present in this checkout"
+            continue
+        fi
+        run_pytest "$file" 0 "$limit" -m gpu "$file"
+    done
+    if [ "$XDIST" -eq 1 ]; then
+        run_pytest "tests/test_ranks_gpu.py -n 2" 0 120 -m gpu -n 2 tests/test_ranks_gpu.py
     else
-        say ""
-        say "== two-GPU stage skipped: $NGPU GPU(s) visible"
+        say "   tests/test_ranks_gpu.py -n 2: not run, pytest-xdist is not installed"
+        STATUS=1
+    fi
+fi
+
+if has_stage two; then
+    say ""
+    if [ "$NGPU" -ge 2 ]; then
+        say "== two GPUs (CUDA_VISIBLE_DEVICES=0,1)"
+        run_pytest "suites/test_gpu_nccl.py" 0,1 240 -m gpu suites/test_gpu_nccl.py
+        run_pytest "suites/test_gpu_ipc.py -k two_gpus" 0,1 120 -m gpu -k two_gpus suites/test_gpu_ipc.py
+        run_pytest "tests/test_ranks_gpu.py" 0,1 120 -m gpu tests/test_ranks_gpu.py
+        [ "$XDIST" -eq 1 ] && run_pytest "tests/test_ranks_gpu.py -n 2" 0,1 120 -m gpu -n 2 tests/test_ranks_gpu.py
+    else
+        say "== two GPUs: not run: needs 2 GPUs, $NGPU visible (suites/test_gpu_nccl.py, the two-GPU"
+        say "   tests of suites/test_gpu_ipc.py and tests/test_ranks_gpu.py; listed per test above)"
     fi
 fi
 
@@ -124,23 +252,31 @@ if has_stage bench; then
     say ""
     say "== benchmarks"
     if [ -f benchmarks/bench_expert_sync.py ]; then
-        CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" benchmarks/bench_expert_sync.py \
-            --device cuda --json "$RESULTS/bench_expert_sync.json" >"$RESULTS/bench_expert_sync.log" 2>&1 \
-            || { STATUS=1; say "   bench_expert_sync.py failed (see bench_expert_sync.log)"; }
-        say "-- bench_expert_sync.py --device cuda (1 GPU)"
-        grep -E "GB/s|x[0-9]|ratio|limit" "$RESULTS/bench_expert_sync.log" | sed 's/^/    /' | tee -a "$SUMMARY"
+        left=$(remaining); limit=180; [ "$left" -lt "$limit" ] && limit=$((left - 5))
+        if [ "$limit" -lt 30 ]; then
+            say "   bench_expert_sync.py: not run, the overall limit is spent"; STATUS=1
+        else
+            say "-- bench_expert_sync.py --device cuda (1 GPU, limit ${limit}s)"
+            start=$(date +%s)
+            CUDA_VISIBLE_DEVICES=0 timeout -k 15 "$limit" "$PYTHON" benchmarks/bench_expert_sync.py \
+                --device cuda --json "$RESULTS/bench_expert_sync.json" >"$RESULTS/bench_expert_sync.log" 2>&1
+            rc=$?
+            grep -E "GB/s|x[0-9]|ratio|limit" "$RESULTS/bench_expert_sync.log" | sed 's/^/    /' | tee -a "$SUMMARY"
+            say "   bench_expert_sync.py: exit $rc after $(( $(date +%s) - start )) s"
+            [ "$rc" -ne 0 ] && STATUS=1
+        fi
     else
         say "   benchmarks/bench_expert_sync.py not present"
     fi
     if [ -f benchmarks/bench_gather.py ]; then
         if [ "$NGPU" -ge 2 ]; then
-            CUDA_VISIBLE_DEVICES=0,1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" benchmarks/bench_gather.py \
+            CUDA_VISIBLE_DEVICES=0,1 timeout -k 15 300 "$PYTHON" benchmarks/bench_gather.py \
                 --device cuda --world-size 2 --json "$RESULTS/bench_gather.json" >"$RESULTS/bench_gather.log" 2>&1 \
                 || { STATUS=1; say "   bench_gather.py failed (see bench_gather.log)"; }
             say "-- bench_gather.py --device cuda (2 GPUs, NCCL)"
             grep -E "GB/s|ratio|baseline|budget" "$RESULTS/bench_gather.log" | sed 's/^/    /' | tee -a "$SUMMARY"
         else
-            say "   bench_gather.py skipped: needs 2 GPUs, $NGPU visible"
+            say "   bench_gather.py: not run: needs 2 GPUs, $NGPU visible"
         fi
     fi
 fi
@@ -148,5 +284,5 @@ fi
 say ""
 say "   GPU memory after:"
 gpu_memory | tee -a "$SUMMARY"
-say "== results in $RESULTS (summary.txt, pytest-*.log/xml, report-*.json, bench_*.json/log); status $STATUS"
+say "== results in $RESULTS (summary.txt, NN-*.log/xml, bench_*.json/log); $(( $(date +%s) - T0 )) s; status $STATUS"
 exit $STATUS

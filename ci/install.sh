@@ -25,16 +25,23 @@ pipq "${C[@]}" -r ci/requirements-megatron.txt
 echo "install: sglang (no deps) and what its MoE layer imports"
 pipq --no-deps -r ci/requirements-sglang.txt
 pipq "${C[@]}" -r ci/requirements-sglang-deps.txt
+echo "install: megatron-bridge (no deps; only its weight mappings are used)"
+pipq --no-deps "${C[@]}" -r ci/requirements-bridge.txt
 echo "install: pytest-weightsync (editable)"
 pipq --no-deps -e .
 
 # No later install may replace the torch pair sglang pins.
 "$VENV/bin/python" - <<'PYEOF'
 import importlib.metadata as md
-want = {"torch": "2.14.1", "torchvision": "0.29.1", "megatron-core": "0.16.1", "sglang": "0.5.23"}
+want = {"torch": "2.14.1", "torchvision": "0.29.1", "megatron-core": "0.16.1", "sglang": "0.5.23",
+        "megatron-bridge": "0.3.1"}
 bad = {k: md.version(k) for k, v in want.items() if md.version(k).split("+")[0] != v}
 if bad:
     raise SystemExit(f"install: wrong versions after install: {bad}, expected {want}")
 import torch
+import pytest_weightsync.reference_impl.backends as backends
+bridge = backends.probe("megatron_bridge")
+if not bridge.available:
+    raise SystemExit(f"install: {bridge.reason}")
 print(f"install: ok - torch {torch.__version__}, threads default {torch.get_num_threads()}")
 PYEOF

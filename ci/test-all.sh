@@ -8,4 +8,6 @@ bash ci/install.sh || exit 1
 rc=$?
 # pytest exits 5 when it collected no test: that is a broken run, not a green one.
 if [ $rc -eq 5 ]; then echo "test-all: no tests were collected"; exit 1; fi
+# The installed layout: wheel + example in a fresh venv, suites run from outside the checkout.
+bash ci/wheel-check.sh || { echo "test-all: wheel check failed"; [ $rc -ne 0 ] || rc=1; }
 exit $rc

@@ -3,7 +3,7 @@
 ``--weightsync-eligibility module:attr`` (repeatable) names a function that decides whether a
 training config may reuse the training forward's log-probs as old-policy log-probs. Every test
 that asks for the ``eligibility_impl`` fixture runs once against the reference
-(:func:`reference_impl.inline_logprob.inline_logprob_eligibility`) and once per function given.
+(:func:`pytest_weightsync.reference_impl.inline_logprob.inline_logprob_eligibility`) and once per function given.
 
 Adapter contract for a third-party function ``f(config)``:
 
@@ -14,9 +14,17 @@ Adapter contract for a third-party function ``f(config)``:
   ``TypeError`` naming the function.
 
 On disagreement the test fails with a table of the configs where the function differs from
-the expected decision, and the names of any fields the function read that the config does not
-carry - the usual cause, since ``getattr(args, "absent_field", default)`` quietly returns the
-default.
+the expected decision, then a hint naming the field that decided each difference, found by
+re-running the function and the reference with one field changed at a time:
+
+- a field whose change alone moves the reference's decision but not the function's (the
+  function ignores it, e.g. a negative ``kl_coef``), or moves the function's decision to the
+  expected one while the reference's stays (the function objects to a value it should accept);
+- a field the function looked up that the config does not carry, but only when supplying it
+  (at its parser default, for a field of the reference's table; at any simple value for one
+  the frameworks do not define) moves the function to the expected decision. A field read with
+  a default that IS the right value (``getattr(args, "max_staleness", 0)`` on slime) is never
+  blamed: it did not decide anything.
 
 This module imports neither torch nor the reference at import time.
 """
@@ -125,8 +133,97 @@ class EligibilityImpl:
         verdicts = [self.decide(case.config) for case in cases]
         wrong = [(c, v) for c, v in zip(cases, verdicts) if v.eligible is not c.expected]
         if wrong:
-            pytest.fail(disagreement_report(self.name, wrong, len(cases)), pytrace=False)
+            pytest.fail(disagreement_report(self.name, wrong, len(cases), impl=self),
+                        pytrace=False)
         return verdicts
+
+
+# -- which field decided a difference ---------------------------------------------------------
+
+#: Values tried for a field no FIELDS entry describes (one the frameworks do not define).
+_UNKNOWN_FIELD_PROBES = (False, True, 0, 1, None)
+
+
+def _probes(field, value: object, fields: Mapping[str, object]) -> list[object]:
+    """Other valid values of a FIELDS entry ``field`` currently holding ``value``: the ones the
+    decision turns on (booleans flipped, 0/1/2 and neighbours of ints, zero and both signs of
+    floats, the one-step global batch)."""
+    if field.kind == "bool":
+        candidates = [not value]
+    elif field.kind == "float":
+        candidates = [0.0, 0.001, -0.001, -value if isinstance(value, (int, float)) else 0.0]
+    else:
+        candidates = [0, 1, 2]
+        if isinstance(value, int):
+            candidates += [value - 1, value + 1]
+        if field.kind == "optional_int":
+            candidates.append(None)
+            rbs, n = fields.get("rollout_batch_size"), fields.get("n_samples_per_prompt", 1)
+            if isinstance(rbs, int) and isinstance(n, int):
+                candidates.append(rbs * n)
+        low = field.minimum
+        candidates = [c for c in candidates if c is None or low is None or c >= low]
+        if field.kind == "int":
+            candidates = [c for c in candidates if c is not None]
+    return [c for c in dict.fromkeys(candidates) if c != value or type(c) is not type(value)]
+
+
+def _other_probes(value: object) -> list[object]:
+    """Other values of a config field the reference does not read (it must not matter)."""
+    if isinstance(value, bool):
+        return [not value]
+    if isinstance(value, int):
+        return [c for c in (0, 1, 2, value + 1) if c != value]
+    if isinstance(value, float):
+        return [c for c in (0.0, 0.01, -0.01) if c != value]
+    return []
+
+
+def _answer(func: Callable[[object], object], fields: Mapping[str, object]) -> bool | None:
+    """``func``'s decision on a Namespace of ``fields``; ``None`` when it raised (or returned
+    something unusable): such a probe says nothing."""
+    try:
+        return normalize_result(func(argparse.Namespace(**fields)), "probe")[0]
+    except Exception:  # a probe the function (or the reference) refuses is skipped
+        return None
+
+
+def deciding_fields(func: Callable[[object], object], case: Case, verdict: Verdict
+                    ) -> tuple[list[str], list[str]]:
+    """``(fields whose value decided the difference, absent fields whose default did)`` for one
+    disagreeing case. See the module docstring for the rules."""
+    from pytest_weightsync.reference_impl.inline_logprob import FIELDS, inline_logprob_eligibility
+
+    base = dict(vars(case.config))
+    expected, got = case.expected, verdict.eligible
+    by_name = {f.name: f for f in FIELDS}
+    deciding = []
+    if got is not None:
+        for name, value in base.items():
+            field = by_name.get(name)
+            probes = _probes(field, value, base) if field is not None else _other_probes(value)
+            for probe in probes:
+                changed = {**base, name: probe}
+                ref = _answer(inline_logprob_eligibility, changed)
+                fn = _answer(func, changed)
+                if ref is None or fn is None:
+                    continue
+                ignored = ref is not expected and fn is got  # reference moves, function stays
+                objects = fn is expected and ref is expected  # function moves to the expected
+                if ignored or objects:
+                    deciding.append(name)
+                    break
+    blamed_absent = []
+    for name in verdict.absent_reads:
+        field = by_name.get(name)
+        if got is None:  # it raised on the absent field: that field decided
+            blamed_absent.append(name)
+            continue
+        probes = (field.default,) if field is not None and not field.required \
+            else _UNKNOWN_FIELD_PROBES
+        if any(_answer(func, {**base, name: p}) is expected for p in probes):
+            blamed_absent.append(name)
+    return deciding, blamed_absent
 
 
 def _uniq(names: Iterable[str]) -> tuple[str, ...]:
@@ -138,9 +235,11 @@ def _cell(config: argparse.Namespace, key: str) -> str:
     return repr(fields[key]) if key in fields else "<absent>"
 
 
-def disagreement_report(name: str, wrong: Sequence[tuple[Case, Verdict]], total: int) -> str:
-    """The failure message: a table of (config fields, expected, got), then absent reads."""
-    from reference_impl.inline_logprob import FIELDS
+def disagreement_report(name: str, wrong: Sequence[tuple[Case, Verdict]], total: int,
+                        impl: EligibilityImpl | None = None) -> str:
+    """The failure message: a table of (config fields, expected, got), then the fields that
+    decided the differences (re-run through ``impl`` when given; otherwise every absent read)."""
+    from pytest_weightsync.reference_impl.inline_logprob import FIELDS
 
     # The columns are the fields the decision depends on; fields it ignores are left out.
     columns = [f.name for f in FIELDS if any(f.name in vars(c.config) for c, _ in wrong)]
@@ -162,9 +261,23 @@ def disagreement_report(name: str, wrong: Sequence[tuple[Case, Verdict]], total:
     if len(wrong) > MAX_TABLE_ROWS:
         lines.append(f"  ... and {len(wrong) - MAX_TABLE_ROWS} more")
     absent: dict[str, int] = {}
-    for _, verdict in wrong:
-        for field in verdict.absent_reads:
+    deciding: dict[str, int] = {}
+    for case, verdict in wrong[:MAX_TABLE_ROWS]:
+        if impl is None:
+            fields, absent_fields = [], list(verdict.absent_reads)
+        else:
+            fields, absent_fields = deciding_fields(impl.func, case, verdict)
+        for field in fields:
+            deciding[field] = deciding.get(field, 0) + 1
+        for field in absent_fields:
             absent[field] = absent.get(field, 0) + 1
+    if deciding:
+        listed = ", ".join(f"{f!r} (in {n} of them)" for f, n in deciding.items())
+        lines.append(
+            f"the difference is decided by field(s): {listed}; changing only that field moves "
+            "the reference's decision but not the function's, or the function's to the "
+            "expected one"
+        )
     if absent:
         listed = ", ".join(f"{f!r} (in {n} of them)" for f, n in absent.items())
         lines.append(
@@ -205,7 +318,7 @@ def load_eligibility_function(spec: str) -> EligibilityImpl:
 
 
 def _reference() -> EligibilityImpl:
-    from reference_impl.inline_logprob import inline_logprob_eligibility
+    from pytest_weightsync.reference_impl.inline_logprob import inline_logprob_eligibility
 
     return EligibilityImpl(REFERENCE_NAME, inline_logprob_eligibility)
 

@@ -25,5 +25,5 @@ def pytest_weightsync_extra_topologies(config: pytest.Config) -> list:
     """Return extra topology cases to add to every conformance matrix.
 
     Each item is a ``suites/matrix.Case`` or a ``(spec, trainer, receiver)`` tuple of
-    ``reference_impl.layout`` objects (``MoESpec``, ``TrainerTopology``, ``ReceiverTopology``).
+    ``pytest_weightsync.reference_impl.layout`` objects (``MoESpec``, ``TrainerTopology``, ``ReceiverTopology``).
     """

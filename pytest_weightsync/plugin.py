@@ -18,6 +18,7 @@ SUB_PLUGINS = (
     "pytest_weightsync.gpu_gate",
     "pytest_weightsync.ranks.dispatch",
     "pytest_weightsync.registry",
+    "pytest_weightsync.claims",
     "pytest_weightsync.report",
     "pytest_weightsync.throughput",
     "pytest_weightsync.eligibility",
@@ -31,7 +32,7 @@ MARKERS = (
     "weightsync_property(name): the conformance property a test checks, used as the column of "
     "the conformance matrix report.",
     "weightsync_backend(name): the optional third-party backend (megatron, sglang, "
-    "megatron_bridge, deep_ep) a test exercises; the JSON report counts pass/skip per backend.",
+    "megatron_bridge) a test exercises; the JSON report counts pass/skip per backend.",
 )
 
 

@@ -12,32 +12,97 @@ An *implementation* is any object with a ``name`` (``str``), a ``capabilities``
     ``format``: ``"compat"`` (full Hugging Face per-expert tensors), ``"packed"`` (unsharded
     ``w13``/``w2`` of every expert, in the receiver's gate/up order) or ``"direct"`` (this
     rank's own parameter names and exact shapes). ``spec`` is a
-    :class:`reference_impl.layout.MoESpec`, ``topology`` a
-    :class:`reference_impl.layout.ReceiverTopology`, ``rank`` the receiver rank (its index in
+    :class:`pytest_weightsync.reference_impl.layout.MoESpec`, ``topology`` a
+    :class:`pytest_weightsync.reference_impl.layout.ReceiverTopology`, ``rank`` the receiver rank (its index in
     the engine's TP group). It writes in place (the tensors in ``params`` keep their
     storage) and refuses bad input with a ``ValueError``/``TypeError`` naming the problem,
-    before writing anything.
+    before writing anything of that call. One call is one BUCKET of an update: ``hf_fused``
+    (``experts.gate_up_proj`` / ``experts.down_proj`` of every expert) is a fourth format,
+    and a bucket may hold part of a layer's experts or several layers.
+
+``begin_update(params, *, format, spec, topology, rank)`` / ``end_update(params, *, format,
+spec, topology, rank)`` (optional)
+    A loader MAY define them; the harness then calls ``begin_update`` before the buckets of
+    one full update of ``params`` and ``end_update`` after the last one, so the loader can
+    track the update across buckets (duplicates, completeness) and refuse an incomplete one at
+    ``end_update``. Without them each ``load_weights`` call stands alone.
 
 ``export_weights(trainer_states, *, format, spec, trainer, receiver, rank) -> payload``
     The sender side (what runs in the trainer). ``trainer_states`` is every trainer rank's
     Megatron-Core expert state dict, in rank order (``trainer`` is the
-    :class:`reference_impl.layout.TrainerTopology` they follow). It returns the ``format``
-    payload, a list of ``(name, tensor)``, for receiver ``rank`` of ``receiver``.
+    :class:`pytest_weightsync.reference_impl.layout.TrainerTopology` they follow). It returns the ``format``
+    payload, a list of ``(name, tensor)``, for receiver ``rank`` of ``receiver``. The harness
+    checks after every call that no trainer shard was modified.
+
+``export_weights_distributed(model_state, *, config, format, spec, trainer, receiver, delivery,
+bucket_bytes) -> streams``
+    The sender side as a real trainer runs it: called once per update in EVERY rank of a
+    ``torch.distributed`` (gloo) job of ``trainer.world_size`` ranks, after the harness ran
+    Megatron-Core's ``parallel_state.initialize_model_parallel`` for ``trainer`` (the exporter
+    finds its EP/ETP/PP groups there, as real exporters do). ``model_state`` is this rank's
+    own ``named_parameters()`` as a DDP-wrapped model has them: real ``nn.Parameter`` objects
+    named ``module.module.decoder.layers.{l}.mlp.experts.local_experts.{i}.linear_fc1.weight``
+    (SequentialMLP) or ``...mlp.experts.linear_fc1.weight{i}`` (TEGroupedMLP), local layer and
+    expert numbering, carrying Megatron's ``tensor_model_parallel`` / ``partition_dim`` /
+    ``partition_stride`` / ``allreduce`` attributes, plus the router weights; ``config`` is
+    the model's Megatron-Core ``TransformerConfig``. It does its own collectives and returns
+    bucket streams (a stream is a list of buckets, a bucket a list of ``(name, tensor)``, see
+    :func:`as_stream`) in ``format`` for the engine ranks it feeds, split so that a bucket
+    exceeds ``bucket_bytes`` only when it holds a single tensor (``None``: no limit):
+
+    * ``delivery="colocated"``: every trainer rank returns one stream, for the engine rank
+      colocated with it, :func:`colocated_engine_rank` (``trainer_rank % receiver.tp``; a
+      trainer world larger than the engine means several engine replicas, each fed whole);
+    * ``delivery="distributed"``: trainer rank 0 returns ``{engine_rank: stream}`` for every
+      engine rank of ``receiver``; every other rank returns ``None``.
+
+    It must leave every parameter of ``model_state`` bit-identical (checked after each call).
 
 Nothing here imports torch: the registry uses these definitions at collection time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
-#: Payload formats, fastest first (the order ``reference_impl.select`` falls back along).
-FORMATS = ("direct", "packed", "compat")
+#: Payload (wire) formats, fastest first (the order ``pytest_weightsync.reference_impl.select``
+#: falls back along):
+#:
+#: ``direct``   each receiver rank's own parameter names and exact shapes (SGLang
+#:              ``update_weights_from_tensor(load_format="direct")``);
+#: ``packed``   unsharded ``experts.w13_weight`` / ``experts.w2_weight`` of every expert in the
+#:              receiver's gate/up order: needs an engine-side loader (stock SGLang 0.5.23 has
+#:              no code path for these names);
+#: ``hf_fused`` the fused-experts checkpoint format SGLang's model ``load_weights`` accepts:
+#:              ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows first, always) and
+#:              ``experts.down_proj`` ``[E, H, I]``;
+#: ``compat``   per-expert Hugging Face names ``experts.{e}.{gate,up,down}_proj.weight``.
+FORMATS = ("direct", "packed", "hf_fused", "compat")
 #: Receiver orders of the two halves of ``w13_weight``.
 ORDERS = ("gate_up", "up_gate")
-#: The two roles an implementation can play, by the method that provides each.
-ROLES = {"loader": "load_weights", "exporter": "export_weights"}
+#: The roles an implementation can play, by the method that provides each.
+ROLES = {"loader": "load_weights", "exporter": "export_weights",
+         "distributed_exporter": "export_weights_distributed"}
+#: Megatron-Core expert modules a trainer can hold its experts in (parameter spellings):
+#: ``sequential`` = ``SequentialMLP`` (``experts.local_experts.{i}.linear_fc1.weight``),
+#: ``te_grouped`` = ``TEGroupedMLP`` (``experts.linear_fc1.weight{i}``).
+EXPERT_IMPLS = ("sequential", "te_grouped")
+#: Trainer parallel sizes an exporter can bound (``TrainerTopology`` fields).
+TRAINER_AXES = ("tp", "ep", "etp", "pp")
+#: How a distributed exporter hands its streams over (see the module docstring).
+DELIVERIES = ("colocated", "distributed")
+
+
+class ClaimError(TypeError):
+    """A capability predicate raised instead of answering: a usage error of the implementation
+    that declared it (the plugin reports it once, at collection, naming the implementation)."""
+
+
+def colocated_engine_rank(trainer_rank: int, receiver_tp: int) -> int:
+    """The engine rank colocated with ``trainer_rank`` (the rank it feeds under
+    ``delivery="colocated"``): ``trainer_rank % receiver_tp``."""
+    return trainer_rank % receiver_tp
 
 
 @dataclass(frozen=True)
@@ -59,6 +124,23 @@ class Capabilities:
         Largest receiver MoE parallel sizes it supports (``None``: no limit).
     ``topology``
         Optional predicate ``topology(spec, receiver) -> bool`` for anything finer.
+
+    Trainer-side claims (exporters only; an unclaimed trainer layout skips with the reason):
+
+    ``expert_impls``
+        Megatron-Core expert modules it reads (subset of :data:`EXPERT_IMPLS`), e.g. an
+        exporter that only knows TEGroupedMLP's ``linear_fc1.weight{i}`` names claims
+        ``{"te_grouped"}``.
+    ``max_trainer_tp``, ``max_trainer_ep``, ``max_trainer_etp``, ``max_trainer_pp``
+        Largest trainer parallel sizes it supports (``None``: no limit);
+        ``max_trainer_pp=1`` says it does not support pipeline parallelism.
+    ``deliveries``
+        Distributed exporters: which of :data:`DELIVERIES` it implements.
+    ``trainer_topology``
+        Optional predicate ``trainer_topology(spec, trainer) -> bool`` for anything finer.
+
+    A predicate that raises is a :class:`ClaimError` naming it: the plugin probes every
+    predicate at collection time and stops with one usage error naming the implementation.
     """
 
     formats: frozenset = frozenset(FORMATS)
@@ -68,9 +150,17 @@ class Capabilities:
     max_moe_ep: Optional[int] = None
     max_moe_dp: Optional[int] = None
     topology: Optional[Callable[[Any, Any], bool]] = field(default=None, compare=False)
+    expert_impls: frozenset = frozenset(EXPERT_IMPLS)
+    max_trainer_tp: Optional[int] = None
+    max_trainer_ep: Optional[int] = None
+    max_trainer_etp: Optional[int] = None
+    max_trainer_pp: Optional[int] = None
+    deliveries: frozenset = frozenset(DELIVERIES)
+    trainer_topology: Optional[Callable[[Any, Any], bool]] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        for name, allowed in (("formats", FORMATS), ("orders", ORDERS)):
+        for name, allowed in (("formats", FORMATS), ("orders", ORDERS),
+                              ("expert_impls", EXPERT_IMPLS), ("deliveries", DELIVERIES)):
             value = getattr(self, name)
             if isinstance(value, str):
                 value = (value,)
@@ -80,13 +170,27 @@ class Capabilities:
                 raise ValueError(f"Capabilities.{name}: unknown value(s) {unknown}; "
                                  f"expected a subset of {allowed}")
             object.__setattr__(self, name, value)
-        for name in ("max_moe_tp", "max_moe_ep", "max_moe_dp"):
+        for name in ("max_moe_tp", "max_moe_ep", "max_moe_dp",
+                     *(f"max_trainer_{axis}" for axis in TRAINER_AXES)):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"Capabilities.{name} must be None or an int >= 1, got {value!r}")
-        if self.topology is not None and not callable(self.topology):
-            raise TypeError(f"Capabilities.topology must be a callable (spec, receiver) -> bool, "
-                            f"got {self.topology!r}")
+        for name, args in (("topology", "(spec, receiver)"), ("trainer_topology", "(spec, trainer)")):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"Capabilities.{name} must be a callable {args} -> bool, "
+                                f"got {value!r}")
+
+    @staticmethod
+    def _ask(predicate, name: str, spec, topology) -> bool:
+        """``predicate(spec, topology)``; anything it raises becomes a :class:`ClaimError`."""
+        try:
+            return bool(predicate(spec, topology))
+        except Exception as exc:
+            raise ClaimError(f"its Capabilities.{name} predicate "
+                             f"{str(getattr(predicate, '__qualname__', predicate))[-100:]} raised "
+                             f"{type(exc).__name__}: {exc!s:.200} (for {topology!r:.160}); a "
+                             f"predicate must return True or False") from exc
 
     def topology_refusal(self, role: str, spec, receiver) -> Optional[str]:
         """Why this implementation, in ``role``, is not run on ``receiver`` at all; ``None``
@@ -102,8 +206,36 @@ class Capabilities:
             if receiver.padded and not self.padded:
                 return (f"does not claim padded buffers (receiver intermediate_padded="
                         f"{receiver.intermediate_padded})")
-        if self.topology is not None and not self.topology(spec, receiver):
-            return "its topology predicate refuses this receiver"
+        if self.topology is not None and not self._ask(self.topology, "topology", spec, receiver):
+            why = getattr(self.topology, "refusal", None)  # optional (spec, receiver) -> str
+            detail = why(spec, receiver) if callable(why) else None
+            return "its topology predicate refuses this receiver" + (f": {detail}" if detail else "")
+        return None
+
+    def trainer_refusal(self, spec, trainer) -> Optional[str]:
+        """Why this exporter is not run on trainer layout ``trainer`` at all; ``None`` when it
+        claims it."""
+        impl = getattr(trainer, "expert_impl", "sequential")
+        if impl not in self.expert_impls:
+            module = {"sequential": "SequentialMLP", "te_grouped": "TEGroupedMLP"}.get(impl, impl)
+            return (f"claims trainer expert modules {sorted(self.expert_impls)}, the trainer "
+                    f"holds its experts in {module} ({impl!r})")
+        for axis in TRAINER_AXES:
+            limit = getattr(self, f"max_trainer_{axis}")
+            size = getattr(trainer, axis)
+            if limit is not None and size > limit:
+                if axis == "pp" and limit == 1:
+                    return f"does not support pipeline parallelism (trainer has pp={size})"
+                return f"claims trainer {axis} <= {limit}, trainer has {axis}={size}"
+        if self.trainer_topology is not None and not self._ask(
+                self.trainer_topology, "trainer_topology", spec, trainer):
+            return "its trainer_topology predicate refuses this trainer layout"
+        return None
+
+    def delivery_refusal(self, delivery: str) -> Optional[str]:
+        """Why a distributed exporter is not run with ``delivery``; ``None`` when it claims it."""
+        if delivery not in self.deliveries:
+            return f"does not claim {delivery!r} delivery (claims {sorted(self.deliveries)})"
         return None
 
     def format_refusal(self, role: str, fmt: str, receiver) -> Optional[str]:
@@ -117,14 +249,13 @@ class Capabilities:
             return "cannot produce a direct payload for padded receiver buffers"
         return None
 
-    def routing(self, role: str):
-        """These claims as ``reference_impl.select.Capabilities`` (what path selection reads).
-        A loader's order and padding gaps are topology refusals, so here they are open."""
-        from reference_impl.select import Capabilities as SelectCapabilities
-
+    def routing(self, role: str) -> "Capabilities":
+        """What path selection (``pytest_weightsync.reference_impl.select``, which reads
+        ``formats``, ``orders`` and ``padded`` of this same class) sees for ``role``. A
+        loader's order and padding gaps are topology refusals, so here they are open."""
         if role == "loader":
-            return SelectCapabilities(formats=self.formats, orders=frozenset(ORDERS), padded=True)
-        return SelectCapabilities(formats=self.formats, orders=self.orders, padded=self.padded)
+            return replace(self, orders=frozenset(ORDERS), padded=True)
+        return self
 
 
 @runtime_checkable
@@ -147,8 +278,46 @@ class WeightExporter(Protocol):
     def export_weights(self, trainer_states, *, format, spec, trainer, receiver, rank): ...
 
 
+@runtime_checkable
+class DistributedWeightExporter(Protocol):
+    """Sender side run in every trainer rank; see the module docstring."""
+
+    name: str
+    capabilities: Capabilities
+
+    def export_weights_distributed(self, model_state, *, config, format, spec, trainer,
+                                   receiver, delivery, bucket_bytes): ...
+
+
+def as_stream(result, *, source: str = "export") -> list[list]:
+    """An exporter's result as a bucket stream: a list of buckets, each a list of
+    ``(name, tensor)``. One bucket (a list of pairs) is a stream of one; an empty result is an
+    empty stream. Anything else raises :class:`TypeError` naming ``source``. (No torch here:
+    the tensors themselves are checked by whoever loads the buckets.)"""
+    items = list(result) if result is not None else None
+    if items is None:
+        raise TypeError(f"{source} returned None; expected a list of (name, tensor) pairs or a "
+                        f"list of such lists (one per bucket)")
+    if not items:
+        return []
+    if all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in items):
+        return [items]
+    stream = []
+    for index, bucket in enumerate(items):
+        if isinstance(bucket, (str, bytes)) or not hasattr(bucket, "__iter__"):
+            raise TypeError(f"{source}: bucket {index} is a {type(bucket).__name__}, not a list "
+                            f"of (name, tensor) pairs")
+        bucket = list(bucket)
+        for j, pair in enumerate(bucket):
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+                raise TypeError(f"{source}: bucket {index} entry {j} is not a (name, tensor) "
+                                f"pair: {pair!r:.80}")
+        stream.append(bucket)
+    return stream
+
+
 def roles_of(obj) -> tuple[str, ...]:
-    """The roles ``obj`` provides (``"loader"``, ``"exporter"``), in that order."""
+    """The roles ``obj`` provides (``"loader"``, ``"exporter"``, ``"distributed_exporter"``), in that order."""
     return tuple(role for role, method in ROLES.items() if callable(getattr(obj, method, None)))
 
 
@@ -166,7 +335,8 @@ def protocol_problems(obj) -> list[str]:
         problems.append(f"'capabilities' must be a pytest_weightsync.protocols.Capabilities, "
                         f"got {type(caps).__name__}")
     if not roles_of(obj):
-        problems.append("it has neither load_weights(params, payload, *, format, spec, topology, "
-                        "rank) nor export_weights(trainer_states, *, format, spec, trainer, "
-                        "receiver, rank)")
+        problems.append("it has none of load_weights(params, payload, *, format, spec, "
+                        "topology, rank), export_weights(trainer_states, *, format, spec, "
+                        "trainer, receiver, rank) and export_weights_distributed(model_state, *, "
+                        "config, format, spec, trainer, receiver, delivery, bucket_bytes)")
     return problems

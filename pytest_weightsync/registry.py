@@ -13,8 +13,13 @@ equivalent:
 Each registration is an implementation object, a class (instantiated with no arguments) or
 a ``"module:attr"`` string naming either. The reference implementation is registered like
 everyone else (it is also a built-in default, so it runs when its entry point is not
-installed). Two registrations of the same name are one implementation when they are of the
-same class and a usage error otherwise; ``--weightsync-only NAME`` narrows the set.
+installed). Stock SGLang's model loaders (``sglang-qwen3-moe``, ``sglang-qwen3.5-moe``, see
+``pytest_weightsync.reference_impl.backends.sglang_models``) are built-in defaults too, added
+only when SGLang imports (probed when a test first asks for implementations, never at plugin
+import), so a conformance run shows how the real engine fares next to the loaders under test.
+Two registrations of the same name are one implementation when they are of the same class and
+a usage error otherwise; ``--weightsync-only NAME`` narrows the set (and, naming no SGLang row,
+spares the probe).
 
 Tests ask for ``weightsync_impl`` (every implementation), ``weightsync_loader`` (those with
 ``load_weights``) or ``weightsync_exporter`` (those with ``export_weights``); each is
@@ -35,12 +40,28 @@ from pytest_weightsync.protocols import protocol_problems, roles_of
 #: Entry-point group third-party packages register implementations in.
 ENTRY_POINT_GROUP = "weightsync.loaders"
 #: Registered before everything else; deduplicated against its own entry point.
-BUILTIN_DEFAULTS = ("reference_impl.impl:ReferenceImplementation",)
+BUILTIN_DEFAULTS = ("pytest_weightsync.reference_impl.impl:ReferenceImplementation",)
+#: Built-in defaults that need an optional backend: backend -> {name: "module:attr"}. Added
+#: only when the backend probes as importable, and only when a test asks for implementations
+#: (probing imports the backend: seconds, so never at plugin import or for runs without
+#: conformance tests). ``WEIGHTSYNC_OPTIONAL_BUILTINS`` narrows them: unset = every available
+#: backend, a comma-separated list = those backends, empty or ``none`` = none.
+OPTIONAL_BUILTINS = {
+    "sglang": {
+        "sglang-qwen3-moe":
+            "pytest_weightsync.reference_impl.backends.sglang_models:Qwen3MoeLoader",
+        "sglang-qwen3.5-moe":
+            "pytest_weightsync.reference_impl.backends.sglang_models:Qwen35MoeLoader",
+    },
+}
+OPTIONAL_BUILTINS_ENV = "WEIGHTSYNC_OPTIONAL_BUILTINS"
 #: Fixtures parametrized with implementations, and the role each requires (None: any).
 IMPL_FIXTURES = {"weightsync_impl": None, "weightsync_loader": "loader",
-                 "weightsync_exporter": "exporter"}
+                 "weightsync_exporter": "exporter",
+                 "weightsync_distributed_exporter": "distributed_exporter"}
 
 _BASE = pytest.StashKey["Registry"]()
+_DECLARED = pytest.StashKey["Registry"]()
 _FIXTURE_EXTRAS = pytest.StashKey[dict]()
 
 
@@ -157,11 +178,46 @@ def _entry_points() -> list:
     return sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
 
 
-def build_registry(config: pytest.Config) -> Registry:
-    """Built-in defaults, then entry points, then the hook, then ``--weightsync-loader``."""
+def optional_backends() -> list[str]:
+    """Backends whose built-in rows this run may add (before probing), per
+    ``WEIGHTSYNC_OPTIONAL_BUILTINS``."""
+    import os
+
+    wanted = os.environ.get(OPTIONAL_BUILTINS_ENV)
+    if wanted is None:
+        return list(OPTIONAL_BUILTINS)
+    names = [n.strip() for n in wanted.split(",") if n.strip() and n.strip() != "none"]
+    return [n for n in OPTIONAL_BUILTINS if n in names]
+
+
+def optional_names() -> dict[str, str]:
+    """Name -> backend of every optional built-in row (no import, no probe)."""
+    return {name: backend for backend, rows in OPTIONAL_BUILTINS.items() for name in rows}
+
+
+def optional_targets() -> list[tuple[str, str]]:
+    """``(target, source)`` of the optional built-in rows available here: those of each
+    allowed backend that probes as importable (a missing backend adds none)."""
+    from pytest_weightsync.reference_impl.backends import probe
+
+    targets = []
+    for backend in optional_backends():
+        status = probe(backend)
+        if status.available:
+            source = f"built-in default (stock {backend}: {status.reason})"
+            targets += [(t, source) for t in OPTIONAL_BUILTINS[backend].values()]
+    return targets
+
+
+def build_registry(config: pytest.Config, optional: bool = True) -> Registry:
+    """Built-in defaults (with the optional backends' rows when ``optional``), then entry
+    points, then the hook, then ``--weightsync-loader``."""
     registry = Registry()
     for target in BUILTIN_DEFAULTS:
         registry.add(target, "built-in default")
+    if optional:
+        for target, source in optional_targets():
+            registry.add(target, source)
     for ep in _entry_points():
         dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed package"
         source = f"entry point {ep.name!r} = {ep.value!r} (group {ENTRY_POINT_GROUP!r}, {dist})"
@@ -180,11 +236,27 @@ def build_registry(config: pytest.Config) -> Registry:
     return registry
 
 
+def declared_registry(config: pytest.Config) -> Registry:
+    """Every registration except the optional built-in rows (nothing is probed), built once:
+    what validating the command line and naming sources needs."""
+    if _DECLARED not in config.stash:
+        config.stash[_DECLARED] = build_registry(config, optional=False)
+    return config.stash[_DECLARED]
+
+
 def base_registry(config: pytest.Config) -> Registry:
-    """The registry every test shares (everything but conftest fixture overrides), built once."""
+    """The registry every test shares (everything but conftest fixture overrides, the
+    optional built-in rows included), built once."""
     if _BASE not in config.stash:
-        config.stash[_BASE] = build_registry(config)
+        declared_registry(config)  # a bad registration is reported before any probing
+        config.stash[_BASE] = build_registry(config, optional=True)
     return config.stash[_BASE]
+
+
+def _needs_optional(config: pytest.Config) -> bool:
+    """Whether this run may show optional rows: not when ``--weightsync-only`` names none."""
+    only = config.getoption("weightsync_only", None) or ()
+    return not only or any(name in optional_names() for name in only)
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,8 +268,10 @@ def base_registry(config: pytest.Config) -> Registry:
 def pytest_collection(session: pytest.Session) -> None:
     """Resolve registrations before collecting, so a bad one is a usage error (exit code 4)
     with its message, not a collection traceback per module - also on the xdist controller."""
-    registry = base_registry(session.config)
-    only = session.config.getoption("weightsync_only", None) or ()
+    config = session.config
+    only = config.getoption("weightsync_only", None) or ()
+    registry = base_registry(config) if only and _needs_optional(config) else \
+        declared_registry(config)
     if only:
         registry.only(only, "--weightsync-only")
 
@@ -243,7 +317,8 @@ def _fixture_extras(metafunc: pytest.Metafunc) -> tuple[tuple, str]:
 def registry_for(metafunc: pytest.Metafunc) -> Registry:
     """The implementations a test function runs against: the shared registry plus its
     conftest override, narrowed by ``--weightsync-only``."""
-    registry = base_registry(metafunc.config)
+    config = metafunc.config
+    registry = base_registry(config) if _needs_optional(config) else declared_registry(config)
     extras, source = _fixture_extras(metafunc)
     if extras:
         registry = registry.copy()
@@ -291,6 +366,12 @@ def weightsync_loader(request: pytest.FixtureRequest, weightsync_implementations
 @pytest.fixture
 def weightsync_exporter(request: pytest.FixtureRequest, weightsync_implementations):
     """One registered implementation that has ``export_weights``."""
+    return _parametrized(request)
+
+
+@pytest.fixture
+def weightsync_distributed_exporter(request: pytest.FixtureRequest, weightsync_implementations):
+    """One registered implementation that has ``export_weights_distributed``."""
     return _parametrized(request)
 
 

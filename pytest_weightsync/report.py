@@ -8,6 +8,16 @@ format and backend (marker ``weightsync_backend(name)``). pytest's ``--junitxml`
 ``user_properties`` as ``<property>`` elements, and pytest-xdist forwards them with every
 report, so the matrix is built on the controller from reports alone
 (``pytest_runtest_logreport``), never from items - it works the same under ``-n``.
+
+The verdict of an implementation is decided by its conformance properties only: every
+property but :data:`HARDENING` (bit_exact, in_place, ..., and whatever property a suite adds).
+It is **FAIL** when any of their tests failed, **NOT RUN (props)** when a property collected for
+it ran no case at all (every case skipped: a claim too narrow to test, or a filter), and
+**PASS** only when every such property passed at least one case. :data:`HARDENING` is a report:
+its tests record a finding per bad kind (``record_property("weightsync_finding", ...)``, which
+xdist forwards like the tags) and are listed per implementation, never counted in the verdict
+(a hardening test that fails - a loader that refused a bucket after writing part of it - is a
+conformance failure and does count).
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from typing import Optional
 
 import pytest
 
-from pytest_weightsync.registry import base_registry, implementation_of
+from pytest_weightsync.registry import declared_registry, implementation_of, optional_names
 
 PREFIX = "weightsync_"
 KEYS = ("implementation", "property", "topology", "format", "backend")
@@ -29,6 +39,11 @@ FORMAT_PARAMS = ("payload_format", "path", "fmt", "restriction")
 #: What a test or a cell counts as, worst first.
 OUTCOMES = ("failed", "passed", "skipped")
 MAX_MESSAGE = 4000
+#: The property whose tests report findings (strictness on bad input) instead of a verdict.
+HARDENING = "hardening"
+#: user_properties keys the hardening probe records at run time.
+FINDING_KEYS = ("bad_kind", "finding", "finding_detail")
+MAX_DETAIL = 100
 
 
 def _marker_arg(item: pytest.Item, name: str) -> Optional[str]:
@@ -92,6 +107,7 @@ class TestResult:
     outcome: str = "passed"
     message: str = ""
     phases: set = field(default_factory=set)
+    finding: dict = field(default_factory=dict)
 
     def update(self, report) -> None:
         self.phases.add(report.when)
@@ -121,6 +137,10 @@ def _skip_reason(report) -> str:
     return str(longrepr or "")
 
 
+def _topologies(n: int) -> str:
+    return f"{n} topology" if n == 1 else f"{n} topologies"
+
+
 def _worst(outcomes) -> str:
     outcomes = set(outcomes)
     for outcome in OUTCOMES:
@@ -146,13 +166,16 @@ class ConformanceReport:
     # -- hooks -----------------------------------------------------------------------------
 
     def pytest_runtest_logreport(self, report) -> None:
-        tags = {k[len(PREFIX):]: v for k, v in getattr(report, "user_properties", ())
-                if isinstance(k, str) and k.startswith(PREFIX) and k[len(PREFIX):] in KEYS}
+        props = [(k[len(PREFIX):], v) for k, v in getattr(report, "user_properties", ())
+                 if isinstance(k, str) and k.startswith(PREFIX)]
+        tags = {k: v for k, v in props if k in KEYS}  # a run-time value overrides a tag
         if not tags:
             return
         result = self.results.get(report.nodeid)
         if result is None:
             result = self.results[report.nodeid] = TestResult(report.nodeid, tags)
+        result.tags.update(tags)
+        result.finding.update({k: str(v) for k, v in props if k in FINDING_KEYS})
         result.update(report)
 
     def pytest_sessionfinish(self, session) -> None:
@@ -194,23 +217,73 @@ class ConformanceReport:
     @staticmethod
     def _property_order(name: str):
         known = ("bit_exact", "export_bit_exact", "in_place", "no_stale_values",
-                 "rejects_bad_input", "fallback_routing")
-        return (known.index(name), name) if name in known else (len(known), name)
+                 "fallback_routing", HARDENING)
+        if name == HARDENING:
+            return (2, 0, name)
+        return (0, known.index(name), name) if name in known else (1, 0, name)
+
+    def verdict(self, impl: str, cells: Optional[dict] = None) -> str:
+        """``PASS``, ``FAIL`` or ``NOT RUN (properties that ran no case)`` of ``impl``."""
+        cells = self.cells() if cells is None else cells
+        mine = {k: v for k, v in cells.items() if k[0] == impl}
+        if any(t.outcome == "failed" for tests in mine.values() for t in tests):
+            return "FAIL"
+        props = sorted({p for (_, p, _) in mine if p != HARDENING}, key=self._property_order)
+        if not props:
+            return "NOT RUN (no conformance property)"
+        not_run = [p for p in props if not _topology_outcomes(cells, impl, p)["passed"]]
+        if not_run:
+            return f"NOT RUN ({', '.join(not_run)})"
+        return "PASS"
+
+    def findings(self) -> dict:
+        """``{implementation: {(format, kind): {finding: {"topologies": [...], "detail": the
+        first message head}}}}`` of the hardening tests that recorded a finding."""
+        out: dict = {}
+        for r in self.conformance():
+            if r.tags.get("property") != HARDENING or "finding" not in r.finding:
+                continue
+            key = (r.tags.get("format", "-"), r.finding.get("bad_kind", "-"))
+            by_text = out.setdefault(r.tags["implementation"], {}).setdefault(key, {})
+            entry = by_text.setdefault(r.finding["finding"], {"topologies": [], "detail": ""})
+            entry["topologies"].append(r.tags.get("topology", "-"))
+            entry["detail"] = entry["detail"] or r.finding.get("finding_detail", "")
+        return out
+
+    @staticmethod
+    def _hardening_cell(by_key: dict) -> str:
+        """``refused k/n``: of the (format, kind) probes that ran, how many were refused on
+        every topology."""
+        if not by_key:
+            return "not run"
+        refused = sum(1 for texts in by_key.values()
+                      if all(t.startswith("refused") and not t.startswith("refused after")
+                             for t in texts))
+        return f"refused {refused}/{len(by_key)}"
+
+    def _cell_text(self, cells, impl, prop, findings) -> str:
+        c = _topology_outcomes(cells, impl, prop)
+        if not c:
+            return "-"
+        if prop == HARDENING:
+            text = self._hardening_cell(findings.get(impl, {}))
+            return f"{text}, {c['failed']} failed" if c["failed"] else text
+        if not c["passed"] and not c["failed"]:
+            return "not run"
+        return f"{c['passed']}/{c['failed']}/{c['skipped']}"
 
     def matrix_lines(self) -> list[str]:
         cells, impls, props, topos = self._axes()
         lines = []
         if cells:
+            findings = self.findings()
             lines.append("=" * 20 + " weightsync conformance matrix " + "=" * 20)
             lines.append(f"cells: topologies passed / failed / skipped (of {len(topos)} "
-                         f"topologies); a topology fails when any of its tests fails")
-            counts = {(impl, prop): _topology_outcomes(cells, impl, prop)
-                      for impl in impls for prop in props}
-            cell_text = {k: (f"{c['passed']}/{c['failed']}/{c['skipped']}" if c else "-")
-                         for k, c in counts.items()}
-            verdict = {impl: ("FAIL" if any(counts[impl, p]["failed"] for p in props) else
-                              "PASS" if any(counts[impl, p]["passed"] for p in props) else "SKIP")
-                       for impl in impls}
+                         f"topologies; a topology fails when any of its tests fails; 'not run': "
+                         f"no case ran). The verdict counts every property but {HARDENING}.")
+            cell_text = {(impl, p): self._cell_text(cells, impl, p, findings)
+                         for impl in impls for p in props}
+            verdict = {impl: self.verdict(impl, cells) for impl in impls}
             first = max([len("implementation")] + [len(i) for i in impls])
             widths = [max(len(p), max(len(cell_text[i, p]) for i in impls)) for p in props]
             header = "  ".join([f"{'implementation':<{first}}"]
@@ -232,13 +305,60 @@ class ConformanceReport:
                     shown.add(key)
                     head = t.message.strip().splitlines()[0] if t.message.strip() else "(no message)"
                     lines.append(f"  {key[0]} / {key[1]} / {t.tags.get('topology', '-')}: {head}")
+            lines += self.hardening_lines(findings)
+        lines += self.footer_lines()
+        return lines
+
+    def hardening_lines(self, findings: dict) -> list[str]:
+        """Per implementation, each (format, bad kind) and what the loader did with it."""
+        if not findings:
+            return []
+        lines = [f"{HARDENING} (bad input; findings, not verdicts - only 'refused after "
+                 f"writing' fails):"]
+        for impl in sorted(findings):
+            lines.append(f"  {impl}:")
+            by_key = findings[impl]
+            width = max(len(f"{f} {k}") for f, k in by_key)
+            for fmt, kind in sorted(by_key):
+                texts = sorted(by_key[fmt, kind].items(), key=lambda kv: -len(kv[1]["topologies"]))
+                shown = "; ".join(
+                    text + (f" [{_topologies(len(e['topologies']))}]" if len(texts) > 1 else "")
+                    for text, e in texts)
+                detail = texts[0][1]["detail"]
+                if detail:
+                    if len(detail) > MAX_DETAIL:
+                        detail = detail[:MAX_DETAIL - 3] + "..."
+                    shown += f": {detail}"
+                lines.append(f"    {f'{fmt} {kind}':<{width}}  {shown}")
+        return lines
+
+    def footer_lines(self) -> list[str]:
+        """Counts of everything that ran, by what it ran against: per implementation (ran /
+        skipped, by role-bearing property) and the suites that test no registered
+        implementation (the reference and real backends), per property."""
+        lines = []
+        conformance = self.conformance()
+        if conformance:
+            by_impl: dict[str, Counter] = {}
+            for r in conformance:
+                by_impl.setdefault(r.tags["implementation"], Counter())[r.outcome] += 1
+            lines.append("weightsync tests per implementation (passed / failed / skipped): "
+                         + ", ".join(f"{i} {c['passed']}/{c['failed']}/{c['skipped']}"
+                                     for i, c in sorted(by_impl.items())))
         others = [r for r in self.results.values() if "implementation" not in r.tags]
         if others:
             by_prop: dict[str, Counter] = {}
             for r in others:
                 by_prop.setdefault(r.tags.get("property", "-"), Counter())[r.outcome] += 1
-            lines.append("weightsync reference suites (tests passed / failed / skipped): " + ", ".join(
-                f"{p} {c['passed']}/{c['failed']}/{c['skipped']}" for p, c in by_prop.items()))
+            ran = {p: c for p, c in by_prop.items() if c["passed"] or c["failed"]}
+            idle = sorted(p for p in by_prop if p not in ran)
+            line = ("weightsync tests without an implementation under test (passed / failed / "
+                    "skipped): " + ", ".join(f"{p} {c['passed']}/{c['failed']}/{c['skipped']}"
+                                             for p, c in ran.items()))
+            if idle:
+                line += ("; " if ran else "") + "skipped entirely: " + ", ".join(
+                    f"{p} ({by_prop[p]['skipped']})" for p in idle)
+            lines.append(line)
         return lines
 
     def backends(self) -> dict:
@@ -251,18 +371,33 @@ class ConformanceReport:
     def to_json(self) -> dict:
         cells, impls, props, topos = self._axes()
         try:
-            known = {e.name: e for e in base_registry(self.config)}
+            known = {e.name: e for e in declared_registry(self.config)}
         except pytest.UsageError:
             known = {}
+        optional = optional_names()
+        findings = self.findings()
         implementations = []
         for name in impls:
             entry = known.get(name)
+            if entry is not None:
+                source, roles = entry.source, list(entry.roles)
+            elif name in optional:
+                source, roles = f"built-in default (stock {optional[name]})", ["loader"]
+            else:
+                source, roles = "conftest fixture or worker-only registration", None
+            verdict = self.verdict(name, cells)
             implementations.append({
                 "name": name,
-                "source": entry.source if entry else "conftest fixture or worker-only registration",
-                "roles": list(entry.roles) if entry else None,
-                "verdict": _worst(_worst(t.outcome for t in tests)
-                                  for (i, _, _), tests in cells.items() if i == name),
+                "source": source,
+                "roles": roles,
+                "verdict": verdict,
+                "outcome": _worst(_worst(t.outcome for t in tests)
+                                  for (i, p, _), tests in cells.items()
+                                  if i == name and p != HARDENING),
+                "not_run": [p for p in props if p != HARDENING
+                            and (name, p) in {(i, q) for (i, q, _) in cells}
+                            and not _topology_outcomes(cells, name, p)["passed"]],
+                "hardening": self._hardening_cell(findings.get(name, {})),
             })
         cell_list = []
         for (impl, prop, topo), tests in cells.items():
@@ -282,15 +417,20 @@ class ConformanceReport:
                 if c:
                     summary[impl][prop] = {o: c[o] for o in ("passed", "failed", "skipped")}
         return {
-            "format_version": 1,
+            "format_version": 2,
             "implementations": implementations,
             "properties": props,
             "topologies": topos,
             "summary": summary,
             "cells": cell_list,
             "backends": self.backends(),
+            "hardening": {impl: [{"format": fmt, "kind": kind, "findings": [
+                {"finding": text, **entry} for text, entry in texts.items()]}
+                for (fmt, kind), texts in sorted(by_key.items())]
+                for impl, by_key in sorted(findings.items())},
             "tests": [{"nodeid": r.nodeid, **r.tags, "outcome": r.outcome,
-                       "message": r.message or None} for r in self.results.values()],
+                       "message": r.message or None, **r.finding}
+                      for r in self.results.values()],
         }
 
 

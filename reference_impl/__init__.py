@@ -2,7 +2,7 @@
 
 The yardstick other implementations are measured against: plain functions over tensors and
 small frozen dataclasses, one module per capability (see docs/architecture.md). Names below
-are exported lazily, so ``import reference_impl`` stays cheap and torch is imported only when
+are exported lazily, so ``import pytest_weightsync.reference_impl`` stays cheap and torch is imported only when
 a tensor-level name is first used.
 """
 

@@ -1,4 +1,4 @@
-"""Run a :mod:`reference_impl.gather_plan` plan over torch.distributed (gloo or NCCL).
+"""Run a :mod:`pytest_weightsync.reference_impl.gather_plan` plan over torch.distributed (gloo or NCCL).
 
 Each round packs the rank's chunks into its slot of a pre-allocated receive buffer, then one
 in-place ``all_gather_into_tensor`` fills every slot; up to ``plan.max_in_flight`` rounds are in
@@ -20,11 +20,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from reference_impl.fastcopy import CopyPlan, plan_copies
-from reference_impl.gather_plan import GatherPlan, GatherPlanError, merge_shard_metadata, plan_gather
+from pytest_weightsync.reference_impl.errors import WeightSyncError
+from pytest_weightsync.reference_impl.fastcopy import CopyPlan, plan_copies
+from pytest_weightsync.reference_impl.gather_plan import GatherPlan, GatherPlanError, merge_shard_metadata, plan_gather
 
 
-class GatherInputError(ValueError):
+class GatherInputError(WeightSyncError):
     """A rank's tensors do not match the plan (raised on every rank, before any transfer)."""
 
 

@@ -11,7 +11,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from reference_impl.layout import PROJECTIONS, ExpertWeights, hf_expert_name
+from pytest_weightsync.reference_impl.layout import PROJECTIONS, ExpertWeights, hf_expert_name
 
 
 def export(full: Mapping[int, Sequence[ExpertWeights]], layers: Iterable[int] | None = None,

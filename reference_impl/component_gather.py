@@ -6,6 +6,10 @@ of the unsharded tensor. The correct gather is component-major: split each shard
 components, gather each component across ranks, concatenate component by component.
 Concatenating whole shards gives ``[gate_0; up_0; gate_1; up_1]`` - the same shape, wrong rows.
 
+Megatron's attention ``linear_qkv`` is the exception: it interleaves per query group and TP
+shards hold whole groups, so its gather is a plain concatenation followed by
+:func:`split_megatron_qkv` (see :func:`megatron_qkv_layout`).
+
 Three forms give the same bits: :func:`assemble_components` (one process, given every shard),
 :func:`gather_components_sequential` (one blocking all_gather per component) and
 :func:`gather_components_async` (every component's all_gather issued with ``async_op=True``
@@ -19,8 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pytest_weightsync.reference_impl.errors import WeightSyncError
 
-class ComponentLayoutError(ValueError):
+
+class ComponentLayoutError(WeightSyncError):
     """A shard or layout does not fit the component sizes."""
 
 
@@ -79,8 +85,71 @@ def gdn_conv1d_layout(key_head_dim: int, num_k_heads: int, value_head_dim: int, 
 
 
 def qkv_layout(q_rows: int, kv_rows: int) -> ComponentLayout:
-    """Attention ``linear_qkv`` as three blocks ``[q; k; v]``."""
+    """Fused attention QKV as three blocks ``[q; k; v]``, each sharded over TP.
+
+    This is the *receiver* layout (SGLang's ``QKVParallelLinear.qkv_proj``: TP rank ``r`` holds
+    ``[q_r; k_r; v_r]``) and HF-style ``[q; k; v]`` concatenations. It is NOT Megatron-Core's
+    ``linear_qkv``, which interleaves per query group: use :func:`megatron_qkv_layout` and
+    :func:`split_megatron_qkv` for the trainer side.
+    """
     return ComponentLayout("qkv", ("q", "k", "v"), (q_rows, kv_rows, kv_rows))
+
+
+class MegatronQKVError(ComponentLayoutError):
+    """Head counts or tensors that do not fit Megatron's per-query-group QKV layout."""
+
+
+def _check_heads(num_heads: int, num_query_groups: int, head_dim: int, tp: int = 1) -> int:
+    for name, value in (("num_heads", num_heads), ("num_query_groups", num_query_groups), ("head_dim", head_dim), ("tp", tp)):
+        if not isinstance(value, int) or value < 1:
+            raise MegatronQKVError(f"megatron_qkv: {name} must be a positive int, got {value!r}")
+    if num_heads % num_query_groups:
+        raise MegatronQKVError(f"megatron_qkv: num_heads={num_heads} is not divisible by num_query_groups={num_query_groups}")
+    if num_query_groups % tp:
+        raise MegatronQKVError(f"megatron_qkv: num_query_groups={num_query_groups} does not divide by TP size {tp}")
+    return num_heads // num_query_groups
+
+
+def megatron_qkv_layout(num_heads: int, num_query_groups: int, head_dim: int, tp: int = 1) -> ComponentLayout:
+    """Megatron-Core ``self_attention.linear_qkv``: one block per query group.
+
+    Query group ``g`` is ``[q heads g*n .. g*n+n-1; k head g; v head g]`` (``n = num_heads /
+    num_query_groups`` heads of ``head_dim`` rows each), groups in order; this is how
+    ``SelfAttention.get_query_key_value_tensors`` views the projection. TP rank ``r`` holds whole
+    query groups ``[r*G/tp, (r+1)*G/tp)``: a *contiguous* slice, so the TP gather is a plain
+    concatenation (one component), and the split into HF ``q``/``k``/``v`` comes after it
+    (:func:`split_megatron_qkv`). Gathering it as ``[q; k; v]`` components (:func:`qkv_layout`)
+    is wrong whenever there is more than one query group.
+    """
+    heads_per_group = _check_heads(num_heads, num_query_groups, head_dim, tp)
+    return ComponentLayout("megatron_qkv", ("query_groups",), ((heads_per_group + 2) * head_dim * num_query_groups,))
+
+
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_query_groups: int,
+                   head_dim: int) -> torch.Tensor:
+    """Megatron ``linear_qkv`` (unsharded) from HF ``q_proj`` / ``k_proj`` / ``v_proj`` (dim 0 = heads)."""
+    n = _check_heads(num_heads, num_query_groups, head_dim)
+    want = {"q": num_heads * head_dim, "k": num_query_groups * head_dim, "v": num_query_groups * head_dim}
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() < 1 or t.shape[0] != want[name]:
+            raise MegatronQKVError(f"megatron_qkv: {name} has {tuple(t.shape)}, dim 0 must be {want[name]}")
+    rest = tuple(q.shape[1:])
+    qg = q.reshape(num_query_groups, n * head_dim, *rest)
+    kg = k.reshape(num_query_groups, head_dim, *rest)
+    vg = v.reshape(num_query_groups, head_dim, *rest)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
+
+
+def split_megatron_qkv(qkv: torch.Tensor, num_heads: int, num_query_groups: int, head_dim: int):
+    """HF ``(q, k, v)`` from an unsharded (gathered) Megatron ``linear_qkv``."""
+    n = _check_heads(num_heads, num_query_groups, head_dim)
+    rows = (n + 2) * head_dim * num_query_groups
+    if qkv.dim() < 1 or qkv.shape[0] != rows:
+        raise MegatronQKVError(f"megatron_qkv: linear_qkv has {tuple(qkv.shape)}, dim 0 must be {rows}")
+    rest = tuple(qkv.shape[1:])
+    groups = qkv.reshape(num_query_groups, (n + 2) * head_dim, *rest)
+    q, k, v = torch.split(groups, [n * head_dim, head_dim, head_dim], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
 def _check_shard(shard: torch.Tensor, layout: ComponentLayout, tp: int, where: str) -> tuple[int, ...]:

@@ -13,8 +13,8 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from reference_impl import fastcopy
-from reference_impl.layout import (
+from pytest_weightsync.reference_impl import fastcopy
+from pytest_weightsync.reference_impl.layout import (
     ExpertWeights,
     MoESpec,
     ReceiverTopology,

@@ -8,7 +8,7 @@ views into fused ``w13``/``w2`` buffers on the receiver. A loop of ``dst.copy_(s
 kernel launch per expert on a GPU (7% of a plain copy at MoE-TP 1, 2% at MoE-TP 2 for a
 Qwen3.5-35B-A3B layer on an H200), and ``torch._foreach_copy_`` degrades on the strided slices
 of MoE-TP 2. On a GPU this module copies every pair in one Triton launch per element width and
-row-length class (:mod:`reference_impl.triton_copy`); on a CPU a single-threaded loop of
+row-length class (:mod:`pytest_weightsync.reference_impl.triton_copy`); on a CPU a single-threaded loop of
 in-place copies already runs at the speed of one plain copy, so it is kept.
 
 Backends (``backend=``): ``"auto"`` picks ``"triton"`` for CUDA tensors when triton imports,
@@ -22,21 +22,23 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_weightsync.reference_impl.errors import WeightSyncError
+
 BACKENDS = ("auto", "triton", "foreach", "loop")
 
 
-class PairMismatchError(ValueError):
+class PairMismatchError(WeightSyncError):
     """A (dst, src) pair whose shapes, dtypes or devices differ."""
 
 
-class PairTypeError(TypeError):
+class PairTypeError(WeightSyncError, TypeError):
     """An entry of the pair list that is not a (tensor, tensor) pair."""
 
 
 def triton_available() -> bool:
     """Whether the Triton multi-tensor kernel can be imported in this process."""
     try:
-        import reference_impl.triton_copy  # noqa: F401
+        import pytest_weightsync.reference_impl.triton_copy  # noqa: F401
     except ImportError:
         return False
     return True
@@ -197,7 +199,7 @@ class CopyPlan:
 
 
 def _build_triton(plan: CopyPlan) -> None:
-    from reference_impl import triton_copy
+    from pytest_weightsync.reference_impl import triton_copy
 
     groups: dict[tuple[Any, int, int, bool], list[tuple[int, ...]]] = {}
     keep: dict[tuple[Any, int, int, bool], list[Any]] = {}

@@ -25,11 +25,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pytest_weightsync.reference_impl.errors import WeightSyncError
+
 #: Default byte alignment of chunk offsets inside a slot (fast vectorized copies on GPU).
 DEFAULT_ALIGNMENT = 256
 
 
-class GatherPlanError(ValueError):
+class GatherPlanError(WeightSyncError):
     """The shards, budget or world size cannot make a valid gather plan."""
 
 

@@ -43,7 +43,7 @@ Why each one:
 - ``kl_coef`` shapes the reward with ``log_probs - ref_log_probs`` *before* advantages are
   computed, i.e. before the training forward exists. (The in-loss KL, ``use_kl_loss`` /
   ``kl_loss_coef``, needs only reference log-probs and does not matter here; see
-  :mod:`reference_impl.loss_inputs`.)
+  :mod:`pytest_weightsync.reference_impl.loss_inputs`.)
 - ``colocate``: the optimization is defined for the colocated on-policy loop.
 
 ``max_staleness`` exists only in Relax; slime is synchronous and its Namespace has no such
@@ -69,6 +69,8 @@ import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pytest_weightsync.reference_impl.errors import WeightSyncError
+
 __all__ = [
     "REQUIRED",
     "ConfigField",
@@ -93,19 +95,19 @@ class _Required:
 REQUIRED = _Required()
 
 
-class MissingConfigFieldError(ValueError):
+class MissingConfigFieldError(WeightSyncError):
     """A required field is absent from the config."""
 
 
-class ConfigFieldTypeError(TypeError):
+class ConfigFieldTypeError(WeightSyncError, TypeError):
     """A field holds a value of the wrong type (e.g. ``"0"`` or ``4.0`` where an int is needed)."""
 
 
-class ConfigFieldValueError(ValueError):
+class ConfigFieldValueError(WeightSyncError):
     """A field holds a value of the right type outside its valid range."""
 
 
-class InconsistentConfigError(ValueError):
+class InconsistentConfigError(WeightSyncError):
     """Two fields contradict each other (the framework's own validation would reject it)."""
 
 

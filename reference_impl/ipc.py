@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch.multiprocessing import reductions
 
-from reference_impl.layout import MoESpec, ReceiverTopology, WeightSyncError
+from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, WeightSyncError
 
 #: Position of ``storage_device`` in the arguments of ``reductions.rebuild_cuda_tensor``.
 _DEVICE_ARG = 6
@@ -182,7 +182,7 @@ class UpdateReport:
 
 
 class ReceiverProcess:
-    """A :class:`reference_impl.receiver.ReferenceReceiver` rank living in a spawned process.
+    """A :class:`pytest_weightsync.reference_impl.receiver.ReferenceReceiver` rank living in a spawned process.
 
     ``configure`` (re)creates the receiver's parameters for a model and topology; ``update``
     hands it serialized payload bytes; ``params`` reads its parameters back (CUDA: IPC views
@@ -312,8 +312,8 @@ def _receiver_main(conn, device: str) -> None:
 
 
 def _serve(state: dict, device: torch.device, message):
-    from reference_impl import synth
-    from reference_impl.receiver import ReferenceReceiver
+    from pytest_weightsync.reference_impl import synth
+    from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
 
     kind = message[0]
     if kind == "configure":

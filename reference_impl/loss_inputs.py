@@ -2,7 +2,7 @@
 
 Two separate forwards can be skipped in colocated on-policy training:
 
-- the *old-policy* forward, when :func:`reference_impl.inline_logprob.inline_logprob_eligibility`
+- the *old-policy* forward, when :func:`pytest_weightsync.reference_impl.inline_logprob.inline_logprob_eligibility`
   says so: ``old_log_probs`` is then ``log_probs.detach()`` - the same values, no graph;
 - the *reference-model* forward, when the in-loss KL coefficient is 0: the KL term is then a
   tensor of zeros of the log-probs' shape, so the loss code needs no special case.
@@ -32,7 +32,8 @@ from typing import Union
 
 import torch
 
-from reference_impl.inline_logprob import ConfigField, read_fields
+from pytest_weightsync.reference_impl.errors import WeightSyncError
+from pytest_weightsync.reference_impl.inline_logprob import ConfigField, read_fields
 
 __all__ = [
     "KL_LOSS_FIELDS",
@@ -50,7 +51,7 @@ KL_LOSS_FIELDS: tuple[ConfigField, ...] = (
 )
 
 
-class LossInputsError(ValueError):
+class LossInputsError(WeightSyncError):
     """The loss inputs are missing, contradictory or of mismatched shapes."""
 
 

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from reference_impl.layout import GATE_UP_ORDERS, WeightSyncError, gate_up_halves
+from pytest_weightsync.reference_impl.layout import GATE_UP_ORDERS, WeightSyncError, gate_up_halves
 
 
 class MoEForwardError(WeightSyncError):

@@ -2,9 +2,12 @@
 
 Tensors are in the receiver's native fused layout and gate/up order but unsharded
 (``w13 [E, 2I, H]``, ``w2 [E, H, I]``): every receiver rank gets the same payload and narrows
-its experts and MoE-TP rows out of it. Skips the per-expert loader loop of the compatible
-path. A packed tensor always holds every expert of its layer (a layer is never split across
-payload chunks, which is what made fused export silently drop layers elsewhere).
+its experts and MoE-TP rows out of it. Skips the per-expert loader loop of the compatible path.
+
+It needs an ENGINE-SIDE LOADER: stock SGLang (0.5.23) has no code path for these names (they
+reach ``FusedMoE.weight_loader`` without shard or expert ids and raise). The reference receiver
+accepts them as a model of such a loader; the format stock SGLang loads with every expert in
+one tensor is ``hf_fused`` (:mod:`pytest_weightsync.reference_impl.hf_fused`).
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from reference_impl import fastcopy
-from reference_impl.layout import (
+from pytest_weightsync.reference_impl import fastcopy
+from pytest_weightsync.reference_impl.layout import (
     ExpertWeights,
     MoESpec,
     WeightSyncError,

@@ -1,46 +1,77 @@
-"""A reference receiver with SGLang ``FusedMoE`` loading semantics.
+"""A reference receiver: SGLang ``FusedMoE`` placement, stricter than SGLang on bad input.
 
 Per receiver rank and layer it pre-allocates ``w13_weight [E_local, 2 * I_buf, H]`` and
 ``w2_weight [E_local, H, I_buf]`` and loads payloads into them in place (``copy_``), never
 reallocating, so addresses captured by CUDA graphs or IPC handles stay valid.
 
-Payload kinds (one ``load`` call = one chunk):
+What it models of SGLang is the *placement*: which experts a rank keeps, which MoE-TP rows,
+where gate and up land in ``w13`` (the receiver's order), how padded buffers are zeroed. On bad
+input it is deliberately STRICTER than SGLang 0.5.23, which casts float32 silently, re-slices
+short tensors, skips unknown names and out-of-range experts and lets duplicates overwrite: the
+reference refuses all of these by name, so a sender bug surfaces at the sender's test, not as
+a silently wrong model.
 
-* ``load_format=None`` (SGLang's default ``load_weights``): Hugging Face names, either
-  per-expert ``model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight`` (full tensors;
-  the receiver narrows its MoE-TP rows, experts of other ranks are ignored) or packed
-  ``model.layers.{L}.mlp.experts.{w13,w2}_weight`` with every expert, unsharded, in the
-  receiver's native gate/up order. The two spellings must not be mixed in one chunk.
+An update is a stream of buckets (what real senders send: slime cuts its export at
+``update_weight_buffer_size``, so one layer's experts straddle buckets and one bucket can hold
+several layers)::
+
+    receiver.begin_update()
+    for bucket in stream:
+        receiver.load(bucket, load_format=...)
+    receiver.end_update()
+
+Payload formats (one ``load`` call = one bucket):
+
+* ``load_format=None`` (SGLang's default ``load_weights``), one naming scheme per bucket:
+
+  - ``compat``: per-expert ``model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight``
+    (full tensors; the receiver narrows its MoE-TP rows, experts of other ranks are ignored);
+  - ``hf_fused``: SGLang's fused-expert checkpoint names ``...experts.gate_up_proj``
+    ``[E, 2I, H]`` (gate rows first whatever the receiver order, split with ``chunk(2, -2)``)
+    and ``...experts.down_proj`` ``[E, H, I]``, every expert, unsharded;
+  - ``packed``: ``...experts.{w13,w2}_weight`` of every expert, unsharded, in the receiver's
+    gate/up order. Stock SGLang has NO code path for these names (they reach
+    ``FusedMoE.weight_loader`` without shard or expert ids and raise); accepting them models
+    an engine-side loader such as the one the fast path ships with.
+
+  Mixing naming schemes in one bucket is refused: SGLang mis-routes per-expert names that
+  follow a fused name in the same ``load_weights`` call.
 * ``load_format="direct"``: the receiver's own parameter names with exactly their shapes,
   contiguous; copied whole.
 
-"Complete update" semantics: a chunk that touches a receiver parameter must carry all of it.
-For per-expert names, touching ``w13`` of layer L (any gate/up of an expert this rank owns)
-requires gate *and* up of *every* expert this rank owns in layer L; touching ``w2`` requires
-down of every owned expert. So a layer's experts cannot be split across chunks: split buckets
-at parameter boundaries. A packed or direct tensor is complete by construction. Across chunks,
-:meth:`ReferenceReceiver.end_update` reports parameters that no chunk of the update touched.
+Atomicity promise:
 
-Validation is all-or-nothing: every entry of the chunk is checked (name, layer, expert range,
-duplicates, format mixing, dtype, device, shape, contiguity, completeness) before the first
-byte is written; any problem raises a :class:`PayloadError` naming it and leaves every
-parameter bit-identical.
+* a bucket is validated whole (types, names, ids, dtypes, shapes, devices, contiguity where
+  the format needs it, duplicates across the WHOLE update, memory overlap between sources and
+  the parameters the bucket writes) before its first byte is written; a refused bucket raises
+  a :class:`PayloadError` naming the entry index and the reason and writes nothing;
+* buckets loaded before a refused one stay written (a stream cannot be rolled back without a
+  second copy of the model);
+* completeness is a property of the update, not of a bucket: :meth:`ReferenceReceiver.end_update`
+  raises :class:`MissingExpertError` naming every (layer, expert, projection) no bucket
+  carried (a bounded list and the count); those elements still hold the previous version;
+* :meth:`ReferenceReceiver.load` without :meth:`~ReferenceReceiver.begin_update` is a one-bucket
+  update whose completeness is not checked (a partial update on purpose, e.g. one layer).
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
 import torch
 
-from reference_impl import fastcopy
-from reference_impl.layout import (
+from pytest_weightsync.reference_impl import fastcopy
+from pytest_weightsync.reference_impl.errors import PayloadError
+from pytest_weightsync.reference_impl.layout import (
+    PROJECTIONS,
     MoESpec,
     ReceiverTopology,
     WeightSyncError,
     fused_name,
     gate_up_halves,
+    name_problem,
     packed_shape,
     parse_receiver_name,
     receiver_param_shapes,
@@ -48,14 +79,16 @@ from reference_impl.layout import (
 )
 
 LOAD_FORMATS = (None, "direct")
-
-
-class PayloadError(WeightSyncError):
-    """A payload chunk the receiver refuses; nothing was written."""
+#: Longest name (characters) quoted in an error message; longer ones are cut with an ellipsis.
+MAX_NAME_CHARS = 200
+#: Most missing pieces / entries listed in one message (the count is always given).
+MAX_LISTED = 8
+#: Naming schemes of ``load_format=None``, by ``ParsedName.kind``, as format names.
+_SCHEME = {"expert": "compat", "fused": "packed", "hf_fused": "hf_fused"}
 
 
 class PayloadTypeError(PayloadError, TypeError):
-    """An entry is not a ``(str, torch.Tensor)`` pair."""
+    """The payload, or an entry of it, is not a ``(str, torch.Tensor)`` pair."""
 
 
 class UnknownNameError(PayloadError):
@@ -67,11 +100,11 @@ class ExpertOutOfRangeError(PayloadError):
 
 
 class DuplicateEntryError(PayloadError):
-    """The same name (hence the same expert projection) appears twice in one chunk."""
+    """The same (layer, expert, projection) carried twice in one update."""
 
 
 class MixedFormatError(PayloadError):
-    """Packed and per-expert names in one chunk."""
+    """Names of two formats (per-expert, packed, hf_fused) in one bucket."""
 
 
 class PayloadDtypeError(PayloadError):
@@ -83,11 +116,13 @@ class PayloadShapeError(PayloadError):
 
 
 class TensorLayoutError(PayloadError):
-    """A tensor on the wrong device, or non-contiguous where the format needs contiguity."""
+    """A sparse tensor, a tensor on the wrong device, or a non-contiguous one where the format
+    needs contiguity."""
 
 
-class MissingExpertError(PayloadError):
-    """A chunk touches a receiver parameter without carrying all of it."""
+class MemoryOverlapError(PayloadError):
+    """A source tensor sharing memory with a receiver parameter the same bucket writes: copying
+    would read bytes it has already overwritten."""
 
 
 class ReceiverParamsError(WeightSyncError):
@@ -95,18 +130,49 @@ class ReceiverParamsError(WeightSyncError):
 
 
 class IncompleteUpdateError(WeightSyncError):
-    """``end_update`` found receiver parameters that no chunk of the update wrote."""
+    """``end_update`` found an update that did not carry every piece, or no update was open."""
+
+
+class MissingExpertError(IncompleteUpdateError):
+    """``end_update``: (layer, expert, projection) pieces this rank owns that no bucket of the
+    update carried; they still hold the previous version."""
+
+
+def shown(name) -> str:
+    """``repr`` of a name for a message, cut to :data:`MAX_NAME_CHARS` characters."""
+    if isinstance(name, (str, bytes)) and len(name) > MAX_NAME_CHARS:
+        return f"{name[:MAX_NAME_CHARS]!r}... ({len(name)} chars)"
+    return repr(name)
+
+
+def _extent(tensor: torch.Tensor) -> Optional[tuple[int, int]]:
+    """Byte range ``[start, end)`` the elements of ``tensor`` can occupy; ``None`` if empty."""
+    if tensor.numel() == 0:
+        return None
+    span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
+    start = tensor.data_ptr()
+    return start, start + span * tensor.element_size()
 
 
 @dataclass
 class LoadPlan:
-    """What one chunk will do: zero ``zero`` views, then copy each ``(dst, src)`` pair.
-    ``touched`` names the receiver parameters written."""
+    """What one bucket will do: zero ``zero`` views, then copy each ``(dst, src)`` pair.
+    ``touched`` names the receiver parameters written, ``units`` the (layer, expert,
+    projection) pieces the bucket carries (global expert ids, other ranks' included)."""
 
     pairs: list = field(default_factory=list)
     zero: list = field(default_factory=list)
     touched: set = field(default_factory=set)
     ignored: int = 0
+    units: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Update:
+    """State of an open update: which pieces earlier buckets carried, and where."""
+
+    seen: dict = field(default_factory=dict)  # (layer, expert, projection) -> (bucket, entry, name)
+    buckets: int = 0
 
 
 class ReferenceReceiver:
@@ -114,8 +180,9 @@ class ReferenceReceiver:
 
     Without ``params`` the receiver allocates zeroed parameters on ``device``. With ``params``
     (a mapping holding at least every expert parameter of this rank, e.g. a model's own
-    tensors) it loads into those tensors in place, after checking each one's shape, dtype and
-    that they share one device (which replaces ``device``); other entries are ignored."""
+    tensors, ``nn.Parameter`` with ``requires_grad`` included) it loads into those tensors in
+    place, after checking each one's shape, dtype and that they share one device (which
+    replaces ``device``); other entries are ignored."""
 
     def __init__(self, spec: MoESpec, topo: ReceiverTopology, rank: int, device="cpu",
                  params: Optional[Mapping[str, torch.Tensor]] = None):
@@ -135,7 +202,7 @@ class ReferenceReceiver:
         # tensor reports "cuda:0", so compare against the resolved device, not the request.
         first = next(iter(self.params.values()), None)
         self.device = first.device if first is not None else torch.device(device)
-        self._in_update: Optional[set] = None
+        self._update: Optional[_Update] = None
 
     # -- the hooks a loader variant would change ----------------------------------------------
 
@@ -151,95 +218,194 @@ class ReferenceReceiver:
         return loaded.narrow(dim, self.shard.row_start, self.shard.rows)
 
     def _apply(self, plan: LoadPlan) -> None:
-        for view in plan.zero:
-            view.zero_()
-        fastcopy.copy_pairs(plan.pairs)
+        # no_grad: parameters may be nn.Parameter(requires_grad=True), whose views refuse
+        # in-place writes under autograd.
+        with torch.no_grad():
+            for view in plan.zero:
+                view.zero_()
+            fastcopy.copy_pairs(plan.pairs)
 
     # -- public API --------------------------------------------------------------------------
 
     def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
         return self.params.items()
 
+    @property
+    def in_update(self) -> bool:
+        return self._update is not None
+
     def begin_update(self) -> None:
-        self._in_update = set()
+        """Open an update (a stream of buckets); one still open is discarded."""
+        self._update = _Update()
 
     def end_update(self) -> None:
-        """Close an update; raise :class:`IncompleteUpdateError` naming every parameter no chunk
-        of it wrote (those still hold the previous version)."""
-        touched, self._in_update = self._in_update, None
-        if touched is None:
+        """Close the update; raise :class:`MissingExpertError` naming every (layer, expert,
+        projection) of this rank that no bucket carried (those still hold the previous
+        version)."""
+        update, self._update = self._update, None
+        if update is None:
             raise IncompleteUpdateError("end_update() without begin_update()")
-        missing = [n for n in self.params if n not in touched]
+        missing = [(layer, expert, projection)
+                   for layer in range(self.spec.num_layers)
+                   for expert in self.shard.experts
+                   for projection in PROJECTIONS
+                   if (layer, expert, projection) not in update.seen]
         if missing:
-            raise IncompleteUpdateError(
-                f"receiver rank {self.rank}: {len(missing)} parameter(s) not updated in this "
-                f"update, e.g. {missing[:4]}; they still hold the previous version")
+            listed = ", ".join(f"layer {l} expert {e} {p}_proj" for l, e, p in missing[:MAX_LISTED])
+            more = f", ... ({len(missing) - MAX_LISTED} more)" if len(missing) > MAX_LISTED else ""
+            raise MissingExpertError(
+                f"receiver rank {self.rank}: incomplete update ({update.buckets} bucket(s)): "
+                f"{len(missing)} expert projection(s) this rank owns were never loaded: "
+                f"{listed}{more}; they still hold the previous version")
 
     def load(self, payload, load_format: Optional[str] = None) -> LoadPlan:
-        """Validate the whole chunk, then write it in place. Returns the executed plan."""
+        """Validate the whole bucket, then write it in place. Returns the executed plan."""
         plan = self.plan(payload, load_format)
         self._apply(plan)
-        if self._in_update is not None:
-            self._in_update |= plan.touched
+        if self._update is not None:
+            self._update.seen.update(plan.units)
+            self._update.buckets += 1
         return plan
 
     # -- validation and planning ---------------------------------------------------------------
 
-    def plan(self, payload, load_format: Optional[str] = None) -> LoadPlan:
-        if load_format not in LOAD_FORMATS:
-            raise PayloadError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
-        entries = self._check_entries(payload)
-        kinds = {}
-        for name, parsed, _ in entries:
-            kinds.setdefault(parsed.kind, name)
-        if load_format == "direct":
-            if "expert" in kinds:
-                raise UnknownNameError(f"load_format='direct' takes the receiver's own parameter "
-                                       f"names; got per-expert name {kinds['expert']!r}")
-            return self._plan_direct(entries)
-        if len(kinds) > 1:
-            raise MixedFormatError(
-                f"packed and per-expert names mixed in one chunk (packed {kinds['fused']!r}, "
-                f"per-expert {kinds['expert']!r}): send them in separate chunks")
-        if "fused" in kinds:
-            return self._plan_packed(entries)
-        return self._plan_per_expert(entries)
+    def _where(self, index: int, name=None) -> str:
+        bucket = f" of bucket {self._update.buckets}" if self._update is not None else ""
+        return f"payload entry {index}{bucket}" + ("" if name is None else f" {shown(name)}")
 
-    def _check_entries(self, payload):
-        spec = self.spec
-        entries, seen = [], set()
-        for i, item in enumerate(payload):
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise PayloadTypeError(f"payload entry {i} is not a (name, tensor) pair: {item!r:.80}")
-            name, tensor = item
-            if not isinstance(tensor, torch.Tensor):
-                raise PayloadTypeError(f"payload entry {name!r} is a {type(tensor).__name__}, "
-                                       f"not a torch.Tensor")
-            if name in seen:
-                raise DuplicateEntryError(f"duplicate payload entry {name!r} in one chunk")
-            seen.add(name)
-            parsed = parse_receiver_name(name)
-            if parsed is None:
-                raise UnknownNameError(f"unknown name {name!r}: not an expert weight of this model")
-            if parsed.layer >= spec.num_layers:
-                raise ExpertOutOfRangeError(f"{name!r}: layer {parsed.layer} out of range "
-                                            f"(num_layers={spec.num_layers})")
-            if parsed.expert is not None and parsed.expert >= spec.num_experts:
-                raise ExpertOutOfRangeError(f"{name!r}: expert {parsed.expert} out of range "
-                                            f"(num_experts={spec.num_experts})")
-            if tensor.dtype != spec.dtype:
-                raise PayloadDtypeError(f"{name!r}: dtype {tensor.dtype}, receiver holds {spec.dtype}")
-            if tensor.device != self.device:
-                raise TensorLayoutError(f"{name!r}: tensor on device {tensor.device}, receiver "
-                                        f"rank {self.rank} parameters are on {self.device}")
-            entries.append((name, parsed, tensor))
+    def plan(self, payload, load_format: Optional[str] = None) -> LoadPlan:
+        """Everything a bucket will write, after every check; raises :class:`PayloadError`."""
+        if load_format not in LOAD_FORMATS:
+            raise PayloadError(f"unknown load_format {shown(load_format)}; expected one of "
+                               f"{LOAD_FORMATS}")
+        entries = self._check_entries(payload, load_format)
+        if load_format is None:
+            kinds = {}
+            for index, name, parsed, _ in entries:
+                kinds.setdefault(parsed.kind, (index, name))
+            if len(kinds) > 1:
+                shown_kinds = ", ".join(f"{_SCHEME[k]} ({self._where(i, n)})"
+                                        for k, (i, n) in kinds.items())
+                raise MixedFormatError(
+                    f"names of different formats mixed in one bucket: {shown_kinds}; SGLang "
+                    f"mis-routes per-expert names after a fused one in the same call: send "
+                    f"each format in its own bucket")
+        units = self._check_units(entries, load_format)
+        plan = LoadPlan(units=units)
+        for index, name, parsed, tensor in entries:
+            if load_format == "direct":
+                self._plan_direct(plan, parsed, tensor)
+            elif parsed.kind == "expert":
+                self._plan_per_expert(plan, parsed, tensor)
+            elif parsed.kind == "fused":
+                self._plan_packed(plan, parsed, tensor)
+            else:
+                self._plan_hf_fused(plan, parsed, tensor)
+        self._check_overlap(entries, plan)
+        return plan
+
+    def _check_entries(self, payload, load_format):
+        if payload is None:
+            raise PayloadTypeError("payload is None; expected a list of (name, tensor) pairs")
+        if isinstance(payload, (str, bytes, Mapping, torch.Tensor)) or not hasattr(payload, "__iter__"):
+            raise PayloadTypeError(f"payload is a {type(payload).__name__}; expected a list of "
+                                   f"(name, tensor) pairs")
+        entries = []
+        for index, item in enumerate(payload):
+            entries.append(self._check_entry(index, item, load_format))
         return entries
 
-    @staticmethod
-    def _check_shape(name: str, tensor: torch.Tensor, shape: tuple, what: str) -> None:
+    def _check_entry(self, index, item, load_format):
+        spec = self.spec
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise PayloadTypeError(f"{self._where(index)} is a {type(item).__name__}, not a "
+                                   f"(name, tensor) pair")
+        name, tensor = item
+        if not isinstance(name, str):
+            raise PayloadTypeError(f"{self._where(index)}: the name is a {type(name).__name__} "
+                                   f"{shown(name)}, not a str")
+        where = self._where(index, name)
+        if not isinstance(tensor, torch.Tensor):
+            raise PayloadTypeError(f"{where} is a {type(tensor).__name__}, not a torch.Tensor")
+        if tensor.layout != torch.strided:
+            raise TensorLayoutError(f"{where}: {tensor.layout} tensor; only dense (strided) "
+                                    f"tensors can be loaded")
+        parsed = parse_receiver_name(name)
+        if parsed is None:
+            raise UnknownNameError(f"{where}: unknown name: {name_problem(name)}")
+        if load_format == "direct" and parsed.kind != "fused":
+            raise UnknownNameError(f"{where}: load_format='direct' takes the receiver's own "
+                                   f"parameter names (...experts.w13_weight / w2_weight), not "
+                                   f"{_SCHEME[parsed.kind]} names")
+        if parsed.layer >= spec.num_layers:
+            raise ExpertOutOfRangeError(f"{where}: layer {parsed.layer} out of range "
+                                        f"(num_layers={spec.num_layers})")
+        if parsed.expert is not None and parsed.expert >= spec.num_experts:
+            raise ExpertOutOfRangeError(f"{where}: expert {parsed.expert} out of range "
+                                        f"(num_experts={spec.num_experts})")
+        if tensor.dtype != spec.dtype:
+            raise PayloadDtypeError(f"{where}: dtype {tensor.dtype}, receiver holds {spec.dtype}")
+        if tensor.device != self.device:
+            raise TensorLayoutError(f"{where}: tensor on device {tensor.device}, receiver "
+                                    f"rank {self.rank} parameters are on {self.device}")
+        shape, what = self._expected_shape(parsed, load_format)
         if tuple(tensor.shape) != tuple(shape):
-            raise PayloadShapeError(f"{name!r}: shape {tuple(tensor.shape)}, expected "
+            raise PayloadShapeError(f"{where}: shape {tuple(tensor.shape)}, expected "
                                     f"{tuple(shape)} ({what})")
+        if load_format == "direct" and not tensor.is_contiguous():
+            raise TensorLayoutError(f"{where}: non-contiguous tensor (strides "
+                                    f"{tensor.stride()}); load_format='direct' needs "
+                                    f"contiguous tensors")
+        return index, name, parsed, tensor
+
+    def _expected_shape(self, parsed, load_format) -> tuple[tuple, str]:
+        spec = self.spec
+        if load_format == "direct":
+            param = fused_name(parsed.layer, parsed.projection)
+            return (tuple(self.params[param].shape),
+                    f"receiver rank {self.rank}'s own {parsed.projection}_weight")
+        if parsed.kind == "expert":
+            return (spec.hf_shape(parsed.projection),
+                    f"full {parsed.projection}_proj of one expert")
+        if parsed.kind == "fused":
+            return (packed_shape(spec, parsed.projection),
+                    f"packed {parsed.projection}_weight of all {spec.num_experts} experts, "
+                    f"unsharded, {self.topo.order} order")
+        if parsed.projection == "gate_up":
+            return ((spec.num_experts, 2 * spec.intermediate, spec.hidden),
+                    f"gate_up_proj of all {spec.num_experts} experts, gate rows first")
+        return ((spec.num_experts, spec.hidden, spec.intermediate),
+                f"down_proj of all {spec.num_experts} experts")
+
+    def _units_of(self, parsed, load_format) -> list[tuple[int, int, str]]:
+        """The (layer, global expert, projection) pieces one entry carries."""
+        layer = parsed.layer
+        if parsed.kind == "expert":
+            return [(layer, parsed.expert, parsed.projection)]
+        projections = ("down",) if parsed.projection in ("w2", "down") else ("gate", "up")
+        experts = self.shard.experts if load_format == "direct" else range(self.spec.num_experts)
+        return [(layer, e, p) for e in experts for p in projections]
+
+    def _check_units(self, entries, load_format) -> dict:
+        """Pieces of the bucket; a piece carried twice (in this bucket, or by an earlier bucket
+        of the open update) is refused, whatever spelling carried it."""
+        seen = self._update.seen if self._update is not None else {}
+        units = {}
+        for index, name, parsed, _ in entries:
+            for unit in self._units_of(parsed, load_format):
+                earlier = units.get(unit) or seen.get(unit)
+                if earlier is not None:
+                    bucket, first_index, first_name = earlier
+                    first = (f"entry {first_index} {shown(first_name)}" if bucket is None else
+                             f"entry {first_index} {shown(first_name)} of bucket {bucket}")
+                    layer, expert, projection = unit
+                    raise DuplicateEntryError(
+                        f"{self._where(index, name)}: duplicate: layer {layer} expert {expert} "
+                        f"{projection}_proj was already carried by {first} in this "
+                        f"{'bucket' if bucket is None else 'update'}")
+                units[unit] = (None, index, name)
+        bucket = self._update.buckets if self._update is not None else 0
+        return {unit: (bucket, index, name) for unit, (_, index, name) in units.items()}
 
     def _write_w13(self, plan: LoadPlan, layer: int, slot: int, projection: str,
                    full: torch.Tensor) -> None:
@@ -261,81 +427,86 @@ class ReferenceReceiver:
             plan.zero.append(dst.narrow(1, rows, buf - rows))
         plan.touched.add(name)
 
-    def _plan_per_expert(self, entries) -> LoadPlan:
-        spec, plan = self.spec, LoadPlan()
-        found: dict[tuple[int, str], dict[int, dict[str, torch.Tensor]]] = {}
-        for name, parsed, tensor in entries:
-            self._check_shape(name, tensor, spec.hf_shape(parsed.projection),
-                              f"full {parsed.projection}_proj of one expert")
-            slot = self._local_slot(parsed.expert)
-            if slot is None:
-                plan.ignored += 1
-                continue
-            param = "w2" if parsed.projection == "down" else "w13"
-            found.setdefault((parsed.layer, param), {}).setdefault(parsed.expert, {})[
-                parsed.projection] = tensor
-        for (layer, param), by_expert in sorted(found.items()):
-            needed = ("down",) if param == "w2" else ("gate", "up")
-            missing = [(e, p) for e in self.shard.experts for p in needed
-                       if p not in by_expert.get(e, {})]
-            if missing:
-                shown = ", ".join(f"expert {e} {p}_proj" for e, p in missing[:6])
-                raise MissingExpertError(
-                    f"layer {layer} {param}_weight on receiver rank {self.rank}: the chunk updates "
-                    f"it but lacks {len(missing)} projection(s) this rank owns ({shown}); a chunk "
-                    f"must carry every owned expert (experts {self.shard.experts.start}.."
-                    f"{self.shard.experts.stop - 1}) of a parameter it touches")
-        for (layer, param), by_expert in sorted(found.items()):
-            for expert, projections in sorted(by_expert.items()):
-                slot = self._local_slot(expert)
-                if param == "w13":
-                    self._write_w13(plan, layer, slot, "gate", projections["gate"])
-                    self._write_w13(plan, layer, slot, "up", projections["up"])
-                else:
-                    self._write_w2(plan, layer, slot, projections["down"])
-        return plan
+    def _plan_per_expert(self, plan: LoadPlan, parsed, tensor) -> None:
+        slot = self._local_slot(parsed.expert)
+        if slot is None:
+            plan.ignored += 1
+        elif parsed.projection == "down":
+            self._write_w2(plan, parsed.layer, slot, tensor)
+        else:
+            self._write_w13(plan, parsed.layer, slot, parsed.projection, tensor)
 
-    def _plan_packed(self, entries) -> LoadPlan:
-        spec, plan = self.spec, LoadPlan()
-        size = spec.intermediate
+    def _plan_packed(self, plan: LoadPlan, parsed, tensor) -> None:
+        """Receiver-order halves: ``w13[e]`` is ``[first; second]`` of ``self.topo.order``."""
+        size = self.spec.intermediate
         first, _ = gate_up_halves(self.topo.order)
-        for name, parsed, tensor in entries:
-            self._check_shape(name, tensor, packed_shape(spec, parsed.projection),
-                              f"packed {parsed.projection}_weight of all {spec.num_experts} "
-                              f"experts, unsharded, {self.topo.order} order")
-        for name, parsed, tensor in entries:
-            for expert in range(spec.num_experts):
-                slot = self._local_slot(expert)
-                if slot is None:
-                    continue
-                if parsed.projection == "w13":
-                    for projection in ("gate", "up"):
-                        start = 0 if projection == first else size
-                        self._write_w13(plan, parsed.layer, slot, projection,
-                                        tensor[expert].narrow(0, start, size))
-                else:
-                    self._write_w2(plan, parsed.layer, slot, tensor[expert])
-        return plan
+        for expert in self.shard.experts:
+            slot = self._local_slot(expert)
+            if slot is None:
+                continue
+            if parsed.projection == "w13":
+                for projection in ("gate", "up"):
+                    start = 0 if projection == first else size
+                    self._write_w13(plan, parsed.layer, slot, projection,
+                                    tensor[expert].narrow(0, start, size))
+            else:
+                self._write_w2(plan, parsed.layer, slot, tensor[expert])
 
-    def _plan_direct(self, entries) -> LoadPlan:
-        plan = LoadPlan()
-        for name, parsed, tensor in entries:
-            param = self.params[name]
-            self._check_shape(name, tensor, param.shape,
-                              f"receiver rank {self.rank}'s own {parsed.projection}_weight")
-            if not tensor.is_contiguous():
-                raise TensorLayoutError(f"{name!r}: non-contiguous tensor (strides "
-                                        f"{tensor.stride()}); load_format='direct' needs "
-                                        f"contiguous tensors")
-            plan.pairs.append((param, tensor))
-            plan.touched.add(name)
-        return plan
+    def _plan_hf_fused(self, plan: LoadPlan, parsed, tensor) -> None:
+        """Gate rows first whatever the receiver order (SGLang splits with ``chunk(2, -2)``)."""
+        size = self.spec.intermediate
+        for expert in self.shard.experts:
+            slot = self._local_slot(expert)
+            if slot is None:
+                continue
+            if parsed.projection == "gate_up":
+                self._write_w13(plan, parsed.layer, slot, "gate", tensor[expert].narrow(0, 0, size))
+                self._write_w13(plan, parsed.layer, slot, "up", tensor[expert].narrow(0, size, size))
+            else:
+                self._write_w2(plan, parsed.layer, slot, tensor[expert])
+
+    def _plan_direct(self, plan: LoadPlan, parsed, tensor) -> None:
+        name = fused_name(parsed.layer, parsed.projection)
+        plan.pairs.append((self.params[name], tensor))
+        plan.touched.add(name)
+
+    def _check_overlap(self, entries, plan: LoadPlan) -> None:
+        """Refuse a source that shares bytes with a parameter this bucket writes (itself
+        included): the copy order would decide what lands."""
+        spans = []
+        for name in plan.touched:
+            span = _extent(self.params[name])
+            if span is not None:
+                spans.append((span[0], span[1], name))
+        if not spans:
+            return
+        spans.sort()
+        starts = [start for start, _, _ in spans]
+        reach, furthest = [], 0  # reach[k]: the furthest end among spans[0..k]
+        for _, end, _ in spans:
+            furthest = max(furthest, end)
+            reach.append(furthest)
+        for index, name, _, tensor in entries:
+            src = _extent(tensor)
+            if src is None:
+                continue
+            k = bisect.bisect_left(starts, src[1]) - 1
+            while k >= 0 and reach[k] > src[0]:
+                start, end, param = spans[k]
+                if end > src[0]:
+                    raise MemoryOverlapError(
+                        f"{self._where(index, name)}: its memory overlaps receiver parameter "
+                        f"{param!r}, which this bucket writes; send a copy")
+                k -= 1
 
 
 def _checked_params(params: Mapping[str, torch.Tensor], shapes: dict[str, tuple],
                     dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor]:
     """``params`` restricted to ``shapes``' names, each checked against its expected shape and
     ``dtype``; all on one device. Raises :class:`ReceiverParamsError` naming the first misfit."""
+    if not isinstance(params, Mapping):
+        raise ReceiverParamsError(f"receiver rank {rank} params is a {type(params).__name__}, "
+                                  f"not a mapping of name -> tensor")
     checked = {}
     for name, shape in shapes.items():
         if name not in params:

@@ -11,28 +11,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from reference_impl.layout import GATE_UP_ORDERS, ReceiverTopology, WeightSyncError
+from pytest_weightsync.protocols import FORMATS, Capabilities
+from pytest_weightsync.reference_impl.layout import ReceiverTopology, WeightSyncError
+
+# ``Capabilities`` is the one class of :mod:`pytest_weightsync.protocols`: path selection
+# reads its ``formats`` (what the receiver accepts), ``orders`` (gate/up orders the fused
+# paths can be produced in) and ``padded`` (whether padded direct buffers can be produced).
+__all__ = ["PATHS", "Capabilities", "NoCompatiblePathError", "PathChoice", "select_path",
+           "why_not"]
 
 #: Sync paths, fastest first; each falls back to the ones after it.
-PATHS = ("direct", "packed", "compat")
+PATHS = FORMATS
 
 
 class NoCompatiblePathError(WeightSyncError):
     """No path, from the requested one down, is supported."""
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a sender/receiver pair supports.
-
-    ``formats``: payload kinds the receiver accepts (subset of :data:`PATHS`).
-    ``orders``: gate/up orders the fused paths (packed, direct) can be produced in.
-    ``padded``: whether the direct path can produce padded receiver buffers.
-    """
-
-    formats: frozenset = frozenset(PATHS)
-    orders: frozenset = frozenset(GATE_UP_ORDERS)
-    padded: bool = True
 
 
 @dataclass(frozen=True)

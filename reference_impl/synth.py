@@ -3,12 +3,22 @@
 Each BF16 element is a hash of ``(seed, layer, expert, projection, row, col)``: neighbouring
 coordinates, other experts, other layers and the other projection all hold unrelated values,
 so a swap, a shift by one, a transpose or a wrong slice changes almost every element it
-touches. The weight ``version`` is XOR-ed into the sign and mantissa bits with a distinct
-8-bit constant per version (mod 256), so two versions differ in *every* element and a stale
-value left from an earlier version is always visible. Exponents are kept in ``[2^-14, 2^15]``:
-every value is a finite normal number in BF16, FP16 and FP32 alike (no NaN, inf, zero or
-subnormal that a copy, a cast or a comparison could treat specially), so casting the BF16
-pattern to another floating dtype is exact.
+touches.
+
+The values span every BF16 bit pattern a lossy conversion changes, so a loader or exporter
+that sends the weights through FP16, FP8 or a float rounding step anywhere cannot pass: most
+elements are normal numbers with an exponent drawn from *every* BF16 binade (far beyond FP16's
+range on both ends: above 65504 and below 2^-24) and all 7 mantissa bits random; the rest are
+signed zeros, infinities, BF16 subnormals and NaNs with random payloads (quiet and signalling).
+A raw-bit copy (every reference path, every real loader) keeps all of them; anything that goes
+through float arithmetic or a narrower dtype does not. Consumers that *compute* with the
+weights (a forward pass) ask for ``finite=True``: finite normal values inside FP16's range.
+
+Versions: two versions ``v1 != v2 (mod 256)`` differ in *every* element, zeros and NaNs
+included, so a stale value left from an earlier version is always visible. A normal element
+keeps its (location-derived) exponent and XORs the sign and mantissa with a distinct 8-bit
+constant per version (:func:`version_mask`); which elements are special is chosen by
+``(hash + version) mod 256``, so no two versions put the same special pattern in one place.
 
 The expected receiver state is computed by evaluating the same function at the coordinates
 the layout model assigns to each receiver element (:func:`expected_receiver_params`); it never
@@ -19,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from reference_impl.layout import (
+from pytest_weightsync.reference_impl.layout import (
     PROJECTIONS,
     ExpertWeights,
     MoESpec,
@@ -49,6 +59,13 @@ def _scalar_key(seed: int, layer: int, expert: int, projection: str) -> int:
     return key
 
 
+#: Special-class slots out of 256: [0, 2) signed zeros, [2, 4) infinities, [4, 20) BF16
+#: subnormals, [20, 36) NaNs with a payload; the other 220 are normal numbers.
+_ZERO_SLOTS, _INF_END, _SUBNORMAL_END, _NAN_END = 2, 4, 20, 36
+#: Dtypes that hold every BF16 pattern exactly (NaN payloads included); others get the finite set.
+_HOLDS_EVERY_BF16 = (torch.bfloat16, torch.float32)
+
+
 def version_mask(version: int) -> int:
     """16-bit XOR mask of a version: touches only sign and mantissa, distinct per version
     modulo 256 (an odd multiplier is a bijection on 8 bits), never zero-equal across two."""
@@ -57,17 +74,34 @@ def version_mask(version: int) -> int:
 
 
 def bf16_bits(seed: int, version: int, layer: int, expert: int, projection: str,
-              rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """int64 tensor ``[len(rows), len(cols)]`` of the 16-bit patterns at those coordinates."""
+              rows: torch.Tensor, cols: torch.Tensor, finite: bool = False) -> torch.Tensor:
+    """int64 tensor ``[len(rows), len(cols)]`` of the 16-bit patterns at those coordinates.
+
+    ``finite=True``: finite normal values with exponents in ``[2^-14, 2^15]`` (exact in FP16,
+    safe to compute with); otherwise the full spread described in the module docstring.
+    Pure tensor ops on ``rows``' device (no per-element Python)."""
     key = _scalar_key(seed, layer, expert, projection)
     r = rows.to(torch.int64).reshape(-1, 1)
-    c = cols.to(torch.int64).reshape(1, -1)
+    c = cols.to(torch.int64).reshape(1, -1).to(r.device)
     x = (key + r * 0x2545F491 + c * 0x9E3779B1) & _M32
     x = _mix32(_mix32(x) ^ (r << 20 & _M32) ^ c)
-    bits = x & 0xFFFF
-    exponent = 0x71 + ((bits >> 7) & 0xFF) % 30  # biased 113..142: normal in bf16 and fp16
-    bits = (bits & 0x807F) | (exponent << 7)
-    return bits ^ version_mask(version)
+    sign_mantissa = x & 0x807F  # bits 0-6 and 15: location-derived sign and mantissa
+    if finite:
+        exponent = 0x71 + ((x >> 7) & 0xFF) % 30  # biased 113..142: normal in bf16 and fp16
+        return (sign_mantissa | (exponent << 7)) ^ version_mask(version)
+    exponent = 1 + ((x >> 7) & 0xFF) % 254  # every finite binade, 2^-126 .. 2^127
+    bits = (sign_mantissa | (exponent << 7)) ^ version_mask(version)
+    # Special classes: the slot rotates with the version, so one place never holds the same
+    # special pattern in two versions (and a special never equals a normal: exponent field).
+    slot = ((x >> 16) + version) & 0xFF
+    sign = x & 0x8000
+    rotated = 1 + ((x & 0x7F) + slot) % 127  # non-zero mantissa, distinct per slot in a class
+    bits = torch.where(slot < _ZERO_SLOTS, slot << 15, bits)  # +0, -0
+    bits = torch.where((slot >= _ZERO_SLOTS) & (slot < _INF_END),
+                       0x7F80 | ((slot - _ZERO_SLOTS) << 15), bits)  # +inf, -inf
+    bits = torch.where((slot >= _INF_END) & (slot < _SUBNORMAL_END), sign | rotated, bits)
+    bits = torch.where((slot >= _SUBNORMAL_END) & (slot < _NAN_END), sign | 0x7F80 | rotated, bits)
+    return bits
 
 
 def _bits_to_dtype(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -77,63 +111,102 @@ def _bits_to_dtype(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def expert_block(spec: MoESpec, version: int, layer: int, expert: int, projection: str,
-                 rows: torch.Tensor, cols: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """Values of ``projection`` of ``(layer, expert)`` at HF coordinates ``rows x cols``."""
-    return _bits_to_dtype(bf16_bits(seed, version, layer, expert, projection, rows, cols),
-                          spec.dtype)
+                 rows: torch.Tensor, cols: torch.Tensor, seed: int = 0,
+                 finite: bool = False) -> torch.Tensor:
+    """Values of ``projection`` of ``(layer, expert)`` at HF coordinates ``rows x cols``.
+    A model dtype that cannot hold every BF16 pattern (FP16, FP64) gets the finite set, so
+    the expected values stay exact in it."""
+    finite = finite or spec.dtype not in _HOLDS_EVERY_BF16
+    return _bits_to_dtype(bf16_bits(seed, version, layer, expert, projection, rows, cols,
+                                    finite), spec.dtype)
+
+
+# Device handling: every function below takes ``device`` and builds its index tensors there,
+# so the value function runs where the weights live. A GPU-sized tensor (one Qwen3.5 MoE layer
+# is ~800M elements) is never computed element by element on one CPU thread and copied over:
+# on the GPU it takes milliseconds, on the CPU minutes. The bits do not depend on the device
+# (integer ops only), which tests/test_gpu_suites_cpu.py and the GPU suites check.
 
 
 def expert_weights(spec: MoESpec, version: int, layer: int, expert: int,
-                   seed: int = 0) -> ExpertWeights:
-    """The three full Hugging Face tensors of one expert at ``version``."""
+                   seed: int = 0, *, device=None, finite: bool = False) -> ExpertWeights:
+    """The three full Hugging Face tensors of one expert at ``version``, on ``device``."""
     out = {}
     for projection in PROJECTIONS:
         n_rows, n_cols = spec.hf_shape(projection)
         out[projection] = expert_block(spec, version, layer, expert, projection,
-                                       torch.arange(n_rows), torch.arange(n_cols), seed)
+                                       torch.arange(n_rows, device=device),
+                                       torch.arange(n_cols, device=device), seed, finite=finite)
     return ExpertWeights(**out)
 
 
 def full_weights(spec: MoESpec, version: int, seed: int = 0,
-                 layers=None) -> dict[int, tuple[ExpertWeights, ...]]:
-    """Full HF expert weights ``{layer: (expert 0, expert 1, ...)}`` at ``version``."""
+                 layers=None, *, device=None,
+                 finite: bool = False) -> dict[int, tuple[ExpertWeights, ...]]:
+    """Full HF expert weights ``{layer: (expert 0, expert 1, ...)}`` at ``version``, on
+    ``device``; ``finite`` for consumers that compute with them (see :func:`bf16_bits`)."""
     layers = range(spec.num_layers) if layers is None else layers
-    return {layer: tuple(expert_weights(spec, version, layer, e, seed)
+    return {layer: tuple(expert_weights(spec, version, layer, e, seed, device=device,
+                                        finite=finite)
                          for e in range(spec.num_experts))
             for layer in layers}
 
 
 def expected_receiver_params(spec: MoESpec, topo: ReceiverTopology, rank: int, version: int,
-                             seed: int = 0) -> dict[str, torch.Tensor]:
+                             seed: int = 0, *, device=None,
+                             finite: bool = False) -> dict[str, torch.Tensor]:
     """What every receiver parameter of ``rank`` must hold after a complete update to
-    ``version``: the synthetic value at each element's model coordinates, zero in padding."""
+    ``version``: the synthetic value at each element's model coordinates, zero in padding.
+    Built on ``device`` (pass the receiver's: the comparison then never leaves it)."""
     shard = receiver_shard(spec, topo, rank)
-    cols_h = torch.arange(spec.hidden)
-    rows_i = torch.arange(shard.row_start, shard.row_start + shard.rows)
+    cols_h = torch.arange(spec.hidden, device=device)
+    rows_i = torch.arange(shard.row_start, shard.row_start + shard.rows, device=device)
     out = {}
     for layer in range(spec.num_layers):
-        w13 = torch.zeros(len(shard.experts), 2 * shard.buffer_rows, spec.hidden, dtype=spec.dtype)
-        w2 = torch.zeros(len(shard.experts), spec.hidden, shard.buffer_rows, dtype=spec.dtype)
+        w13 = torch.zeros(len(shard.experts), 2 * shard.buffer_rows, spec.hidden, dtype=spec.dtype,
+                          device=device)
+        w2 = torch.zeros(len(shard.experts), spec.hidden, shard.buffer_rows, dtype=spec.dtype,
+                         device=device)
         for slot, expert in enumerate(shard.experts):
             for projection in ("gate", "up"):
                 off = shard.half_offset(projection, topo.order)
                 w13[slot, off:off + shard.rows] = expert_block(
-                    spec, version, layer, expert, projection, rows_i, cols_h, seed)
+                    spec, version, layer, expert, projection, rows_i, cols_h, seed, finite=finite)
             # down_proj is [hidden, intermediate]: the rank owns columns rows_i.
             w2[slot, :, :shard.rows] = expert_block(
-                spec, version, layer, expert, "down", cols_h, rows_i, seed)
+                spec, version, layer, expert, "down", cols_h, rows_i, seed, finite=finite)
         out[fused_name(layer, "w13")] = w13
         out[fused_name(layer, "w2")] = w2
     return out
 
 
+#: Elements per poison chunk: bounds the int64 temporaries of :func:`bf16_bits` (~10 of them)
+#: to a few hundred MiB whatever the tensor's size.
+POISON_CHUNK = 1 << 24
+
+
+def poison_values(start: int, stop: int, dtype: torch.dtype, seed: int = 0xBAD,
+                  device=None) -> torch.Tensor:
+    """Flat elements ``start .. stop - 1`` of the poison pattern, on ``device``."""
+    flat = torch.arange(start, stop, device=device)
+    bits = bf16_bits(seed, 0x55, -1, -1, "gate", flat,
+                     torch.zeros(1, dtype=torch.int64, device=device),
+                     finite=True)  # non-zero, finite: never equal to zero padding
+    return _bits_to_dtype(bits.reshape(-1), dtype)
+
+
 def poison_(tensor: torch.Tensor, seed: int = 0xBAD) -> torch.Tensor:
     """Fill ``tensor`` in place with an unrelated non-zero pattern, so an element a loader
     forgot to write (or a padding tail it forgot to zero) does not equal its expected value
-    by luck of a zero-initialised buffer."""
-    flat = torch.arange(tensor.numel())
-    bits = bf16_bits(seed, 0x55, -1, -1, "gate", flat, torch.zeros(1, dtype=torch.int64))
-    values = _bits_to_dtype(bits.reshape(-1), tensor.dtype).reshape(tensor.shape)
+    by luck of a zero-initialised buffer. The pattern is built on the tensor's own device,
+    in bounded chunks, and depends only on each element's flat index."""
     with torch.no_grad():
-        tensor.copy_(values)
+        flat = tensor.view(-1) if tensor.is_contiguous() else None
+        n = tensor.numel()
+        if flat is None:  # strided: build whole, copy once (small tensors in practice)
+            tensor.copy_(poison_values(0, n, tensor.dtype, seed, tensor.device).view(tensor.shape))
+            return tensor
+        for start in range(0, n, POISON_CHUNK):
+            stop = min(n, start + POISON_CHUNK)
+            flat[start:stop].copy_(poison_values(start, stop, tensor.dtype, seed, tensor.device))
     return tensor

@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from reference_impl.layout import (
+from pytest_weightsync.reference_impl.layout import (
     ExpertWeights,
     MoESpec,
     TrainerShard,
@@ -140,6 +140,20 @@ class TrainerGroups:
                     mine[kind] = group
         return cls(trainer_shard(spec, topo, rank), mine["etp"], mine["ep"], mine["pp"])
 
+    def destroy(self) -> None:
+        """Destroy this rank's groups. A gloo group keeps threads and sockets until destroyed,
+        so a warm rank process that creates groups for test after test must free them."""
+        import torch.distributed as dist
+
+        for group in {id(g): g for g in (self.etp, self.ep, self.pp)}.values():
+            dist.destroy_process_group(group)
+
+    def __enter__(self) -> "TrainerGroups":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
 
 def _all_gather_bits(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     """all_gather of a tensor's raw bytes (bit exact for any dtype; gloo lacks some dtypes)."""
@@ -164,12 +178,26 @@ def gather_full_weights_dist(spec: MoESpec, topo: TrainerTopology,
               for li in range(n_layers)]
     fc1 = torch.stack([torch.stack([p[0] for p in row]) for row in pieces])  # [L, e, 2r, H]
     fc2 = torch.stack([torch.stack([p[1] for p in row]) for row in pieces])  # [L, e, H, r]
-    merged = merge_etp_shards(_all_gather_bits(fc1, groups.etp), _all_gather_bits(fc2, groups.etp))
+    return gather_stacked(spec, fc1, fc2, etp=groups.etp, ep=groups.ep, pp=groups.pp)
+
+
+def gather_stacked(spec: MoESpec, fc1: torch.Tensor, fc2: torch.Tensor, *, etp, ep, pp
+                   ) -> dict[int, tuple[ExpertWeights, ...]]:
+    """Full HF expert weights from this rank's stacked local shards ``fc1 [L_stage, e_local,
+    2r, H]`` / ``fc2 [L_stage, e_local, H, r]`` over the given ``torch.distributed`` groups
+    (any handles: the reference's own or Megatron's ``parallel_state`` ones). The ETP gather
+    regroups fc1 (each shard is ``[gate_r; up_r]``) and concatenates fc2 along its partition
+    dim (columns); EP ranks' experts follow in EP-rank order (global expert id =
+    ``ep_rank * e_local + local``) and PP stages' layers in stage order."""
+    merged = merge_etp_shards(_all_gather_bits(fc1, etp), _all_gather_bits(fc2, etp))
     # [L_stage, e_local, ...] -> [L_stage, E, ...] -> [L, E, ...]
-    stacked = [torch.cat(_all_gather_bits(t, groups.ep), dim=1)
+    stacked = [torch.cat(_all_gather_bits(t, ep), dim=1)
                for t in (merged.gate, merged.up, merged.down)]
-    stacked = [torch.cat(_all_gather_bits(t, groups.pp), dim=0) for t in stacked]
+    stacked = [torch.cat(_all_gather_bits(t, pp), dim=0) for t in stacked]
     gate, up, down = stacked
+    if gate.shape[:2] != (spec.num_layers, spec.num_experts):
+        raise TrainerStateError(f"gathered {tuple(gate.shape[:2])} (layers, experts), the model "
+                                f"has ({spec.num_layers}, {spec.num_experts})")
     return {layer: tuple(ExpertWeights(gate[layer, e], up[layer, e], down[layer, e])
                          for e in range(spec.num_experts))
             for layer in range(spec.num_layers)}

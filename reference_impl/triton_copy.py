@@ -10,7 +10,7 @@ which pair each program copies, so the whole list is one launch per element size
 Elements are moved as unsigned integers of the element's width, which makes the copy
 bit-identical to ``dst.copy_(src)`` for equal dtypes (NaN payloads and signed zeros included).
 
-Importing this module imports triton; :mod:`reference_impl.fastcopy` imports it lazily and
+Importing this module imports triton; :mod:`pytest_weightsync.reference_impl.fastcopy` imports it lazily and
 falls back to ``torch._foreach_copy_`` where triton is missing.
 """
 

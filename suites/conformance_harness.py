@@ -15,14 +15,17 @@ import functools
 
 import pytest
 
-import harness
+from . import harness
 from pytest_weightsync import compare
-from reference_impl import synth
-from reference_impl.layout import receiver_param_shapes, receiver_shard
-from reference_impl.select import Capabilities as RoutingCapabilities
-from reference_impl.select import NoCompatiblePathError, select_path
+from pytest_weightsync.reference_impl import synth
+from pytest_weightsync.reference_impl.layout import receiver_param_shapes, receiver_shard
+from pytest_weightsync.reference_impl.select import Capabilities as RoutingCapabilities
+from pytest_weightsync.reference_impl.select import NoCompatiblePathError, select_path
 
-FORMATS = ("compat", "packed", "direct")
+FORMATS = ("compat", "hf_fused", "packed", "direct")
+#: The bucket limit a full update is cut at unless a test says otherwise: a layer's experts
+#: straddle buckets, as in real senders' streams.
+DEFAULT_BUCKET = "split_layer"
 #: A parameter every real receiver also holds (the MoE router); loaders must leave it alone.
 SENTINEL = "model.layers.0.mlp.gate.weight"
 
@@ -52,6 +55,15 @@ def payload(fmt, case, rank, version, layers=None):
     return [(name, tensor.clone()) for name, tensor in chunk]
 
 
+def stream(fmt, case, rank, version, layers=None, *, bucket_bytes=DEFAULT_BUCKET):
+    """:func:`payload` cut into buckets at ``bucket_bytes`` (a name of
+    ``harness.BUCKET_LIMITS``, an int, or ``None`` for one bucket)."""
+    from pytest_weightsync.reference_impl.buckets import split_buckets
+
+    return split_buckets(payload(fmt, case, rank, version, layers),
+                         harness.bucket_bytes(bucket_bytes, case.spec))
+
+
 def receiver_params(case, rank):
     """Receiver ``rank``'s pre-allocated parameters: the expert ``w13``/``w2`` of every layer
     plus a router weight, all poisoned (nothing passes by luck of a zero buffer)."""
@@ -66,11 +78,22 @@ def receiver_params(case, rank):
     return params
 
 
-def load(impl, params, fmt, case, rank, version, layers=None):
-    """Send ``version`` to ``impl`` one layer per ``load_weights`` call (a bucket per layer)."""
-    for layer in (range(case.spec.num_layers) if layers is None else layers):
-        impl.load_weights(params, payload(fmt, case, rank, version, [layer]), format=fmt,
-                          spec=case.spec, topology=case.receiver, rank=rank)
+def load(impl, params, fmt, case, rank, version, layers=None, *, bucket_bytes=DEFAULT_BUCKET):
+    """Send ``version`` to ``impl`` as a bucket stream cut at ``bucket_bytes``, one
+    ``load_weights`` call per bucket. A full update (``layers=None``) is framed by the loader's
+    optional ``begin_update`` / ``end_update`` hooks (``pytest_weightsync.protocols``); a
+    partial one (``layers`` given) is not an update of the whole model, so it is sent without
+    them."""
+    kwargs = dict(format=fmt, spec=case.spec, topology=case.receiver, rank=rank)
+    framed = layers is None
+    begin = getattr(impl, "begin_update", None) if framed else None
+    end = getattr(impl, "end_update", None) if framed else None
+    if callable(begin):
+        begin(params, **kwargs)
+    for bucket in stream(fmt, case, rank, version, layers, bucket_bytes=bucket_bytes):
+        impl.load_weights(params, bucket, **kwargs)
+    if callable(end):
+        end(params, **kwargs)
 
 
 # --- judging -----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-import matrix
+from . import matrix
 
 
 def _extra_cases(config) -> list:

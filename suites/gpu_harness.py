@@ -3,10 +3,16 @@
 Every step takes a ``device``: the GPU suites pass ``"cuda"``, the CPU tests of the same logic
 pass ``"cpu"``, so what runs on the GPU machine is the code that was exercised here.
 
-The oracle is :mod:`reference_impl.synth`: expected receiver parameters are evaluated at the
-layout's coordinates, never sliced from what a sender produced. :func:`expected_params` does
-that on the target device (the Qwen3.5 layer shape is ~800M elements: too slow for a CPU
-thread) and is checked against ``synth.expected_receiver_params`` bit for bit on CPU.
+The oracle is :mod:`pytest_weightsync.reference_impl.synth`: expected receiver parameters are
+evaluated at the layout's coordinates, never sliced from what a sender produced. Weights,
+expected parameters and the poison pattern are all built on the target device (the Qwen3.5
+layer is ~800M elements: minutes for a CPU thread, milliseconds on the GPU); the device
+path's bits equal the CPU path's (checked on CPU by tests/test_gpu_suites_cpu.py and on the
+GPU by suites/test_gpu_repeated.py).
+
+Scenarios that run a forward pass use ``finite=True`` weights (finite normal values: a
+forward over NaN or inf would hide a stale weight behind a NaN output); the IPC updates,
+which only copy, use the full spread of bit patterns.
 """
 
 from __future__ import annotations
@@ -17,17 +23,15 @@ from dataclasses import dataclass
 import torch
 
 from pytest_weightsync import compare
-from reference_impl import compat, direct, moe_forward, packed, synth
-from reference_impl.layout import (
-    PROJECTIONS,
-    ExpertWeights,
+from pytest_weightsync.reference_impl import compat, direct, moe_forward, packed, synth
+from pytest_weightsync.reference_impl.layout import (
     MoESpec,
     ReceiverTopology,
     fused_name,
     locate_receiver_element,
     receiver_shard,
 )
-from reference_impl.receiver import ReferenceReceiver
+from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
 
 PATHS = ("compat", "packed", "direct")
 LOAD_FORMAT = {"compat": None, "packed": None, "direct": "direct"}
@@ -66,47 +70,17 @@ def resolve(device) -> torch.device:
     return device
 
 
-def full_weights(spec: MoESpec, version: int, device, seed: int = 0) -> dict:
-    """``synth.full_weights`` evaluated on ``device`` (same bits: the same function)."""
-    device = resolve(device)
-    out = {}
-    for layer in range(spec.num_layers):
-        experts = []
-        for expert in range(spec.num_experts):
-            tensors = {}
-            for projection in PROJECTIONS:
-                rows, cols = spec.hf_shape(projection)
-                tensors[projection] = synth.expert_block(
-                    spec, version, layer, expert, projection,
-                    torch.arange(rows, device=device), torch.arange(cols, device=device), seed)
-            experts.append(ExpertWeights(**tensors))
-        out[layer] = tuple(experts)
-    return out
+def full_weights(spec: MoESpec, version: int, device, seed: int = 0, *,
+                 finite: bool = False) -> dict:
+    """``synth.full_weights`` built on ``device`` (same bits on every device)."""
+    return synth.full_weights(spec, version, seed, device=resolve(device), finite=finite)
 
 
 def expected_params(spec: MoESpec, topo: ReceiverTopology, rank: int, version: int, device,
-                    seed: int = 0) -> dict:
-    """``synth.expected_receiver_params`` evaluated on ``device``."""
-    device = resolve(device)
-    shard = receiver_shard(spec, topo, rank)
-    cols_h = torch.arange(spec.hidden, device=device)
-    rows_i = torch.arange(shard.row_start, shard.row_start + shard.rows, device=device)
-    out = {}
-    for layer in range(spec.num_layers):
-        w13 = torch.zeros(len(shard.experts), 2 * shard.buffer_rows, spec.hidden,
-                          dtype=spec.dtype, device=device)
-        w2 = torch.zeros(len(shard.experts), spec.hidden, shard.buffer_rows, dtype=spec.dtype,
-                         device=device)
-        for slot, expert in enumerate(shard.experts):
-            for projection in ("gate", "up"):
-                off = shard.half_offset(projection, topo.order)
-                w13[slot, off:off + shard.rows] = synth.expert_block(
-                    spec, version, layer, expert, projection, rows_i, cols_h, seed)
-            w2[slot, :, :shard.rows] = synth.expert_block(
-                spec, version, layer, expert, "down", cols_h, rows_i, seed)
-        out[fused_name(layer, "w13")] = w13
-        out[fused_name(layer, "w2")] = w2
-    return out
+                    seed: int = 0, *, finite: bool = False) -> dict:
+    """``synth.expected_receiver_params`` built on ``device``."""
+    return synth.expected_receiver_params(spec, topo, rank, version, seed,
+                                          device=resolve(device), finite=finite)
 
 
 def payload(path: str, spec: MoESpec, topo: ReceiverTopology, rank: int, full: dict,
@@ -160,11 +134,11 @@ def assert_bits_equal(actual, expected, name: str, locate=None, rank=None) -> No
 
 
 def assert_params_exact(params: dict, spec: MoESpec, topo: ReceiverTopology, rank: int,
-                        version: int, seed: int = 0) -> dict:
+                        version: int, seed: int = 0, *, finite: bool = False) -> dict:
     """Every parameter of receiver ``rank`` holds exactly ``version`` (padding zero).
     Returns the expected tensors (on the parameters' device) for further use."""
     device = next(iter(params.values())).device
-    expected = expected_params(spec, topo, rank, version, device, seed)
+    expected = expected_params(spec, topo, rank, version, device, seed, finite=finite)
     assert sorted(params) == sorted(expected), f"rank {rank}: parameter names differ"
     for name, tensor in expected.items():
         assert_bits_equal(params[name], tensor, name, locator(spec, topo, rank), rank)
@@ -248,7 +222,7 @@ def run_updates(scenario: Scenario, path: str, versions, device, *, graphs: bool
     captured, previous = {}, {}
     log = UpdateLog(list(versions), 0, 0, [])
     for step, version in enumerate(versions):
-        full = full_weights(spec, version, device, scenario.seed)
+        full = full_weights(spec, version, device, scenario.seed, finite=True)
         update(receivers, path, full)
         del full
         changed = 0
@@ -257,7 +231,8 @@ def run_updates(scenario: Scenario, path: str, versions, device, *, graphs: bool
             where = f"{path} path, update {step} (version {version}), receiver rank {rank}"
             assert addresses(receiver.params) == before[rank], (
                 f"{where}: a parameter was reallocated (address, shape or stride changed)")
-            expected = assert_params_exact(receiver.params, spec, topo, rank, version, scenario.seed)
+            expected = assert_params_exact(receiver.params, spec, topo, rank, version,
+                                           scenario.seed, finite=True)
             for layer in range(spec.num_layers):
                 key = (rank, layer)
                 eager = forward(expected, scenario, rank, layer, hidden, logits[layer])
@@ -304,12 +279,12 @@ def run_ipc_updates(processes: list, spec: MoESpec, topo: ReceiverTopology, path
                     keep_payloads: bool = False) -> IpcLog:
     """The trainer side of SGLang's ``update_weights_from_tensor``, once per version.
 
-    ``processes[r]`` (a :class:`reference_impl.ipc.ReceiverProcess`) is receiver rank ``r``.
+    ``processes[r]`` (a :class:`pytest_weightsync.reference_impl.ipc.ReceiverProcess`) is receiver rank ``r``.
     Each update: build every rank's payload on ``device``, serialize it (handles, not bytes),
     let rank ``r`` rebuild entry ``r`` and load it, then drop the payload and collect released
     blocks. Checks receiver parameter addresses after every update and, with ``check``, every
     parameter bit for bit (read back through IPC views on CUDA)."""
-    from reference_impl import ipc
+    from pytest_weightsync.reference_impl import ipc
 
     assert len(processes) == topo.world_size, "one receiver process per receiver rank"
     ptrs = [p.configure(spec, topo, r, keep_payloads=keep_payloads)

@@ -16,7 +16,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from reference_impl.layout import MoESpec, ReceiverTopology, TopologyError, TrainerTopology
+from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, TopologyError, TrainerTopology
 
 #: Factor -> values. Sizes kept small (CPU suites).
 FACTORS = {
@@ -78,7 +78,7 @@ def build_case(t_tp, t_ep, t_etp, t_pp, impl, r_moe_tp, r_moe_ep, r_moe_dp, orde
     receiver = ReceiverTopology(tp=r_moe_tp * r_moe_ep * r_moe_dp, moe_ep=r_moe_ep,
                                 moe_dp=r_moe_dp, order=order, intermediate_padded=padded,
                                 pad_mode="blocked" if padding == "blocked" else "even")
-    from reference_impl.layout import receiver_shard, trainer_shard
+    from pytest_weightsync.reference_impl.layout import receiver_shard, trainer_shard
 
     trainer_shard(spec, trainer, 0)  # validates
     receiver_shard(spec, receiver, 0)
@@ -138,6 +138,13 @@ ANCHORS = (
     build_case(1, 1, 1, 1, "sequential", 1, 1, 1, "gate_up", "none", "one_expert"),
     # uneven MoE-TP split with blocked padding: some ranks get fewer (or zero) real rows.
     build_case(1, 1, 1, 1, "sequential", 4, 1, 1, "gate_up", "blocked", "odd"),
+    # Square per-rank blocks: hidden == intermediate / moe_tp == intermediate / etp (3 x 3,
+    # odd), so a transposed gate/up/down slice keeps its shape and only the values can tell;
+    # 3 local experts per rank and 4 layers per update, up/gate order.
+    build_case(2, 2, 2, 2, "te_grouped", 2, 2, 1, "up_gate", "none", "odd", hidden=3),
+    # hidden == intermediate (3, odd) at moe_tp 1: whole HF tensors are square; padded buffers,
+    # 6 local experts per rank, MoE-DP 2.
+    build_case(1, 4, 1, 1, "sequential", 1, 2, 2, "gate_up", "even", "odd", hidden=3),
 )
 
 CASES: tuple[Case, ...] = ANCHORS + tuple(pairwise_cases())
@@ -184,8 +191,12 @@ def cases():
             intermediate = math.lcm(t_etp, r_moe_tp) * draw(st.integers(1, 4))
             padded = (intermediate // r_moe_tp + draw(st.integers(1, 3))
                       if pad_mode == "even" else None)
+        # a third of the draws make per-rank blocks square (hidden == rows per MoE-TP rank):
+        # a transposition keeps the shape there, so only the values can show it
+        square = max(1, intermediate // r_moe_tp)
+        hidden = draw(st.one_of(st.just(square), st.integers(1, 17), st.integers(1, 17)))
         spec = MoESpec(num_layers=t_pp * draw(st.integers(1, 2)), num_experts=experts,
-                       hidden=draw(st.integers(1, 17)), intermediate=intermediate)
+                       hidden=hidden, intermediate=intermediate)
         trainer = TrainerTopology(tp=t_tp, ep=t_ep, etp=t_etp, pp=t_pp,
                                   expert_impl=draw(st.sampled_from(("sequential", "te_grouped"))))
         receiver = ReceiverTopology(tp=r_moe_tp * r_moe_ep * r_moe_dp, moe_ep=r_moe_ep,

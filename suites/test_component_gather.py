@@ -1,4 +1,5 @@
-"""Component-ordered tensor-parallel gathers: GLU fc1, GDN in_proj and conv1d, attention QKV.
+"""Component-ordered tensor-parallel gathers: GLU fc1, GDN in_proj and conv1d, attention QKV
+(SGLang-style `[q; k; v]` and Megatron's per-query-group `linear_qkv`).
 
 The unsharded tensors and every rank's shard are built here by slicing each component (the
 shard of TP rank ``r`` is ``[c_0[r-th block]; c_1[r-th block]; ...]``). The check names the
@@ -9,9 +10,9 @@ shards - same shape, rows in the wrong order - fails with a message that says wh
 from __future__ import annotations
 
 import pytest
-from located_bits import assert_component_bits
+from .located_bits import assert_component_bits
 
-from reference_impl.component_gather import (
+from pytest_weightsync.reference_impl.component_gather import (
     ComponentLayout,
     ComponentLayoutError,
     assemble_components,
@@ -109,7 +110,7 @@ def gather_both_ways(name: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from reference_impl.component_gather import gather_components_async, gather_components_sequential
+    from pytest_weightsync.reference_impl.component_gather import gather_components_async, gather_components_sequential
 
     torch.set_num_threads(1)
     tp, rank = dist.get_world_size(), dist.get_rank()
@@ -131,3 +132,59 @@ def test_async_gather_equals_sequential_gather_across_ranks(rank_pool, name, tp)
     results = rank_pool.run(gather_both_ways, tp, name)
     assert all(r == results[0] for r in results), "ranks disagree on the gathered tensor"
     assert results[0]["sequential"] == results[0]["async"]
+
+
+# Megatron's attention linear_qkv: interleaved per query group, TP shards = whole groups.
+HEADS, QUERY_GROUPS, HEAD_DIM = 8, 4, 2
+
+
+def _hf_qkv():
+    """HF q_proj / k_proj / v_proj with distinct, readable bits (component tag * 4096 + row * 64 + col)."""
+    full = unsharded(qkv_layout(HEADS * HEAD_DIM, QUERY_GROUPS * HEAD_DIM))
+    import torch
+
+    return torch.split(full, [HEADS * HEAD_DIM, QUERY_GROUPS * HEAD_DIM, QUERY_GROUPS * HEAD_DIM])
+
+
+def test_megatron_qkv_interleaves_each_query_group_as_q_heads_then_k_then_v():
+    import torch
+
+    from pytest_weightsync.reference_impl.component_gather import interleave_qkv, split_megatron_qkv
+
+    q, k, v = _hf_qkv()
+    qkv = interleave_qkv(q, k, v, HEADS, QUERY_GROUPS, HEAD_DIM)
+    per_group = (HEADS // QUERY_GROUPS + 2) * HEAD_DIM
+    for g in range(QUERY_GROUPS):
+        block = qkv[g * per_group:(g + 1) * per_group]
+        heads = HEADS // QUERY_GROUPS * HEAD_DIM
+        expected = torch.cat([q[g * heads:(g + 1) * heads], k[g * HEAD_DIM:(g + 1) * HEAD_DIM], v[g * HEAD_DIM:(g + 1) * HEAD_DIM]])
+        assert torch.equal(block.view(torch.int16), expected.view(torch.int16)), f"query group {g}"
+    for name, got, want in zip("qkv", split_megatron_qkv(qkv, HEADS, QUERY_GROUPS, HEAD_DIM), (q, k, v)):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_megatron_qkv_gathers_by_concatenation_and_not_as_q_k_v_components(tp):
+    import torch
+
+    from pytest_weightsync.reference_impl.component_gather import interleave_qkv, megatron_qkv_layout
+
+    q, k, v = _hf_qkv()
+    qkv = interleave_qkv(q, k, v, HEADS, QUERY_GROUPS, HEAD_DIM)
+    layout = megatron_qkv_layout(HEADS, QUERY_GROUPS, HEAD_DIM, tp)
+    shards = [shard_of(qkv, layout, tp, r) for r in range(tp)]
+    rows = qkv.shape[0] // tp
+    for r, shard in enumerate(shards):  # whole query groups: a contiguous slice
+        assert torch.equal(shard.view(torch.int16), qkv[r * rows:(r + 1) * rows].view(torch.int16))
+    assert torch.equal(assemble_components(shards, layout).view(torch.int16), qkv.view(torch.int16))
+    hf_style = assemble_components(shards, qkv_layout(HEADS * HEAD_DIM, QUERY_GROUPS * HEAD_DIM))
+    assert not torch.equal(hf_style.view(torch.int16), qkv.view(torch.int16)), "a [q; k; v] gather matched Megatron's layout"
+
+
+def test_megatron_qkv_rejects_groups_that_do_not_divide_by_tp():
+    from pytest_weightsync.reference_impl.component_gather import MegatronQKVError, megatron_qkv_layout
+
+    with pytest.raises(MegatronQKVError, match=r"num_query_groups=2 does not divide by TP size 4"):
+        megatron_qkv_layout(8, 2, 2, 4)
+    with pytest.raises(MegatronQKVError, match=r"num_heads=6 is not divisible by num_query_groups=4"):
+        megatron_qkv_layout(6, 4, 2)

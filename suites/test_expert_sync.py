@@ -1,9 +1,9 @@
 """Expert weight sync, single process: every path lands bit-identical on every receiver rank.
 
 Properties checked on the topology matrix (``moe_case``) and on Hypothesis-drawn topologies:
-compat, packed and direct payloads each leave every receiver rank's parameters equal, bit for
-bit, to the expected state computed independently from the synthetic value function, at
-unchanged addresses; successive versions leave no stale value; the layout model covers every
+compat, hf_fused, packed and direct payloads, sent as bucket streams, each leave every
+receiver rank's parameters equal, bit for bit, to the expected state computed independently
+from the synthetic value function, at unchanged addresses; successive versions leave no stale value; the layout model covers every
 element exactly once and refuses impossible topologies by name; path selection falls back
 with a reason.
 """
@@ -15,11 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import matrix
-from harness import PATHS, check_rank, fresh_receivers, gathered_weights, payload, sync_and_check
+from . import matrix
+from .harness import (BUCKET_LIMITS, PATHS, check_rank, fresh_receivers, gathered_weights, payload,
+                      sync_and_check)
 from pytest_weightsync import compare
-from reference_impl import synth, trainer
-from reference_impl.layout import (
+from pytest_weightsync.reference_impl import synth, trainer
+from pytest_weightsync.reference_impl.layout import (
     MoESpec,
     ReceiverTopology,
     TopologyError,
@@ -28,7 +29,7 @@ from reference_impl.layout import (
     trainer_groups,
     trainer_shard,
 )
-from reference_impl.select import Capabilities, NoCompatiblePathError, select_path
+from pytest_weightsync.reference_impl.select import Capabilities, NoCompatiblePathError, select_path
 
 
 # --- the matrix ------------------------------------------------------------------------------
@@ -42,7 +43,7 @@ def test_path_lands_bit_exact_on_every_rank(moe_case, path):
 
 @pytest.mark.weightsync_property("bit_exact")
 @given(case=matrix.cases())
-@settings(max_examples=20)
+@settings(max_examples=15)  # four paths per example
 def test_all_paths_agree_on_generated_topologies(case):
     full = gathered_weights(case, version=2)
     for path in PATHS:
@@ -68,11 +69,12 @@ def test_trainer_gather_restores_full_weights(moe_case):
 @pytest.mark.weightsync_property("no_stale_values")
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in matrix.CASES[:6]])
 def test_successive_versions_leave_no_stale_value(case):
-    """Four updates into the same buffers, each by a different path: every check compares
-    against the new version, which differs from every earlier one in every element."""
+    """Four updates into the same buffers, each by a different path and bucket limit: every
+    check compares against the new version, which differs from every earlier one in every
+    element."""
     receivers = fresh_receivers(case)
-    for version, path in enumerate(("compat", "packed", "direct", "compat")):
-        sync_and_check(case, path, version, receivers)
+    for version, path in enumerate(("compat", "hf_fused", "packed", "direct")):
+        sync_and_check(case, path, version, receivers, bucket=BUCKET_LIMITS[version])
 
 
 def test_versions_differ_in_every_element():
@@ -85,7 +87,7 @@ def test_versions_differ_in_every_element():
 
 def test_synthetic_values_are_finite_and_position_dependent():
     spec = MoESpec(num_layers=2, num_experts=3, hidden=16, intermediate=12)
-    full = synth.full_weights(spec, 0)
+    full = synth.full_weights(spec, 0, finite=True)
     for layer, experts in full.items():
         for w in experts:
             for projection in ("gate", "up", "down"):
@@ -124,7 +126,7 @@ def test_compat_payload_of_only_local_experts_is_enough():
     case = matrix.ANCHORS[0]
     full = gathered_weights(case, version=3)
     for rec in fresh_receivers(case):
-        from reference_impl import compat
+        from pytest_weightsync.reference_impl import compat
 
         rec.load(compat.export(full, experts=rec.shard.experts))
         check_rank(rec, case, version=3)
@@ -212,10 +214,15 @@ def test_select_path_falls_back_with_a_reason():
     choice = select_path("direct", Capabilities(padded=False), padded)
     assert choice.path == "packed" and choice.fell_back
     assert "padded" in str(choice)
+    # hf_fused is gate-first whatever the receiver order: an order gap stops at it
     choice = select_path("direct", Capabilities(orders=frozenset({"gate_up"})), padded)
-    assert choice.path == "compat"
+    assert choice.path == "hf_fused"
     assert [p for p, _ in choice.skipped] == ["direct", "packed"]
     assert "'up_gate'" in choice.skipped[1][1]
+    choice = select_path("direct", Capabilities(formats=frozenset({"direct", "packed", "compat"}),
+                                                orders=frozenset({"gate_up"})), padded)
+    assert choice.path == "compat"
+    assert [p for p, _ in choice.skipped] == ["direct", "packed", "hf_fused"]
     choice = select_path("packed", Capabilities(), padded)
     assert choice.path == "packed" and not choice.fell_back
     choice = select_path("direct", Capabilities(formats=frozenset({"compat", "direct"})),

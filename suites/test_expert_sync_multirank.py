@@ -3,7 +3,8 @@
 Each rank is a trainer rank holding only its own Megatron shards (the full weights are
 deleted after slicing) and gathers what the sender needs over its ETP, EP and PP process
 groups; the same process is also a receiver rank (colocated) that loads only its own payload.
-Successive versions go through the same receiver buffers. Every rank checks its parameters
+Successive versions go through the same receiver buffers, each in another format, as a
+bucket stream cut at another limit. Every rank checks its parameters
 bit for bit against the independently computed expected state.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from reference_impl.layout import MoESpec, ReceiverTopology, TrainerTopology
+from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, TrainerTopology
 
 #: (world size, trainer topology, receiver topology): receiver rank = world rank % receiver tp,
 #: so a receiver tp smaller than the world means several engines (one per group of ranks).
@@ -35,34 +36,35 @@ def _sync_in_ranks(trainer_topo, receiver_topo, versions=(0, 1, 2)):
     """Body run in every rank: gather from own shards, load own payload, check; per version."""
     import torch.distributed as dist
 
-    from harness import LOAD_FORMAT, locator, payload
-    from matrix import Case
+    from .harness import BUCKET_LIMITS, LOAD_FORMAT, PATHS, locator, stream
+    from .matrix import Case
     from pytest_weightsync import compare
-    from reference_impl import synth, trainer
-    from reference_impl.receiver import ReferenceReceiver
+    from pytest_weightsync.reference_impl import synth, trainer
+    from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
 
     rank = dist.get_rank()
     case = Case(SPEC, trainer_topo, receiver_topo)
-    groups = trainer.TrainerGroups.create(SPEC, trainer_topo)
     receiver = ReferenceReceiver(SPEC, receiver_topo, rank % receiver_topo.tp)
-    for tensor in receiver.params.values():
-        synth.poison_(tensor)
-    paths = ("direct", "packed", "compat")
-    for version in versions:
-        full = synth.full_weights(SPEC, version)
-        state = trainer.trainer_state(SPEC, trainer_topo, rank, full)
-        del full  # the trainer rank keeps only its shards
-        gathered = trainer.gather_full_weights_dist(SPEC, trainer_topo, state, groups)
-        path = paths[version % len(paths)]
-        before = compare.snapshot(receiver.params)
-        receiver.begin_update()
-        receiver.load(payload(path, case, receiver.rank, gathered),
-                      load_format=LOAD_FORMAT[path])
-        receiver.end_update()
-        expected = synth.expected_receiver_params(SPEC, receiver_topo, receiver.rank, version)
-        compare.assert_loaded(receiver.params, expected, before=before,
-                              locate=locator(case, receiver.rank),
-                              rank=receiver.rank)
+    with trainer.TrainerGroups.create(SPEC, trainer_topo) as groups:
+        for tensor in receiver.params.values():
+            synth.poison_(tensor)
+        for version in versions:
+            full = synth.full_weights(SPEC, version)
+            state = trainer.trainer_state(SPEC, trainer_topo, rank, full)
+            del full  # the trainer rank keeps only its shards
+            gathered = trainer.gather_full_weights_dist(SPEC, trainer_topo, state, groups)
+            # every version a different format and bucket limit (as a bucket stream)
+            path = PATHS[(version + 3) % len(PATHS)]
+            limit = BUCKET_LIMITS[(version + 1) % len(BUCKET_LIMITS)]
+            before = compare.snapshot(receiver.params)
+            receiver.begin_update()
+            for bucket in stream(path, case, receiver.rank, gathered, limit):
+                receiver.load(bucket, load_format=LOAD_FORMAT[path])
+            receiver.end_update()
+            expected = synth.expected_receiver_params(SPEC, receiver_topo, receiver.rank, version)
+            compare.assert_loaded(receiver.params, expected, before=before,
+                                  locate=locator(case, receiver.rank),
+                                  rank=receiver.rank)
     return receiver.rank
 
 
@@ -90,7 +92,7 @@ def _naive_etp_concat_in_ranks():
     import torch.distributed as dist
 
     from pytest_weightsync import compare
-    from reference_impl import synth, trainer
+    from pytest_weightsync.reference_impl import synth, trainer
 
     topo = TrainerTopology(tp=2, etp=2)
     spec = MoESpec(num_layers=1, num_experts=1, hidden=4, intermediate=4)

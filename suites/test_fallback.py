@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from reference_impl.backends import probe, receiver_loader, trainer_source
+from pytest_weightsync.reference_impl.backends import probe, receiver_loader, trainer_source
 
 pytestmark = pytest.mark.weightsync_property("backend_fallback")
 
@@ -42,7 +42,7 @@ sys.meta_path.insert(0, _Hide())
 """
 
 FALLBACK_CHECK = """
-from reference_impl.backends import probe, receiver_loader, trainer_source
+from pytest_weightsync.reference_impl.backends import probe, receiver_loader, trainer_source
 
 
 def test_selection_falls_back_to_reference():
@@ -59,9 +59,9 @@ def test_selection_falls_back_to_reference():
 def test_reference_receiver_path_runs_without_the_backend():
     import torch
 
-    from reference_impl import compat, synth
-    from reference_impl.layout import MoESpec, ReceiverTopology
-    from reference_impl.receiver import ReferenceReceiver
+    from pytest_weightsync.reference_impl import compat, synth
+    from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology
+    from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
 
     spec = MoESpec(num_layers=1, num_experts=2, hidden=4, intermediate=4, dtype=torch.bfloat16)
     topo = ReceiverTopology(tp=2, moe_ep=2)
@@ -112,6 +112,38 @@ def test_hidden_megatron_skips_its_suite_and_falls_back_to_reference_shards(pyte
     assert reasons and all("megatron" in r for r in reasons), reasons
 
 
+BRIDGE_PROBE_CHECK = """
+from pytest_weightsync.reference_impl.backends import probe
+
+
+def test_probe_reports_megatron_bridge_missing():
+    status = probe("megatron_bridge")
+    assert not status.available, status
+    assert "megatron_bridge" in status.reason and "not importable" in status.reason, status.reason
+"""
+
+
+def test_hidden_megatron_bridge_skips_its_suite(pytester):
+    """Only ``megatron.bridge`` hidden (megatron-core stays): the Bridge suite skips naming it."""
+    pytester.makepyfile(
+        weightsync_hide_backends=BLOCKER.format(hidden=("megatron.bridge",)),
+        test_bridge_probe=BRIDGE_PROBE_CHECK,
+    )
+    pythonpath = os.pathsep.join(filter(None, [str(pytester.path), os.environ.get("PYTHONPATH")]))
+    pytester._monkeypatch.setenv("PYTHONPATH", pythonpath)
+    result = pytester.runpytest_subprocess(
+        "-p", "weightsync_hide_backends", "-p", "no:cacheprovider", "-p", "no:xdist", "-rs", "-q",
+        "-W", "ignore::UserWarning", str(pytester.path / "test_bridge_probe.py"),
+        str(SUITES / "test_megatron_bridge.py"),
+    )
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("errors", 0) == 0 and outcomes.get("failed", 0) == 0, result.stdout.str()
+    assert outcomes.get("passed") == 1, result.stdout.str()
+    assert outcomes.get("skipped", 0) >= 5, result.stdout.str()
+    reasons = _skip_reasons(result.stdout.str())
+    assert reasons and all("megatron_bridge" in r for r in reasons), reasons
+
+
 @pytest.fixture(scope="module")
 def sglang_runner_modules():
     """Import SGLang's runner modules before pytester snapshots ``sys.modules``.
@@ -122,7 +154,7 @@ def sglang_runner_modules():
     fixture is set up before the function-scoped ``pytester`` takes its snapshot.
     """
     if probe("sglang").available:
-        from reference_impl.backends.sglang import preload_runner_modules
+        from pytest_weightsync.reference_impl.backends.sglang import preload_runner_modules
 
         preload_runner_modules()
 
@@ -148,10 +180,15 @@ def test_selection_in_this_environment_matches_probes():
     missing = probe("deep_ep")
     if not missing.available:
         assert "deep_ep" in missing.reason and "not importable" in missing.reason
+    bridge = probe("megatron_bridge")
+    # The probe imports the module the suites use (param_mapping), not megatron.bridge.
+    assert bridge.module == "megatron.bridge.models.conversion.param_mapping"
+    if not bridge.available:
+        assert "megatron_bridge" in bridge.reason and "not importable" in bridge.reason
 
 
 def test_unknown_backend_name_is_rejected_with_the_known_names():
-    from reference_impl.backends import UnknownBackendError
+    from pytest_weightsync.reference_impl.backends import UnknownBackendError
 
     with pytest.raises(UnknownBackendError, match="known backends: .*sglang"):
         probe("vllm")

@@ -16,8 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reference_impl import fastcopy  # noqa: E402
-from reference_impl.fastcopy import (  # noqa: E402
+from pytest_weightsync.reference_impl import fastcopy  # noqa: E402
+from pytest_weightsync.reference_impl.fastcopy import (  # noqa: E402
     PairMismatchError,
     PairTypeError,
     choose_backend,
@@ -109,7 +109,7 @@ def test_choose_backend_falls_back_without_triton_or_cuda():
 
 def test_triton_unavailable_when_its_import_fails(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.delitem(sys.modules, "reference_impl.triton_copy", raising=False)
+    monkeypatch.delitem(sys.modules, "pytest_weightsync.reference_impl.triton_copy", raising=False)
     assert fastcopy.triton_available() is False
 
 
@@ -195,7 +195,7 @@ def test_gpu_auto_uses_triton_when_it_imports():
 @pytest.mark.gpu
 def test_gpu_auto_falls_back_to_foreach_without_triton(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.delitem(sys.modules, "reference_impl.triton_copy", raising=False)
+    monkeypatch.delitem(sys.modules, "pytest_weightsync.reference_impl.triton_copy", raising=False)
     cases = strided_cases(torch.bfloat16, "cuda")
     want = [d.clone().copy_(s) for _, d, s in cases]
     assert copy_pairs([(d, s) for _, d, s in cases]) == "foreach"

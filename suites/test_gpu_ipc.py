@@ -2,7 +2,7 @@
 
 A trainer process serializes its payload tensors (CUDA IPC handles, not bytes: SGLang's
 ``MultiprocessingSerializer``) and every receiver rank, in its own process, rebuilds its entry,
-loads it into its pre-allocated parameters and drops it (:mod:`reference_impl.ipc`). Over
+loads it into its pre-allocated parameters and drops it (:mod:`pytest_weightsync.reference_impl.ipc`). Over
 repeated updates:
 
 * every receiver parameter is bit-identical to the oracle after every update (read back
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import pytest
 
-import gpu_harness as h
-from reference_impl.layout import MoESpec, ReceiverTopology
+from . import gpu_harness as h
+from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology
 
 pytestmark = [pytest.mark.gpu, pytest.mark.weightsync_property("cuda-ipc")]
 
@@ -27,13 +27,16 @@ UPDATES = 10
 #: Updates before the memory baseline is taken (allocator caches and IPC state warm up).
 WARMUP = 2
 SPEC = MoESpec(num_layers=1, num_experts=16, hidden=512, intermediate=256)
+#: Updates of the real-size layer: enough that a leak of one payload (1.5 GiB) per update, or a
+#: slow one of a few MiB, shows against the memory baseline taken after WARMUP.
+QWEN35_UPDATES = 21
 
 
 @pytest.fixture(scope="module")
 def receivers_on_gpu0():
     """Two receiver processes on cuda:0 (a colocated engine of up to two ranks), reused by
     every test of the module; each test configures fresh parameters."""
-    from reference_impl.ipc import ReceiverProcess
+    from pytest_weightsync.reference_impl.ipc import ReceiverProcess
 
     processes = [ReceiverProcess("cuda:0", timeout=120), ReceiverProcess("cuda:0", timeout=120)]
     try:
@@ -63,6 +66,19 @@ def assert_released(log, receivers_count: int, where: str) -> None:
         assert b - a < one, f"{where}: receiver rank {rank} allocated memory grew by {b - a} B"
 
 
+def memory_line(log, receivers_count: int) -> str:
+    """Memory after the warm-up and after the last update, in MiB (for the run's summary)."""
+    mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
+    first, last = log.trainer[WARMUP - 1], log.trainer[-1]
+    receivers = ", ".join(
+        f"rank {r} {mib(log.receivers[WARMUP - 1][r].memory.allocated)} -> "
+        f"{mib(log.receivers[-1][r].memory.allocated)}" for r in range(receivers_count))
+    return (f"after update {WARMUP} -> after update {len(log.trainer)}: trainer allocated "
+            f"{mib(first.allocated)} -> {mib(last.allocated)} MiB, device free "
+            f"{mib(first.device_free)} -> {mib(last.device_free)} MiB, receivers allocated "
+            f"{receivers} MiB (one payload {mib(min(log.payload_bytes))} MiB)")
+
+
 CASES = [
     pytest.param("direct", ReceiverTopology(tp=1), id="direct-moe_tp1"),
     pytest.param("direct", ReceiverTopology(tp=2, moe_ep=2, order="up_gate"), id="direct-moe_ep2-up_gate"),
@@ -81,13 +97,17 @@ def test_updates_over_cuda_ipc_are_exact_in_place_and_release_handles(receivers_
 
 @pytest.mark.parametrize("topo", [ReceiverTopology(tp=1), ReceiverTopology(tp=2)],
                          ids=["moe_tp1", "moe_tp2"])
-def test_qwen35_layer_direct_path_over_cuda_ipc(receivers_on_gpu0, topo):
-    """One real Qwen3.5-35B-A3B MoE layer (256 experts, hidden 2048, moe_ffn 512: 1.5 GiB)."""
+def test_qwen35_layer_direct_path_over_cuda_ipc(receivers_on_gpu0, topo, record_property):
+    """One real Qwen3.5-35B-A3B MoE layer (256 experts, hidden 2048, moe_ffn 512: 1.5 GiB),
+    updated 21 times: exact after every update, and trainer, receiver and device memory flat
+    after the warm-up (poison, weights and expected values are all built on the GPU)."""
     spec = h.QWEN35_LAYER
     processes = receivers_on_gpu0[: topo.world_size]
-    log = h.run_ipc_updates(processes, spec, topo, "direct", range(3), "cuda:0")
-    assert log.payload_bytes[0] == 3 * 256 * 2048 * 512 * 2  # every byte of the layer, once
+    log = h.run_ipc_updates(processes, spec, topo, "direct", range(QWEN35_UPDATES), "cuda:0")
+    assert len(log.trainer) == QWEN35_UPDATES
+    assert all(b == 3 * 256 * 2048 * 512 * 2 for b in log.payload_bytes)  # the whole layer
     assert_released(log, topo.world_size, f"Qwen3.5 layer, {topo}")
+    record_property("gpu_memory", memory_line(log, topo.world_size))
 
 
 def test_a_receiver_that_keeps_its_payloads_is_caught(receivers_on_gpu0):
@@ -106,8 +126,8 @@ def test_a_receiver_that_keeps_its_payloads_is_caught(receivers_on_gpu0):
 def test_a_refused_payload_leaves_parameters_untouched_and_releases_handles(receivers_on_gpu0):
     import torch
 
-    from reference_impl import ipc
-    from reference_impl.ipc import ReceiverProcessError
+    from pytest_weightsync.reference_impl import ipc
+    from pytest_weightsync.reference_impl.ipc import ReceiverProcessError
 
     topo = ReceiverTopology(tp=1)
     process = receivers_on_gpu0[0]
@@ -127,7 +147,7 @@ def test_a_refused_payload_leaves_parameters_untouched_and_releases_handles(rece
 def test_receiver_ranks_on_two_gpus_rebuild_by_uuid_and_copy_to_their_device():
     """Trainer on cuda:0, receiver rank r on cuda:r: the handle opens on the trainer's GPU
     (found by UUID) and rank 1 copies to its own device, as SGLang's ``_unwrap_tensor`` does."""
-    from reference_impl.ipc import ReceiverProcess
+    from pytest_weightsync.reference_impl.ipc import ReceiverProcess
 
     topo = ReceiverTopology(tp=2)
     with ReceiverProcess("cuda:0") as rank0, ReceiverProcess("cuda:1") as rank1:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-import gpu_harness as h
-from reference_impl.layout import MoESpec, ReceiverTopology
+from . import gpu_harness as h
+from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology
 
 pytestmark = [pytest.mark.gpu, pytest.mark.weightsync_property("repeated-updates")]
 
@@ -46,3 +46,43 @@ def test_versions_that_wrap_the_mask_cycle_and_go_back_are_still_exact():
     versions = [0, 1, 2, 255, 256 + 7, 3, 2, 1, 0, 1, 40, 41]
     log = h.run_updates(scenario, "direct", versions, "cuda", graphs=True)
     assert log.outputs_checked == len(versions) * 2 * SPEC.num_layers
+
+
+@pytest.mark.parametrize("finite", [False, True], ids=["full-spread", "finite"])
+def test_weights_expected_values_and_poison_built_on_the_gpu_equal_the_cpu_bits(finite):
+    """Everything above is built on the GPU; the oracle is defined by the CPU computation.
+    Small tensors entirely, slices of the Qwen3.5 layer and of its poisoned receiver buffer
+    (first element, across a chunk boundary, last element): same bits on both devices."""
+    import torch
+
+    from pytest_weightsync.reference_impl import synth
+
+    spec = MoESpec(num_layers=2, num_experts=4, hidden=96, intermediate=64)
+    gpu = synth.full_weights(spec, 3, 5, device="cuda", finite=finite)
+    cpu = synth.full_weights(spec, 3, 5, finite=finite)
+    for layer, experts in cpu.items():
+        for e, weights in enumerate(experts):
+            for p in ("gate", "up", "down"):
+                assert gpu[layer][e][p].is_cuda
+                h.assert_bits_equal(gpu[layer][e][p].cpu(), weights[p], f"layer {layer} expert {e} {p}")
+    topo = ReceiverTopology(tp=4, moe_ep=2, order="up_gate", intermediate_padded=40)
+    for rank in range(topo.world_size):
+        got = synth.expected_receiver_params(spec, topo, rank, 9, 5, device="cuda", finite=finite)
+        want = synth.expected_receiver_params(spec, topo, rank, 9, 5, finite=finite)
+        for name, tensor in want.items():
+            assert got[name].is_cuda
+            h.assert_bits_equal(got[name].cpu(), tensor, f"rank {rank} {name}")
+    qwen = h.QWEN35_LAYER
+    for projection, rows, cols in (("gate", (0, 8), (0, 64)), ("down", (2000, 2048), (448, 512))):
+        r, c = torch.arange(*rows), torch.arange(*cols)
+        got = synth.expert_block(qwen, 11, 0, 255, projection, r.cuda(), c.cuda(), 0, finite=finite)
+        want = synth.expert_block(qwen, 11, 0, 255, projection, r, c, 0, finite=finite)
+        h.assert_bits_equal(got.cpu(), want, f"Qwen3.5 expert 255 {projection} slice")
+    buffer = torch.empty(qwen.num_experts, 2 * qwen.intermediate, qwen.hidden, dtype=qwen.dtype,
+                         device="cuda")
+    synth.poison_(buffer)
+    flat, n = buffer.view(-1), buffer.numel()
+    for start in (0, synth.POISON_CHUNK - 5, n - 7):
+        stop = min(n, start + 4096)
+        h.assert_bits_equal(flat[start:stop].cpu(), synth.poison_values(start, stop, qwen.dtype),
+                            f"poison [{start}:{stop}] of a {n}-element buffer")

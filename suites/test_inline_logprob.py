@@ -14,6 +14,7 @@ against the reference and every ``--weightsync-eligibility MODULE:ATTR`` functio
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 from pathlib import Path
@@ -23,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pytest_weightsync.eligibility import Case
-from reference_impl import inline_logprob
-from reference_impl.inline_logprob import (
+from pytest_weightsync.reference_impl import inline_logprob
+from pytest_weightsync.reference_impl.inline_logprob import (
     FIELDS,
     ConfigFieldTypeError,
     ConfigFieldValueError,
@@ -178,7 +179,16 @@ DECISION_TABLE = [
      True, set()),
     ("rollout_routing_replay_only", {"use_rollout_routing_replay": True}, True, set()),
     ("reward_kl", {"kl_coef": 0.001}, False, {"kl_coef"}),
+    ("reward_kl_negative", {"kl_coef": -0.001}, False, {"kl_coef"}),
+    ("reward_kl_zero_explicit", {"kl_coef": 0.0}, True, set()),
+    ("reward_kl_with_kl_loss", {"kl_coef": 0.001, "use_kl_loss": True, "kl_loss_coef": 0.01},
+     False, {"kl_coef"}),
+    ("reward_kl_negative_with_kl_loss",
+     {"kl_coef": -0.05, "use_kl_loss": True, "kl_loss_coef": 0.01}, False, {"kl_coef"}),
     ("loss_kl_needs_only_ref", {"use_kl_loss": True, "kl_loss_coef": 0.01}, True, set()),
+    ("loss_kl_negative_coef", {"use_kl_loss": True, "kl_loss_coef": -0.01}, True, set()),
+    ("loss_kl_on_zero_coef", {"use_kl_loss": True}, True, set()),
+    ("loss_kl_coef_without_loss", {"kl_loss_coef": 0.5}, True, set()),
     ("tis_and_masking_ignored", {"use_tis": True, "mask_offpolicy_in_partial_rollout": True},
      True, set()),
     ("stale_and_partial", {"max_staleness": 1, "partial_rollout": True}, False,
@@ -247,12 +257,23 @@ BATCH_SHAPES = {  # name -> (global_batch_size, num_steps_per_rollout) for 4 pro
 }
 
 
-def every_combination(framework: str) -> list[Case]:
+#: Reward-shaping KL coefficients: negative, zero and positive (any non-zero one blocks).
+KL_COEFS = (-0.001, 0.0, 0.001)
+#: In-loss KL (use_kl_loss, kl_loss_coef): off, and on with a negative coefficient (the table
+#: above has it on with a positive one).
+KL_LOSSES = ((False, 0.0), (True, -0.01))
+
+
+@functools.lru_cache(maxsize=None)
+def every_combination(framework: str) -> tuple[Case, ...]:
+    """Every combination of the conditions (built once per process: several tests share it)."""
     stalenesses = (None,) if framework == "slime" else (0, 1)
     cases = []
-    for colocate, batch, staleness, interval, partial, rollout_lp, replay, kl in itertools.product(
-        (True, False), BATCH_SHAPES, stalenesses, (1, 2), (False, True), (False, True),
-        ROUTING_REPLAY_TRUTH, (0.0, 0.001),
+    for colocate, batch, staleness, interval, partial, rollout_lp, replay, kl, kl_loss in (
+        itertools.product(
+            (True, False), BATCH_SHAPES, stalenesses, (1, 2), (False, True), (False, True),
+            ROUTING_REPLAY_TRUTH, KL_COEFS, KL_LOSSES,
+        )
     ):
         gbs, steps = BATCH_SHAPES[batch]
         values = {
@@ -261,10 +282,12 @@ def every_combination(framework: str) -> list[Case]:
             "update_weights_interval": interval, "partial_rollout": partial,
             "use_rollout_logprobs": rollout_lp, "use_routing_replay": replay[0],
             "use_rollout_routing_replay": replay[1], "kl_coef": kl,
+            # the in-loss KL must not matter, whatever its sign
+            "use_kl_loss": kl_loss[0], "kl_loss_coef": kl_loss[1],
         }
         label = f"{framework}:{batch}"
         cases.append(Case(label, parse(framework, to_argv(values)), oracle(values)))
-    return cases
+    return tuple(cases)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
@@ -312,7 +335,7 @@ def generated_configs(draw):
         "kl_coef": draw(st.sampled_from([0.0, 0.0, 0.001, -0.001, 0.5])),
         # Ignored by the decision:
         "use_kl_loss": draw(st.booleans()),
-        "kl_loss_coef": draw(st.sampled_from([0.0, 0.01])),
+        "kl_loss_coef": draw(st.sampled_from([0.0, 0.01, -0.01])),
         "use_tis": draw(st.booleans()),
         "micro_batch_size": draw(st.integers(1, 4)),
         "offload": draw(st.booleans()),
@@ -491,8 +514,11 @@ def test_contradicting_batch_fields_raise():
 
 
 def test_every_field_is_documented_in_the_module_and_the_docs():
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "inline-logprob.md").read_text()
-    for text in (inline_logprob.__doc__, docs):
+    texts = [inline_logprob.__doc__]
+    docs = Path(__file__).resolve().parents[1] / "docs" / "inline-logprob.md"
+    if docs.is_file():  # a source checkout; an installed wheel carries no docs/
+        texts.append(docs.read_text())
+    for text in texts:
         for field in FIELDS:
             assert f"`{field.name}`" in text, field.name
             assert f"`{field.flag}`" in text, field.flag

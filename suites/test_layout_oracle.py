@@ -1,7 +1,7 @@
 """The expected receiver state, rebuilt from plain slicing arithmetic, independent of layout.py.
 
 Every other suite takes its expected receiver parameters from
-``synth.expected_receiver_params``, which asks ``reference_impl.layout.receiver_shard`` which
+``synth.expected_receiver_params``, which asks ``pytest_weightsync.reference_impl.layout.receiver_shard`` which
 experts and rows a rank owns - the same function the reference receiver and the direct path
 use. A bug there (expert range, row start, gate/up half) would cancel out. This module states
 SGLang's ownership rules again in a few lines of arithmetic (DOMAIN.md section 3), slices the
@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import fresh_receivers, payload
+from .harness import fresh_receivers, stream
 from pytest_weightsync.compare import assert_bitwise_equal
-from reference_impl import synth
+from pytest_weightsync.reference_impl import synth
 
 pytestmark = pytest.mark.weightsync_property("receiver_layout_oracle")
 
@@ -62,8 +62,10 @@ def test_expected_state_and_reference_receiver_match_plain_slicing(moe_case):
     full = synth.full_weights(spec, VERSION)
     for receiver in fresh_receivers(moe_case):  # poisoned buffers: padding must be zeroed
         rank = receiver.rank
-        for layer in range(spec.num_layers):  # a chunk touching a layer carries all its experts
-            receiver.load(payload("compat", moe_case, rank, full, [layer]))
+        receiver.begin_update()  # a layer's experts straddle buckets, as in real streams
+        for bucket in stream("compat", moe_case, rank, full, "split_layer"):
+            receiver.load(bucket)
+        receiver.end_update()
         oracle = _oracle(spec, topo, rank, full)
         expected = synth.expected_receiver_params(spec, topo, rank, VERSION)
         assert sorted(expected) == sorted(oracle) == sorted(receiver.params)

@@ -2,7 +2,7 @@
 
 Real ``MoELayer``s (SequentialMLP experts, CPU initialization, allgather dispatcher) are built
 in four gloo ranks at each essential expert topology. In every rank the suite checks that the
-reference's ownership model (:func:`reference_impl.layout.trainer_shard`) puts the rank where
+reference's ownership model (:func:`pytest_weightsync.reference_impl.layout.trainer_shard`) puts the rank where
 Megatron's ``parallel_state`` puts it, and that the reference's parameter names and shapes are
 the layer's own. It then writes the reference's synthetic shards into the real parameters,
 exports them through the reference trainer-side gather and requires the synthetic HF tensors
@@ -10,20 +10,29 @@ bit for bit. Independently of the reference, Megatron's own distributed-checkpoi
 (``sharded_state_dict``) assembles the same shards into global tensors, which must again be
 the synthetic HF tensors: this is what catches a shard layout the reference got wrong (e.g.
 fc1 under ETP as a contiguous slice of ``[gate; up]``).
+
+TEGroupedMLP (Transformer Engine, CUDA) is never built here. Its naming is checked against
+Megatron-Core's own code instead of the reference's renaming: the shards under the reference's
+``linear_fc{1,2}.weight{i}`` names go through the real ``TEGroupedMLP.sharded_state_dict`` and
+``TEGroupedLinear._sharded_state_dict_grouped`` (compiled from the installed source, as the class
+needs TE), whose keys must be the reference's names and whose global placement must equal
+SequentialMLP's. What stays unmodelled: TE's parameter allocation and ``_load_from_state_dict``.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from reference_impl.backends.megatron import (
+from pytest_weightsync.reference_impl.backends.megatron import (
     MegatronMoEConfig,
     assemble_checkpoint,
     checkpoint_pieces,
     expert_parameters,
     megatron_moe_layer,
+    pieces_of_sharded_state_dict,
     read_expert_shards,
     te_grouped_names,
+    te_grouped_sharded_state_dict,
     write_expert_shards,
 )
 
@@ -44,20 +53,38 @@ TOPOLOGIES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def megatron_pool():
-    """Four warm gloo ranks for the whole module: Megatron is imported once per rank."""
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    from pytest_weightsync.ranks import RankPool
+def _megatron_installed() -> bool:
+    """Whether megatron-core is findable, without importing it in the pytest process."""
+    import importlib.util
 
-    with RankPool(world_size=WORLD, backend="gloo", threads=1) as pool:
-        yield pool
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ImportError:
+        return False
+
+
+class _WorldPool:
+    """``rank_pool`` at this module's world size. The session's warm 4-rank pool is shared with
+    the other Megatron suites (forward oracle, Bridge), so Megatron is imported once per rank."""
+
+    def __init__(self, rank_pool):
+        self._rank_pool = rank_pool
+
+    def run(self, fn, *args):
+        return self._rank_pool.run(fn, WORLD, *args)
+
+
+@pytest.fixture
+def megatron_pool(rank_pool):
+    if not _megatron_installed():
+        pytest.skip("megatron is not importable: megatron-core is not installed")
+    return _WorldPool(rank_pool)
 
 
 def _spec_and_topology(tp, ep, etp, expert_impl="sequential"):
     import torch
 
-    from reference_impl.layout import MoESpec, TrainerTopology
+    from pytest_weightsync.reference_impl.layout import MoESpec, TrainerTopology
 
     spec = MoESpec(num_layers=1, num_experts=EXPERTS, hidden=HIDDEN, intermediate=FFN, dtype=torch.bfloat16)
     return spec, TrainerTopology(tp=tp, ep=ep, etp=etp, dp=WORLD // tp, expert_impl=expert_impl)
@@ -82,9 +109,9 @@ def megatron_export_in_rank(tp, ep, etp, version):
     """One rank: build the real layer, check naming/ownership, load, export, compare."""
     import torch.distributed as dist
 
-    from reference_impl import compat, synth
-    from reference_impl.layout import trainer_shard
-    from reference_impl.trainer import TrainerGroups, gather_full_weights_dist, trainer_state
+    from pytest_weightsync.reference_impl import compat, synth
+    from pytest_weightsync.reference_impl.layout import trainer_shard
+    from pytest_weightsync.reference_impl.trainer import TrainerGroups, gather_full_weights_dist, trainer_state
 
     rank = dist.get_rank()
     spec, topo = _spec_and_topology(tp, ep, etp)
@@ -129,15 +156,24 @@ def megatron_export_in_rank(tp, ep, etp, version):
             assert sorted(te_held) == sorted(trainer_state(te_spec, te_topo, rank, full)), "TEGroupedMLP names differ"
             _assert_full_equal(gather_full_weights_dist(te_spec, te_topo, te_held, groups), full, f"TE-named gather on rank {rank}")
         finally:
-            for group in {id(g): g for g in (groups.etp, groups.ep, groups.pp)}.values():
-                dist.destroy_process_group(group)
+            groups.destroy()
         # The HF export (compat payload) names and bits.
         exported = compat.export(gathered)
         expected_payload = compat.export(full)
         assert [n for n, _ in exported] == [n for n, _ in expected_payload]
+        # TEGroupedMLP naming against Megatron's own TEGroupedMLP checkpoint code (its
+        # sharded_state_dict and TEGroupedLinear's per-GEMM keys): the reference's
+        # linear_fc{1,2}.weight{i} must be the keys Megatron writes, placed at the global expert
+        # the reference gives local GEMM i (checked by assembling in the test).
+        te_sharded = te_grouped_sharded_state_dict(layer, {name[len(PREFIX):]: t for name, t in te_held.items()})
+        te_keys = sorted(k for k in te_sharded if "._extra_state" not in k)
+        assert te_keys == sorted(name[len(PREFIX):] for name in te_held), (
+            f"rank {rank}: Megatron's TEGroupedMLP keys {te_keys} != the reference's TE names"
+        )
         return {
             "placement": placement,
             "pieces": checkpoint_pieces(layer),
+            "te_pieces": pieces_of_sharded_state_dict(te_sharded),
             "hf_names": [n for n, _ in exported],
         }
 
@@ -145,7 +181,7 @@ def megatron_export_in_rank(tp, ep, etp, version):
 @pytest.mark.parametrize("tp, ep, etp", TOPOLOGIES)
 def test_megatron_layer_shards_export_to_reference_hf_tensors(megatron_pool, tp, ep, etp):
     results = megatron_pool.run(megatron_export_in_rank, tp, ep, etp, 3)
-    from reference_impl import synth
+    from pytest_weightsync.reference_impl import synth
 
     spec, topo = _spec_and_topology(tp, ep, etp)
     full = synth.full_weights(spec, 3)
@@ -162,6 +198,10 @@ def test_megatron_layer_shards_export_to_reference_hf_tensors(megatron_pool, tp,
         assert_bitwise_equal(fc1[:FFN], weights.gate, name=f"Megatron checkpoint fc1 gate rows, expert {expert}")
         assert_bitwise_equal(fc1[FFN:], weights.up, name=f"Megatron checkpoint fc1 up rows, expert {expert}")
         assert_bitwise_equal(checkpoint["linear_fc2"][expert], weights.down, name=f"Megatron checkpoint fc2, expert {expert}")
+    # The same shards under TEGroupedMLP names, placed by Megatron's TEGroupedMLP code.
+    te_checkpoint = assemble_checkpoint([piece for result in results for piece in result["te_pieces"]])
+    for projection in ("linear_fc1", "linear_fc2"):
+        assert_bitwise_equal(te_checkpoint[projection], checkpoint[projection], name=f"TEGroupedMLP checkpoint {projection}")
     # Every rank exported the same full HF payload.
     assert all(r["hf_names"] == results[0]["hf_names"] for r in results)
     assert len(results[0]["hf_names"]) == 3 * EXPERTS
@@ -172,8 +212,8 @@ def naive_etp_concat_in_rank():
     import torch
     import torch.distributed as dist
 
-    from reference_impl import synth
-    from reference_impl.trainer import trainer_state
+    from pytest_weightsync.reference_impl import synth
+    from pytest_weightsync.reference_impl.trainer import trainer_state
 
     spec, topo = _spec_and_topology(1, 1, 2)
     full = synth.full_weights(spec, 3)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-from harness import fresh_receivers, sync_and_check
-from matrix import Case
+from .harness import fresh_receivers, sync_and_check
+from .matrix import Case
 from pytest_weightsync import compare
-from reference_impl import trainer
-from reference_impl.layout import ExpertWeights, MoESpec, ReceiverTopology, TrainerTopology
-from reference_impl.receiver import ReferenceReceiver
+from pytest_weightsync.reference_impl import trainer
+from pytest_weightsync.reference_impl.layout import ExpertWeights, MoESpec, ReceiverTopology, TrainerTopology
+from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
 
 CASE = Case(MoESpec(num_layers=2, num_experts=4, hidden=8, intermediate=8),
             TrainerTopology(tp=2, ep=2, etp=2),

@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reference_impl.fastcopy import copy_pairs, plan_copies  # noqa: E402
+from pytest_weightsync.reference_impl.fastcopy import copy_pairs, plan_copies  # noqa: E402
 
 EXPERTS, HIDDEN, INTER = 16, 512, 256  # 12 MiB of bf16 per layer, ~1.5 ms a copy
 REPEATS = 11

@@ -19,13 +19,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "weightsync-example-loader"
-SUITE_FILES = ("conftest.py", "matrix.py", "harness.py", "conformance_harness.py",
-               "test_conformance.py")
+SUITE_FILES = ("__init__.py", "conftest.py", "matrix.py", "harness.py", "conformance_harness.py",
+               "hardening.py", "test_conformance.py")
 #: One unpadded, gate_up, two-receiver-rank topology of the matrix (its first anchor).
 TOPOLOGY = "L4E8H8I2-T.tp2ep4etp1pp2seq-R.tp1ep2dp1gu"
 
 MY_LOADER = '''
-from reference_impl.impl import ReferenceImplementation
+from pytest_weightsync.reference_impl.impl import ReferenceImplementation
 
 
 class MyLoader(ReferenceImplementation):
@@ -95,8 +95,10 @@ def test_example_loaders_found_by_entry_point_good_passes_swapped_fails(
     assert sources["example"].startswith("entry point 'example'")
     assert sources["example-swapped"].startswith("entry point 'example-swapped'")
     outcomes = _outcomes(report)
-    assert len(outcomes["example"]["passed"]) == 3 and set(outcomes["example"]) == {"passed"}
-    assert len(outcomes["reference"]["passed"]) == 3 and set(outcomes["reference"]) == {"passed"}
+    assert len(outcomes["example"]["passed"]) == 3 and set(outcomes["example"]) == {"passed",
+                                                                                    "skipped"}
+    assert [t["format"] for t in outcomes["example"]["skipped"]] == ["hf_fused"]  # not claimed
+    assert len(outcomes["reference"]["passed"]) == 4 and set(outcomes["reference"]) == {"passed"}
     failed = outcomes["example-swapped"]["failed"]
     # direct payloads are plain copies, so the swap only shows where the loader places halves
     assert sorted(t["format"] for t in failed) == ["compat", "packed"]
@@ -113,12 +115,17 @@ def test_example_loader_passes_every_property_and_skips_what_it_does_not_claim(
     monkeypatch.setenv("PYTHONPATH", str(example_site))
     result = suites.runpytest_subprocess(
         "-p", "weightsync", "suites/test_conformance.py", "--weightsync-only", "example",
-        "-k", "L4E8H8I2-T.tp2ep4etp1pp2seq or (bit_exact and pad4e)",
+        "-k", "L4E8H8I2-T.tp2ep4etp1pp2seq or (bit_exact and pad4e) or "
+              "(hardening and unsharded and compat)",
         "--weightsync-report", "report.json")
     report = json.loads((suites.path / "report.json").read_text())
     assert [i["name"] for i in report["implementations"]] == ["example"]
     assert set(report["summary"]["example"]) == {"bit_exact", "in_place", "no_stale_values",
-                                                 "rejects_bad_input", "fallback_routing"}
+                                                 "hardening", "fallback_routing"}
+    assert report["implementations"][0]["verdict"] == "PASS", result.stdout.str()
+    # the hardening report lists a finding for every bad kind it was fed
+    kinds = {h["kind"] for h in report["hardening"]["example"] if h["format"] == "compat"}
+    assert len(kinds) == 7, report["hardening"]
     outcomes = _outcomes(report)["example"]
     assert "failed" not in outcomes, result.stdout.str()
     # the example does not claim padded buffers: skipped with the reason, never passed
@@ -131,7 +138,7 @@ def test_loader_registered_by_option(suites: pytest.Pytester):
     result = suites.runpytest_subprocess(
         "-p", "weightsync", "suites/test_conformance.py", "--weightsync-loader",
         "myloader:MyLoader", "--weightsync-only", "mine", "-k", f"in_place and {TOPOLOGY}", "-v")
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=4)  # one per format
     result.stdout.fnmatch_lines([f"*test_loader_writes_in_place_and_only_the_payload[[]mine-*"])
     assert "[reference-" not in result.stdout.str()
 
@@ -146,7 +153,7 @@ def weightsync_implementations():
 ''')
     result = suites.runpytest_subprocess(
         "-p", "weightsync", "suites/test_conformance.py", "-k", f"in_place and {TOPOLOGY}", "-v")
-    result.assert_outcomes(passed=6)
+    result.assert_outcomes(passed=8)  # two loaders x four formats
     result.stdout.fnmatch_lines(["*[[]reference-*PASSED*", "*[[]mine-*PASSED*"])
 
 
@@ -181,6 +188,54 @@ def test_impl(weightsync_impl):
     pass
 ''')
     result = pytester.runpytest("-p", "weightsync", "-v", "--weightsync-loader",
-                                "reference_impl.impl:ReferenceImplementation")
+                                "pytest_weightsync.reference_impl.impl:ReferenceImplementation")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*test_impl[[]reference[]] PASSED*"])
+
+
+# --- stock SGLang rows: present when SGLang imports, absent (not failing) when it does not -----
+
+HIDE_SGLANG = '''
+import importlib.abc
+import sys
+
+
+class _Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "sglang" or name.startswith("sglang."):
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden for this run)", name=name)
+        return None
+
+
+sys.modules["sglang"] = None
+sys.meta_path.insert(0, _Hide())
+'''
+
+LOADER_IDS = "def test_ids(weightsync_loader):\n    pass\n"
+
+
+def test_sglang_rows_absent_when_sglang_does_not_import(pytester: pytest.Pytester,
+                                                        monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("WEIGHTSYNC_OPTIONAL_BUILTINS", raising=False)
+    pytester.makepyfile(weightsync_hide_sglang=HIDE_SGLANG, test_ids=LOADER_IDS)
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    result = pytester.runpytest_subprocess("-p", "weightsync_hide_sglang", "-p", "weightsync",
+                                           "-p", "no:cacheprovider", "-p", "no:xdist", "-v")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*test_ids[[]reference[]] PASSED*"])
+    assert "sglang-" not in result.stdout.str()
+
+
+def test_sglang_rows_registered_when_sglang_imports(monkeypatch: pytest.MonkeyPatch):
+    from pytest_weightsync import registry
+    from pytest_weightsync.reference_impl.backends import probe
+
+    status = probe("sglang")
+    if not status.available:
+        pytest.skip(status.reason)
+    monkeypatch.delenv(registry.OPTIONAL_BUILTINS_ENV, raising=False)
+    rows = {registry.as_implementation(t, s).name: s for t, s in registry.optional_targets()}
+    assert set(rows) == {"sglang-qwen3-moe", "sglang-qwen3.5-moe"}
+    assert all(s.startswith("built-in default (stock sglang: sglang ") for s in rows.values())
+    monkeypatch.setenv(registry.OPTIONAL_BUILTINS_ENV, "none")
+    assert registry.optional_targets() == []

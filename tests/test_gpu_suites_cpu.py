@@ -9,7 +9,8 @@ the GPU suites themselves skip cleanly without a GPU.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import inspect
 import os
 import re
 import subprocess
@@ -19,28 +20,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference_impl import moe_forward as mf
-from reference_impl import synth
-from reference_impl.layout import MoESpec, ReceiverTopology, fused_name
+from pytest_weightsync.reference_impl import moe_forward as mf
+from pytest_weightsync.reference_impl import synth
+from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, fused_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = ROOT / "suites"
 
-
-def _load(name: str):
-    """A module of suites/ under its own name (as pytest's prepend import mode names it)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    if str(SUITES) not in sys.path:
-        sys.path.append(str(SUITES))  # the suite modules import gpu_harness by name
-    spec = importlib.util.spec_from_file_location(name, SUITES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+# The suites are a package (relative imports inside): import them as the installed plugin
+# names them, as `pytest --pyargs pytest_weightsync.suites` does.
+h = importlib.import_module("pytest_weightsync.suites.gpu_harness")
 
 
-h = _load("gpu_harness")
+def _suite(name: str):
+    return importlib.import_module(f"pytest_weightsync.suites.{name}")
 
 
 @pytest.fixture(autouse=True)
@@ -164,20 +157,71 @@ TOPOS = [
 ]
 
 
+@pytest.mark.parametrize("finite", [False, True], ids=["full-spread", "finite"])
 @pytest.mark.parametrize("topo", TOPOS)
-def test_on_device_oracle_equals_synth_bit_for_bit(topo):
+def test_device_path_of_the_oracle_gives_the_cpu_bits(topo, finite):
+    """``device=`` only moves where the integer hash runs: the harness (which always passes a
+    device) gets bit for bit what the default CPU call gives. The GPU suite checks the same
+    on CUDA (test_gpu_repeated.py)."""
     spec = MoESpec(1, 6, 16, 13) if topo.pad_mode == "blocked" else SPEC
     for rank in range(topo.world_size):
-        got = h.expected_params(spec, topo, rank, 7, "cpu", seed=3)
-        want = synth.expected_receiver_params(spec, topo, rank, 7, seed=3)
+        got = h.expected_params(spec, topo, rank, 7, "cpu", seed=3, finite=finite)
+        want = synth.expected_receiver_params(spec, topo, rank, 7, seed=3, finite=finite)
         assert sorted(got) == sorted(want)
         for name in want:
             h.assert_bits_equal(got[name], want[name], name)
-    full, want = h.full_weights(spec, 2, "cpu", 1), synth.full_weights(spec, 2, 1)
+    full, want = h.full_weights(spec, 2, "cpu", 1, finite=finite), synth.full_weights(spec, 2, 1, finite=finite)
     for layer in want:
         for e, w in enumerate(want[layer]):
             for p in ("gate", "up", "down"):
                 h.assert_bits_equal(full[layer][e][p], w[p], f"layer {layer} expert {e} {p}")
+
+
+def test_weights_oracle_and_poison_at_qwen35_sizes_are_built_on_the_target_device(monkeypatch):
+    """No per-element work on the CPU for a GPU-sized tensor: on the ``meta`` device (shapes
+    only, no data) every call of the value function gets its coordinates on that device, and
+    every result lives there. Experts of the Qwen3.5 layer's size (8 of its 256: the device
+    handling is per expert) and a poisoned receiver buffer of the whole layer."""
+    seen = []
+    real = synth.bf16_bits
+
+    signature = inspect.signature(real)
+
+    def recording(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs).arguments
+        seen.append((bound["rows"].device.type, bound["cols"].device.type))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(synth, "bf16_bits", recording)
+    qwen, topo = h.QWEN35_LAYER, ReceiverTopology(tp=2)
+    spec = MoESpec(num_layers=1, num_experts=8, hidden=qwen.hidden, intermediate=qwen.intermediate)
+    full = synth.full_weights(spec, 1, device="meta")
+    assert {t.device.type for w in full[0] for t in (w.gate, w.up, w.down)} == {"meta"}
+    expected = synth.expected_receiver_params(spec, topo, 1, 1, device="meta", finite=True)
+    assert {t.device.type for t in expected.values()} == {"meta"}
+    buffer = torch.empty(qwen.num_experts, 2 * qwen.intermediate, qwen.hidden, dtype=qwen.dtype, device="meta")
+    assert synth.poison_(buffer) is buffer
+    assert seen and set(seen) == {("meta", "meta")}, sorted(set(seen))
+    chunks = -(-buffer.numel() // synth.POISON_CHUNK)
+    # full weights: 3 per expert; MoE-TP rank 1 holds every expert: 3 each; poison: per chunk
+    assert len(seen) == 3 * spec.num_experts + 3 * spec.num_experts + chunks
+
+
+def test_poison_built_in_chunks_is_the_pattern_of_each_flat_index(monkeypatch):
+    """Chunking bounds the poison's temporaries; the pattern must not depend on the chunk size
+    (the GPU suite compares GPU slices against ``poison_values``) nor on the tensor's strides."""
+    whole = synth.poison_(torch.empty(5, 7, 11, dtype=torch.bfloat16))
+    assert torch.equal(whole.view(torch.int16).reshape(-1),
+                       synth.poison_values(0, 385, torch.bfloat16).view(torch.int16))
+    assert not (whole == 0).any(), "the poison must never equal zero padding"
+    monkeypatch.setattr(synth, "POISON_CHUNK", 16)
+    chunked = synth.poison_(torch.empty(5, 7, 11, dtype=torch.bfloat16))
+    h.assert_bits_equal(chunked, whole, "poison in 16-element chunks")
+    strided = torch.empty(11, 7, 5, dtype=torch.bfloat16).permute(2, 1, 0)
+    synth.poison_(strided)
+    h.assert_bits_equal(strided.contiguous(), whole, "poison of a non-contiguous view")
+    as_float = synth.poison_(torch.empty(5, 7, 11, dtype=torch.float32))
+    h.assert_bits_equal(as_float.to(torch.bfloat16), whole, "poison of an FP32 buffer")
 
 
 def test_qwen35_shape_constant_is_one_real_layer():
@@ -240,7 +284,7 @@ def test_update_scenario_catches_a_stale_layer_with_its_location(monkeypatch):
 
 @pytest.fixture(scope="module")
 def cpu_receivers():
-    from reference_impl.ipc import ReceiverProcess
+    from pytest_weightsync.reference_impl.ipc import ReceiverProcess
 
     processes = [ReceiverProcess("cpu"), ReceiverProcess("cpu")]
     yield processes
@@ -262,7 +306,7 @@ def test_ipc_updates_on_cpu_are_exact_in_place_and_leak_no_handles(cpu_receivers
 
 
 def test_ipc_receiver_refuses_a_bad_payload_and_keeps_its_parameters(cpu_receivers):
-    from reference_impl import ipc
+    from pytest_weightsync.reference_impl import ipc
 
     topo = ReceiverTopology(tp=1)
     process = cpu_receivers[0]
@@ -278,7 +322,7 @@ def test_ipc_receiver_refuses_a_bad_payload_and_keeps_its_parameters(cpu_receive
 
 
 def test_ipc_receiver_that_dies_is_reported_and_reaped():
-    from reference_impl.ipc import ReceiverProcess, ReceiverProcessError
+    from pytest_weightsync.reference_impl.ipc import ReceiverProcess, ReceiverProcessError
 
     process = ReceiverProcess("cpu", timeout=60)
     process.configure(SPEC, ReceiverTopology(tp=1), 0)
@@ -305,7 +349,7 @@ def gloo_pool():
 
 
 def test_nccl_suite_bodies_run_over_gloo(gloo_pool):
-    nccl = _load("test_gpu_nccl")
+    nccl = _suite("test_gpu_nccl")
     case = nccl.ExpertCase(ep=2, etp=1, experts=4, hidden=24, ffn=16, budget=4096)
     nccl.check_expert_gather(case, gloo_pool.run(nccl.gather_experts, case), "cpu")
     case = nccl.ExpertCase(ep=1, etp=2, experts=3, hidden=16, ffn=12, budget=2048)
@@ -315,12 +359,12 @@ def test_nccl_suite_bodies_run_over_gloo(gloo_pool):
 
 
 def test_nccl_suite_component_gathers_run_over_gloo(gloo_pool):
-    nccl = _load("test_gpu_nccl")
+    nccl = _suite("test_gpu_nccl")
     nccl.check_component_gather(7, gloo_pool.run(nccl.gather_components, 7))
 
 
 def test_nccl_suite_checks_can_fail():
-    nccl = _load("test_gpu_nccl")
+    nccl = _suite("test_gpu_nccl")
     case = nccl.ExpertCase(ep=2, etp=1, experts=2, hidden=8, ffn=4, budget=1024)
     results = [{"device": "cpu", "peak": 0, "plan": None,
                 "experts": {(e, p): case.full(e, p).clone() for e in range(2) for p in ("fc1", "fc2")}}]
@@ -352,4 +396,48 @@ def test_ci_gpu_script_is_valid_bash_and_keeps_nvlink_multicast_off():
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
     assert "unset NCCL" not in text and "NCCL_NVLS_ENABLE=1" not in text
-    assert "CUDA_VISIBLE_DEVICES=0" in text and "-m gpu" in text
+    assert 'NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"' in text
+    assert "CUDA_VISIBLE_DEVICES=$devices timeout" in text and "-m gpu" in text
+    assert "--timeout=" in text and "-n 2 tests/test_ranks_gpu.py" in text
+    assert "PYTHONPATH=\"$PWD" not in text, "a bare checkout on PYTHONPATH lacks the mapped subpackages"
+
+
+def test_ci_gpu_script_runs_every_gpu_suite_file():
+    """Each file with GPU tests has its own bounded pytest run in the one-GPU stage."""
+    text = (ROOT / "ci" / "gpu.sh").read_text()
+    listed = set(re.findall(r'^\s+"((?:suites|tests)/test_\w+\.py) \d+"$', text, re.M))
+    with_gpu = {f"suites/{p.name}" for p in SUITES.glob("test_*.py") if "pytest.mark.gpu" in p.read_text()}
+    assert with_gpu <= listed, with_gpu - listed
+    assert "tests/test_ranks_gpu.py" in listed
+
+
+def test_ci_gpu_summary_counts_a_killed_run_from_its_log_and_names_two_gpu_tests(tmp_path):
+    """The summary line of a file comes from junit XML, or from the -v log of a run that the
+    file's time limit killed; two-GPU skips are "not run", not failures."""
+    text = (ROOT / "ci" / "gpu.sh").read_text()
+    code = text.split("""cat >"$RESULTS/summarize.py" <<'PY'\n""", 1)[1].split("\nPY\n", 1)[0]
+    (tmp_path / "summarize.py").write_text(code)
+    log = tmp_path / "run.log"
+    log.write_text("suites/test_gpu_ipc.py::test_a[x] PASSED [ 10%]\n"
+                   "suites/test_gpu_ipc.py::test_b FAILED [ 20%]\n"
+                   "[gw1] [ 30%] PASSED tests/test_ranks_gpu.py::test_c\n"
+                   "suites/test_gpu_ipc.py::test_d \n")
+    run = subprocess.run([sys.executable, str(tmp_path / "summarize.py"), str(tmp_path / "none.xml"),
+                          str(log), "124", "240.0", "suites/test_gpu_ipc.py"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"passed +2 +failed +1 .* TIMED OUT +\(counts from the log\)", run.stdout), run.stdout
+    assert "FAILED suites/test_gpu_ipc.py::test_b" in run.stdout
+    xml = tmp_path / "run.xml"
+    xml.write_text('<testsuites><testsuite>'
+                   '<testcase classname="suites.test_gpu_ipc" name="test_a"/>'
+                   '<testcase classname="suites.test_gpu_ipc" name="test_two">'
+                   '<skipped message="needs 2 CUDA GPUs, 1 visible"/></testcase>'
+                   '<testcase classname="suites.test_gpu_ipc" name="test_bridge">'
+                   '<skipped message="megatron-bridge is not installed"/></testcase>'
+                   '</testsuite></testsuites>')
+    run = subprocess.run([sys.executable, str(tmp_path / "summarize.py"), str(xml), str(log), "0", "3.0",
+                          "suites/test_gpu_ipc.py"], capture_output=True, text=True)
+    assert re.search(r"passed +1 +failed +0 +skipped +1 +not run \(needs 2 GPUs\) +1 .* ok$",
+                     run.stdout.splitlines()[0]), run.stdout
+    assert "not run, needs 2 GPUs: suites.test_gpu_ipc::test_two" in run.stdout
+    assert "skipped 1: megatron-bridge is not installed" in run.stdout

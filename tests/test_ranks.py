@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -49,6 +50,10 @@ def isolated(pytester, monkeypatch, tmp_path):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     yield tag
+    # multiprocessing's resource tracker leaves when the session's pipe closes: allow it a moment.
+    deadline = time.monotonic() + 10
+    while tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert tagged_processes(tag) == [], "rank processes outlived the pytest session"
     assert os.listdir(tmpdir) == [], "temporary files outlived the pytest session"
 

@@ -27,6 +27,14 @@ def test_timeout_precedence_marker_then_option_then_ini():
     assert dispatch.resolve_timeout(Config(), None) == (180.0, "ini weightsync_rank_timeout")
 
 
+def test_start_timeout_follows_option_then_ini_never_the_marker():
+    assert dispatch.resolve_start_timeout(Config(weightsync_rank_timeout=7.0)) == (7.0, "--weightsync-rank-timeout")
+    assert dispatch.resolve_start_timeout(Config(ini="600")) == (600.0, "ini weightsync_rank_timeout")
+    assert dispatch.resolve_start_timeout(Config(ini="20")) == (20.0, "ini weightsync_rank_timeout")
+    # neither set: the start-up default, longer than a test's (cold starts on busy machines)
+    assert dispatch.resolve_start_timeout(Config()) == (300.0, "the default start-up limit")
+
+
 @pytest.mark.parametrize("ini", ["soon", "0", "-1"])
 def test_bad_ini_timeout_names_the_key_and_value(ini):
     with pytest.raises(pytest.UsageError, match=rf"weightsync_rank_timeout must be .*{ini!r}"):

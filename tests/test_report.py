@@ -60,6 +60,15 @@ def test_in_place(weightsync_loader, case):
     pass
 
 
+@pytest.mark.weightsync_property("hardening")
+def test_hardening(weightsync_loader, case, record_property):
+    strict = weightsync_loader.name == "reference"
+    record_property("weightsync_bad_kind", "wrong_dtype")
+    record_property("weightsync_finding", "refused (ValueError)" if strict else
+                    "accepted, wrong values written")
+    record_property("weightsync_finding_detail", "dtype float32" if strict else "")
+
+
 @pytest.mark.weightsync_backend("sglang")
 @pytest.mark.weightsync_property("receiver_layout")
 def test_backend_one():
@@ -88,7 +97,7 @@ def toy(pytester: pytest.Pytester):
 def _check_json(data: dict) -> None:
     names = [i["name"] for i in data["implementations"]]
     assert names == ["reference", "toy"]
-    assert data["properties"] == ["bit_exact", "in_place"]
+    assert data["properties"] == ["bit_exact", "in_place", "hardening"]
     assert data["topologies"] == ["topoA", "topoB"]
     assert data["summary"]["toy"]["bit_exact"] == {"passed": 1, "failed": 1, "skipped": 0}
     assert data["summary"]["toy"]["in_place"] == {"passed": 2, "failed": 0, "skipped": 0}
@@ -103,21 +112,33 @@ def _check_json(data: dict) -> None:
     assert cell["skip_reasons"] == ["toy does not claim packed"]
     assert data["backends"] == {"sglang": {"passed": 1, "failed": 0, "skipped": 1}}
     verdicts = {i["name"]: i["verdict"] for i in data["implementations"]}
-    assert verdicts == {"reference": "passed", "toy": "failed"}
+    assert verdicts == {"reference": "PASS", "toy": "FAIL"}
+    outcomes = {i["name"]: i["outcome"] for i in data["implementations"]}
+    assert outcomes == {"reference": "passed", "toy": "failed"}
     assert not any(t["nodeid"].endswith("test_untagged") for t in data["tests"])
+    # findings recorded at run time reach the report (under xdist too)
+    assert data["hardening"]["toy"] == [{"format": "-", "kind": "wrong_dtype", "findings": [
+        {"finding": "accepted, wrong values written", "topologies": ["topoA", "topoB"],
+         "detail": ""}]}]
+    assert data["hardening"]["reference"][0]["findings"][0]["detail"] == "dtype float32"
 
 
 def test_matrix_json_and_junit_from_one_run(toy: pytest.Pytester):
     result = toy.runpytest("--weightsync-report", "out/report.json", "--junitxml", "junit.xml")
-    result.assert_outcomes(passed=11, failed=1, skipped=3)
+    result.assert_outcomes(passed=15, failed=1, skipped=3)
     result.stdout.re_match_lines([
         r".*weightsync conformance matrix.*",
-        r"implementation\s+bit_exact\s+in_place\s+verdict",
-        r"reference\s+2/0/0\s+2/0/0\s+PASS",
-        r"toy\s+1/1/0\s+2/0/0\s+FAIL",
+        r"implementation\s+bit_exact\s+in_place\s+hardening\s+verdict",
+        r"reference\s+2/0/0\s+2/0/0\s+refused 1/1\s+PASS",
+        r"toy\s+1/1/0\s+2/0/0\s+refused 0/1\s+FAIL",
         r"\s+toy / bit_exact / topoB: AssertionError: gate/up halves swapped",
     ], consecutive=False)
-    result.stdout.fnmatch_lines(["*reference suites*receiver_layout 1/0/1*"])
+    result.stdout.fnmatch_lines([
+        "weightsync tests per implementation (passed / failed / skipped): reference 8/0/0, "
+        "toy 5/1/2",
+        "weightsync tests without an implementation under test (passed / failed / skipped): "
+        "receiver_layout 1/0/1"])
+    assert "reference suites" not in result.stdout.str()
     _check_json(json.loads((toy.path / "out" / "report.json").read_text()))
 
     cases = ET.parse(toy.path / "junit.xml").getroot().iter("testcase")
@@ -132,8 +153,10 @@ def test_matrix_json_and_junit_from_one_run(toy: pytest.Pytester):
 def test_matrix_is_the_same_under_xdist(toy: pytest.Pytester):
     pytest.importorskip("xdist")
     result = toy.runpytest_subprocess("-n", "2", "--weightsync-report", "report.json")
-    result.assert_outcomes(passed=11, failed=1, skipped=3)
-    result.stdout.re_match_lines([r"toy\s+1/1/0\s+2/0/0\s+FAIL"], consecutive=False)
+    result.assert_outcomes(passed=15, failed=1, skipped=3)
+    result.stdout.re_match_lines([r"toy\s+1/1/0\s+2/0/0\s+refused 0/1\s+FAIL",
+                                  r"    - wrong_dtype\s+accepted, wrong values written"],
+                                 consecutive=False)
     _check_json(json.loads((toy.path / "report.json").read_text()))
 
 
@@ -144,3 +167,138 @@ def test_no_matrix_but_an_empty_report_without_tagged_tests(pytester: pytest.Pyt
     assert "conformance matrix" not in result.stdout.str()
     data = json.loads((pytester.path / "out" / "r.json").read_text())
     assert data["tests"] == [] and data["cells"] == [] and data["implementations"] == []
+
+
+# --- verdict vs hardening, "not run" ------------------------------------------------------------
+
+VERDICT_CONFTEST = '''
+import pytest
+from pytest_weightsync.protocols import Capabilities
+
+
+class _Loader:
+    capabilities = Capabilities(formats={"compat"})
+
+    def load_weights(self, params, payload, *, format, spec, topology, rank):
+        pass
+
+
+class Lenient(_Loader):
+    name = "lenient"
+
+
+class Narrow(_Loader):
+    name = "narrow"
+
+
+class Halfway(_Loader):
+    name = "halfway"
+
+
+@pytest.fixture
+def weightsync_implementations():
+    return [Lenient, Narrow, Halfway]
+
+
+class ToyCase:
+    def __init__(self, id):
+        self.id, self.spec, self.receiver = id, None, None
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        metafunc.parametrize("case", [ToyCase("topoA"), ToyCase("topoB")], ids=["topoA", "topoB"])
+'''
+
+VERDICT_TESTS = '''
+import pytest
+
+FINDINGS = {
+    "reference": {"wrong_dtype": ("refused (ValueError)", "dtype float32 is not bfloat16"),
+                  "unknown_name": ("refused (PayloadError)", "unknown name")},
+    "lenient": {"wrong_dtype": ("accepted, result equals the valid entries'", ""),
+                "unknown_name": ("crashed after writing (KeyError)", "'x'")},
+    "narrow": {"wrong_dtype": ("refused (ValueError)", "dtype"),
+               "unknown_name": ("refused (ValueError)", "name")},
+    "halfway": {"wrong_dtype": ("refused after writing (ValueError)", "dtype"),
+                "unknown_name": ("refused (ValueError)", "name")},
+}
+
+
+@pytest.mark.weightsync_property("bit_exact")
+def test_bit_exact(weightsync_loader, case):
+    pass
+
+
+@pytest.mark.weightsync_property("no_stale_values")
+def test_no_stale(weightsync_loader, case):
+    if weightsync_loader.name == "narrow":
+        pytest.skip("narrow claims no topology of this property")
+
+
+@pytest.mark.weightsync_property("hardening")
+@pytest.mark.parametrize("payload_format", ["compat"])
+@pytest.mark.parametrize("kind", ["wrong_dtype", "unknown_name"])
+def test_hardening(weightsync_loader, case, payload_format, kind, record_property):
+    finding, detail = FINDINGS[weightsync_loader.name][kind]
+    if weightsync_loader.name == "lenient" and case.id == "topoB" and kind == "wrong_dtype":
+        finding = "accepted, wrong values written"
+    record_property("weightsync_bad_kind", kind)
+    record_property("weightsync_finding", finding)
+    record_property("weightsync_finding_detail", detail)
+    if finding.startswith("refused after writing"):
+        raise AssertionError(f"refused a {kind} bucket after writing part of it")
+'''
+
+
+@pytest.fixture
+def verdicts(pytester: pytest.Pytester):
+    pytester.makeconftest(VERDICT_CONFTEST)
+    pytester.makepyfile(test_verdicts=VERDICT_TESTS)
+    return pytester
+
+
+def _check_verdict_json(data: dict) -> None:
+    impls = {i["name"]: i for i in data["implementations"]}
+    assert {n: i["verdict"] for n, i in impls.items()} == {
+        "halfway": "FAIL", "lenient": "PASS", "narrow": "NOT RUN (no_stale_values)",
+        "reference": "PASS"}
+    assert impls["narrow"]["not_run"] == ["no_stale_values"]
+    assert impls["lenient"]["hardening"] == "refused 0/2"
+    assert impls["reference"]["hardening"] == "refused 2/2"
+    assert impls["halfway"]["hardening"] == "refused 1/2"
+    lenient = {(h["format"], h["kind"]): h["findings"] for h in data["hardening"]["lenient"]}
+    assert lenient["compat", "unknown_name"] == [
+        {"finding": "crashed after writing (KeyError)", "topologies": ["topoA", "topoB"],
+         "detail": "'x'"}]
+    assert sorted((f["finding"], f["topologies"]) for f in lenient["compat", "wrong_dtype"]) == [
+        ("accepted, result equals the valid entries'", ["topoA"]),
+        ("accepted, wrong values written", ["topoB"])]
+    assert data["summary"]["narrow"]["no_stale_values"] == {"passed": 0, "failed": 0, "skipped": 2}
+    recorded = [t for t in data["tests"] if t.get("finding")]
+    assert len(recorded) == 16 and all(t["bad_kind"] in ("wrong_dtype", "unknown_name")
+                                       for t in recorded)
+
+
+VERDICT_LINES = [
+    r"implementation\s+bit_exact\s+no_stale_values\s+hardening\s+verdict",
+    r"halfway\s+2/0/0\s+2/0/0\s+refused 1/2, 2 failed\s+FAIL",
+    r"lenient\s+2/0/0\s+2/0/0\s+refused 0/2\s+PASS",
+    r"narrow\s+2/0/0\s+not run\s+refused 2/2\s+NOT RUN \(no_stale_values\)",
+    r"reference\s+2/0/0\s+2/0/0\s+refused 2/2\s+PASS",
+    r"\s+halfway / hardening / topoA: AssertionError: refused a wrong_dtype bucket after "
+    r"writing part of it",
+    r"hardening \(bad input; findings, not verdicts.*",
+    r"  lenient:",
+    r"    compat unknown_name\s+crashed after writing \(KeyError\): 'x'",
+    r"    compat wrong_dtype\s+accepted, .* \[1 topology\]; accepted, .* \[1 topology\]",
+    r"  reference:",
+    r"    compat unknown_name\s+refused \(PayloadError\): unknown name",
+]
+
+
+def test_verdict_counts_conformance_only_and_lists_hardening_findings(verdicts):
+    result = verdicts.runpytest("--weightsync-report", "report.json")
+    result.assert_outcomes(passed=28, failed=2, skipped=2)
+    result.stdout.re_match_lines(VERDICT_LINES, consecutive=False)
+    _check_verdict_json(json.loads((verdicts.path / "report.json").read_text()))

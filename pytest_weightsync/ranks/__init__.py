@@ -3,8 +3,8 @@
 - :class:`RankPool` - warm rank processes usable as a library, with or without pytest.
 - :func:`current` - the :class:`RankContext` (rank, world size, backend, device) of the
   running rank, or None outside one.
-- errors: :class:`RankFailed`, :class:`RankTimeout`, :class:`RankStartupError`,
-  :class:`RankSkipped`.
+- errors: :class:`RankFailed`, :class:`RankTimeout`, :class:`RankOutOfStep`,
+  :class:`RankStartupError`, :class:`RankSkipped`.
 
 The pytest side (the ``ranks`` marker and the ``rank_pool`` fixture) lives in
 :mod:`pytest_weightsync.ranks.dispatch`. Nothing here imports torch: only the rank processes
@@ -15,6 +15,7 @@ from pytest_weightsync.ranks.context import RankContext, current
 from pytest_weightsync.ranks.errors import (
     RankFailed,
     RankOutcome,
+    RankOutOfStep,
     RankPoolError,
     RankSkipped,
     RankStartupError,
@@ -25,6 +26,7 @@ from pytest_weightsync.ranks.pool import RankPool
 __all__ = [
     "RankContext",
     "RankFailed",
+    "RankOutOfStep",
     "RankOutcome",
     "RankPool",
     "RankPoolError",

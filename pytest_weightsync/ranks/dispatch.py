@@ -11,12 +11,18 @@ the job's own process group (see :mod:`pytest_weightsync.ranks.torchrun`).
 
 Nothing here imports torch at import time; only a gpu-marked or NCCL test asks torch about
 CUDA, and only the rank processes initialize torch.distributed.
+
+SIGTERM (what CI runners and process managers send) is turned into the same interrupt as
+Ctrl-C while the session runs, so the pools are torn down - ranks, whatever the tests started,
+temporary directories - instead of the process vanishing with them still around.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import threading
 from typing import Any, Callable
 
 import pytest
@@ -24,9 +30,11 @@ import pytest
 from pytest_weightsync.ranks import partition as _partition
 from pytest_weightsync.ranks import target as _target
 from pytest_weightsync.ranks import torchrun as _torchrun
-from pytest_weightsync.ranks.errors import RankFailed, RankSkipped, RankTimeout
+from pytest_weightsync.ranks.errors import RankFailed, RankSkipped, RankStartupError, RankTimeout
 
 DEFAULT_TIMEOUT_INI = "weightsync_rank_timeout"
+#: The ini key's default (declared in :mod:`pytest_weightsync.plugin`).
+DEFAULT_TEST_TIMEOUT = 180.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +90,24 @@ def resolve_timeout(config: pytest.Config, requested: float | None) -> tuple[flo
     if value <= 0:
         raise pytest.UsageError(f"ini {DEFAULT_TIMEOUT_INI} must be positive, got {raw!r}")
     return value, f"ini {DEFAULT_TIMEOUT_INI}"
+
+
+def resolve_start_timeout(config: pytest.Config) -> tuple[float, str]:
+    """(seconds, source) allowed for starting a pool's ranks.
+
+    Follows --weightsync-rank-timeout, else the ini key ``weightsync_rank_timeout`` when it is
+    set to something other than its default; otherwise :data:`~pytest_weightsync.ranks.pool.
+    DEFAULT_START_TIMEOUT` (300 s), since a cold start on a loaded machine can take minutes.
+    Never a marker's ``timeout=``: a marker bounds its test body, while starting ranks (an
+    interpreter importing torch, then a rendezvous) costs the same for every test and is not
+    charged to the body.
+    """
+    from pytest_weightsync.ranks.pool import DEFAULT_START_TIMEOUT
+
+    seconds, source = resolve_timeout(config, None)
+    if source.startswith("ini") and seconds == DEFAULT_TEST_TIMEOUT:
+        return DEFAULT_START_TIMEOUT, "the default start-up limit"
+    return seconds, source
 
 
 def resolve_threads(config: pytest.Config) -> int:
@@ -147,15 +173,19 @@ class PoolCache:
         self.reuse = reuse
         self._pools: dict[tuple, Any] = {}
 
-    def run(self, key: tuple, fn_ref, arguments: bytes, timeout: float, what: str) -> list:
-        from pytest_weightsync.ranks.pool import RankPool
+    def run(
+        self, key: tuple, fn_ref, arguments: bytes, timeout: float, what: str, start_timeout: float | None = None
+    ) -> list:
+        from pytest_weightsync.ranks.pool import DEFAULT_START_TIMEOUT, RankPool
 
         world_size, backend, threads, devices = key
+        start_timeout = DEFAULT_START_TIMEOUT if start_timeout is None else start_timeout
         pool = self._pools.get(key) if self.reuse else None
         if pool is None:
-            pool = RankPool(world_size, backend, threads, timeout, devices=devices)
+            pool = RankPool(world_size, backend, threads, timeout, devices=devices, start_timeout=start_timeout)
             if self.reuse:
                 self._pools[key] = pool
+        pool.start_timeout = float(start_timeout)
         try:
             return pool.call(fn_ref, arguments, timeout=timeout, what=what)
         finally:
@@ -201,14 +231,18 @@ def run_in_ranks(
         if why:
             _skip_at_test(why)
     seconds, source = resolve_timeout(config, timeout)
+    start_seconds, start_source = resolve_start_timeout(config)
     what = getattr(fn, "__qualname__", repr(fn))
     fn_ref = _target.describe(fn)
     arguments = _target.dumps_arguments(tuple(args), dict(kwargs), f"{item.nodeid} -> {what}")
     key = (world_size, backend, resolve_threads(config), rank_devices(backend, world_size))
     try:
-        return _pool_cache(config).run(key, fn_ref, arguments, seconds, what)
+        return _pool_cache(config).run(key, fn_ref, arguments, seconds, what, start_seconds)
     except RankSkipped as exc:
         _skip_at_test(exc.reason)
+    except RankStartupError as exc:
+        exc.args = (f"{exc}\n(start-up limit {start_seconds:g} s from {start_source})",)
+        raise
     except RankTimeout as exc:
         exc.args = (f"{exc}\n(timeout {seconds:g} s from {source})",)
         raise
@@ -279,6 +313,47 @@ def _torchrun_backend(config: pytest.Config, requested: str | None) -> str:
     return requested or config.getoption("weightsync_backend", "auto") or "auto"
 
 
+# -- SIGTERM ----------------------------------------------------------------------------------
+
+
+class Terminated(KeyboardInterrupt):
+    """pytest received SIGTERM; raised like Ctrl-C so every pool is cleaned up on the way out."""
+
+
+_SIGTERM = pytest.StashKey[object]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Treat SIGTERM like Ctrl-C, unless someone already handles it or we are not main."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return  # a handler of the user's, the CI's, or an outer pytest session's own
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - no signals here
+        return
+    config.stash[_SIGTERM] = signal.SIG_DFL
+
+
+def _on_sigterm(signum, frame) -> None:
+    # A second SIGTERM during cleanup ends the process at once, as it would without us.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Terminated("SIGTERM received: stopping the session and the rank processes")
+
+
+def _restore_sigterm(config: pytest.Config) -> None:
+    previous = config.stash.get(_SIGTERM, None)
+    if previous is None:
+        return
+    del config.stash[_SIGTERM]
+    try:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, previous)
+    except (ValueError, OSError):  # pragma: no cover - not the main thread
+        pass
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     cache = session.config.stash.get(_POOLS, None)
     if cache is not None:
@@ -289,6 +364,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     cache = config.stash.get(_POOLS, None)
     if cache is not None:
         cache.close_all()
+    _restore_sigterm(config)
 
 
 # -- the fixture ------------------------------------------------------------------------------

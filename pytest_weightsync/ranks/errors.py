@@ -15,9 +15,11 @@ class RankOutcome:
     """What one rank reported (or what the launcher saw of it) for one call.
 
     ``kind`` is ``"error"`` (it raised), ``"died"`` (its process exited without answering),
-    ``"hung"`` (still running at the deadline, killed) or ``"stalled"`` (still running a
-    grace period after another rank failed, killed). ``detail`` is the formatted traceback,
-    exit status or the Python stack dumped from the live process.
+    ``"hung"`` (still running at the deadline, killed), ``"stalled"`` (still running a
+    grace period after another rank failed, killed) or ``"out-of-step"`` (the call returned
+    but a fresh collective after it came out wrong or never completed). ``detail`` is the
+    formatted traceback, the Python stack dumped from the live process, or the stack
+    faulthandler wrote when the process crashed.
     """
 
     rank: int
@@ -46,6 +48,15 @@ class RankFailed(RankPoolError):
 
 class RankTimeout(RankFailed):
     """Ranks were still running at the deadline; each hung rank's Python stack is attached."""
+
+
+class RankOutOfStep(RankFailed):
+    """The call returned in every rank but left the ranks out of step.
+
+    A collective is still pending on some ranks only (an ``async_op=True`` work never waited,
+    or a collective that only some ranks issued): the next call's first collective would pair
+    with it and compute wrong data. Raised for the call that left it, and the pool restarts.
+    """
 
 
 class RankStartupError(RankFailed):

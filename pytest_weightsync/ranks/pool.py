@@ -11,11 +11,23 @@ cannot collide. gloo is pinned to the loopback interface for the same reason.
 A pool that saw a failure, a death or a timeout is killed at once: a rank that raised may
 have left its peers blocked in a collective, and the group may be poisoned. The next call
 starts a fresh set of processes.
+
+A call that *passed* can poison the group too: a collective left pending on some ranks only
+(an ``async_op=True`` work never waited, one extra collective on one rank) pairs with the next
+call's first collective and hands an innocent test wrong data. So after every call that
+returned (or skipped) in all ranks, the pool checks with a fresh all-reduce of a per-call token
+that the ranks are still in step; when they are not, that call fails with
+:class:`RankOutOfStep` and the pool is rebuilt, so the blame lands on the test that left the
+mess. A call whose ranks all skipped keeps the warm pool when the check passes.
+
+Teardown ends everything the ranks started: their process groups, and, found by parentage,
+processes a test started in a new session (see :mod:`pytest_weightsync.ranks.reaper`).
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -29,10 +41,13 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, Callable
 
+from pytest_weightsync.ranks import leftovers as _leftovers
+from pytest_weightsync.ranks import reaper as _reaper
 from pytest_weightsync.ranks import target as _target
 from pytest_weightsync.ranks.errors import (
     RankFailed,
     RankOutcome,
+    RankOutOfStep,
     RankSkipped,
     RankStartupError,
     RankTimeout,
@@ -48,6 +63,14 @@ DEFAULT_START_TIMEOUT = 300.0
 FAILURE_GRACE = 2.0
 #: Seconds a stopping rank gets to leave its process group before it is killed.
 STOP_GRACE = 3.0
+#: Seconds the in-step check (one tiny all-reduce) may take after a call before the ranks
+#: count as out of step. Generous, so a starved machine never blames an innocent test: it
+#: normally takes a millisecond, and when one rank's check came out wrong the others only get
+#: :data:`FAILURE_GRACE` anyway.
+CHECK_TIMEOUT = 60.0
+#: While a call runs, the ranks' descendants are recorded this often (seconds), so that a
+#: process a test started is still found when its rank died before teardown.
+RECORD_INTERVAL = 1.0
 BACKENDS = ("gloo", "nccl")
 
 _live_pools: "weakref.WeakSet[RankPool]" = weakref.WeakSet()
@@ -99,6 +122,10 @@ class RankPool:
         self._procs: list = []
         self._conns: list = []
         self._tmpdir: str | None = None
+        self._lock_fd: int | None = None
+        self._calls = 0
+        #: Processes seen below the ranks during calls: (pid, start time).
+        self._recorded: set = set()
         #: How many times processes were started; tests and benchmarks read it.
         self.starts = 0
 
@@ -138,8 +165,12 @@ class RankPool:
         self.start()
         try:
             return self._call(fn_ref, arguments, timeout, what or str(getattr(fn_ref, "qualname", "call")))
+        except RankSkipped as exc:
+            if not getattr(exc, "pool_in_step", False):
+                self._kill()  # a rank skipped while its peers failed, hung or left them out of step
+            raise
         except BaseException:
-            self._kill()  # failure, timeout, skip mid-collective or Ctrl-C: never reuse
+            self._kill()  # failure, timeout, out of step or Ctrl-C/SIGTERM: never reuse
             raise
 
     def start(self) -> None:
@@ -159,6 +190,9 @@ class RankPool:
         if not self._procs:
             self._cleanup_dir()
             return
+        # What the tests started goes first: once a rank exits, its orphans are out of reach.
+        _reaper.end_all([p.pid for p in self._procs], self._recorded)
+        self._recorded = set()
         for conn in self._conns:
             try:
                 conn.send_bytes(pickle.dumps(("stop",)))
@@ -173,7 +207,9 @@ class RankPool:
     # -- lifecycle --------------------------------------------------------------------------
 
     def _spawn(self) -> None:
-        self._tmpdir = tempfile.mkdtemp(prefix="weightsync-ranks-")
+        _leftovers.sweep()  # what a SIGKILLed session left in the same temporary directory
+        self._tmpdir = tempfile.mkdtemp(prefix=_leftovers.PREFIX)
+        self._lock_fd = _leftovers.claim(self._tmpdir)
         store_path = os.path.join(self._tmpdir, "store")
         ctx = multiprocessing.get_context("spawn")
         env = self._rank_env()
@@ -193,6 +229,7 @@ class RankPool:
                     env,
                     self._stack_path(rank),
                     os.getpid(),
+                    self._crash_path(rank),
                 ),
                 name=f"weightsync-rank-{rank}-of-{self.world_size}",
             )
@@ -212,8 +249,8 @@ class RankPool:
         return env
 
     def _await_ready(self) -> None:
-        replies, pending = self._collect(self.start_timeout)
-        failures = [_outcome(r, m) for r, m in sorted(replies.items()) if m[0] != "ready"]
+        replies, pending = self._collect(self.start_timeout, record=False)
+        failures = [self._outcome(r, m) for r, m in sorted(replies.items()) if m[0] != "ready"]
         if not failures and not pending:
             return
         stalled = self._stalled_outcomes(pending, "hung" if not failures else "stalled")
@@ -230,7 +267,15 @@ class RankPool:
         raise RankStartupError(headline, failures + stalled)
 
     def _kill(self) -> None:
-        """Kill every rank's process group, reap, close pipes, remove the directory."""
+        """Kill every rank, everything they started, reap, close pipes, remove the directory."""
+        for p in self._procs:
+            if p.pid is not None and p.exitcode is None:
+                try:
+                    os.kill(p.pid, signal.SIGSTOP)  # no new children while we look for them
+                except (ProcessLookupError, PermissionError):
+                    pass
+        _reaper.end_all([p.pid for p in self._procs], self._recorded)
+        self._recorded = set()
         for p in self._procs:
             if p.pid is None:
                 continue
@@ -261,6 +306,9 @@ class RankPool:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     # -- one call ---------------------------------------------------------------------------
 
@@ -276,54 +324,106 @@ class RankPool:
                 died[rank] = ("died", self._procs[rank].exitcode)
         replies, pending = self._collect(timeout, skip=died)
         replies.update(died)
-        errors = [_outcome(r, m) for r, m in sorted(replies.items()) if m[0] in ("error", "died")]
+        errors = [self._outcome(r, m) for r, m in sorted(replies.items()) if m[0] in ("error", "died")]
         skips = [(r, m[1]) for r, m in sorted(replies.items()) if m[0] == "skip"]
         where = f"(world_size={self.world_size}, backend={self.backend})"
         if errors:
             stalled = self._stalled_outcomes(pending, "stalled")
             raise RankFailed(f"{len(errors)} of {self.world_size} ranks failed in {what} {where}", errors + stalled)
-        if skips:
-            rank, reason = skips[0]
-            raise RankSkipped(reason, rank)
         if pending:
+            if skips:
+                rank, reason = skips[0]
+                raise RankSkipped(reason, rank)  # its peers are stuck: the pool is killed
             hung = self._stalled_outcomes(pending, "hung", timeout)
             raise RankTimeout(
                 f"{what} timed out after {timeout:g} s: rank(s) {_ranks(pending)} of "
                 f"{self.world_size} still running {where}; their Python stacks follow",
                 hung,
             )
-        results = [pickle.loads(replies[r][1]) for r in range(self.world_size)]
-        if any(replies[r][2] for r in range(self.world_size)):
+        destroyed = any(m[0] == "ok" and m[2] for m in replies.values())
+        if destroyed:
             self._kill()  # the call destroyed the process group; start afresh next time
-        return results
+        else:
+            issued = {r: m[-1] for r, m in replies.items()}
+            self._check_in_step(what, where, issued)
+        if skips:
+            rank, reason = skips[0]
+            skipped = RankSkipped(reason, rank)
+            skipped.pool_in_step = not destroyed
+            raise skipped
+        return [pickle.loads(replies[r][1]) for r in range(self.world_size)]
 
-    def _collect(self, timeout: float, *, skip=()) -> tuple[dict, set]:
+    def _check_in_step(self, what: str, where: str, issued: dict[int, int | None]) -> None:
+        """Raise :class:`RankOutOfStep` unless a fresh all-reduce gives every rank the exact sum."""
+        self._calls += 1
+        token = 1 + self._calls % 1000  # float32 sums stay exact for any world size < 16384
+        message = pickle.dumps(("check", token, CHECK_TIMEOUT))
+        for conn in self._conns:
+            try:
+                conn.send_bytes(message)
+            except OSError:
+                pass
+        replies, pending = self._collect(CHECK_TIMEOUT + 1.0, good=("checked",), record=False)
+        bad = {r: m for r, m in replies.items() if m[0] != "checked"}
+        if not bad and not pending:
+            return
+        outcomes = []
+        for rank, m in sorted(bad.items()):
+            outcomes.append(self._outcome(rank, m) if m[0] == "died" else RankOutcome(rank, "out-of-step", m[1]))
+        for rank in sorted(pending):
+            outcomes.append(RankOutcome(rank, "out-of-step", "did not finish a fresh all_reduce on the default group; killed"))
+        counts = ", ".join(
+            f"rank {r}: {'?' if n is None else n}" for r, n in sorted(issued.items())
+        )
+        headline = (
+            f"{what} returned in every rank but left the ranks out of step {where}: a collective "
+            f"is still pending on some ranks (an async_op=True work never waited, or a collective "
+            f"issued by some ranks only), so the next collective would pair with it. Operations "
+            f"each rank issued on the default group during the call: {counts}. The ranks were "
+            f"restarted so the next test starts clean."
+        )
+        raise RankOutOfStep(headline, outcomes)
+
+    def _collect(self, timeout: float, *, skip=(), good=("ok", "ready"), record: bool = True) -> tuple[dict, set]:
         """Wait for one reply per rank until the deadline; return (replies, unanswered ranks).
 
         A rank whose process exits without replying counts as ``died``. Once any rank failed
         (or skipped), the others get :data:`FAILURE_GRACE` more seconds, not the full timeout.
+        With ``record``, the ranks' descendants are recorded every :data:`RECORD_INTERVAL`.
         """
         replies: dict[int, tuple] = {}
         pending = set(range(self.world_size)) - set(skip)
         deadline = time.monotonic() + timeout
+        next_record = time.monotonic() + RECORD_INTERVAL
         while pending:
             now = time.monotonic()
             if now >= deadline:
                 break
+            if record and now >= next_record:
+                self._record_descendants()
+                next_record = now + RECORD_INTERVAL
             waitables = {}
             for rank in pending:
                 waitables[self._conns[rank]] = rank
                 waitables[self._procs[rank].sentinel] = rank
-            ready = multiprocessing.connection.wait(list(waitables), timeout=deadline - now)
+            wait = deadline - now
+            if record:
+                wait = min(wait, max(0.0, next_record - now))
+            ready = multiprocessing.connection.wait(list(waitables), timeout=wait)
             for obj in ready:
                 rank = waitables[obj]
                 if rank not in pending:
                     continue
                 replies[rank] = self._receive(rank)
                 pending.discard(rank)
-                if replies[rank][0] not in ("ok", "ready"):
+                if replies[rank][0] not in good:
                     deadline = min(deadline, time.monotonic() + self.grace)
         return replies, pending
+
+    def _record_descendants(self) -> None:
+        table = _reaper.process_table()
+        self._recorded = _reaper.alive(self._recorded, table) | _reaper.descendants(self.pids, table)
+        _leftovers.record(self._tmpdir, self._recorded)  # for the next session, if we get SIGKILLed
 
     def _receive(self, rank: int) -> tuple:
         conn, process = self._conns[rank], self._procs[rank]
@@ -352,9 +452,38 @@ class RankPool:
         assert self._tmpdir is not None
         return os.path.join(self._tmpdir, f"stack-rank{rank}.txt")
 
+    def _crash_path(self, rank: int) -> str:
+        assert self._tmpdir is not None
+        return os.path.join(self._tmpdir, f"crash-rank{rank}.txt")
+
+    def _crash_report(self, rank: int) -> str:
+        """What faulthandler wrote when the rank crashed (segfault, abort), trimmed; or ''."""
+        if self._tmpdir is None:
+            return ""
+        try:
+            with open(self._crash_path(rank), errors="replace") as f:
+                text = f.read()
+        except OSError:
+            return ""
+        return _trim_stack(text).strip("\n") if text.strip() else ""
+
+    def _outcome(self, rank: int, message: tuple) -> RankOutcome:
+        outcome = _outcome(rank, message)
+        if outcome.kind != "died":
+            return outcome
+        crash = self._crash_report(rank)
+        if not crash:
+            return outcome
+        return dataclasses.replace(outcome, summary=outcome.summary + "; its Python stack at the crash:", detail=crash)
+
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask each rank's faulthandler for its Python stacks (SIGUSR1) and read them back."""
-        if not ranks or self._tmpdir is None:
+        if self._tmpdir is None:
+            return {}
+        # A rank creates its stack file right before arming faulthandler: without the file
+        # there is nobody to answer (a rank still importing torch), so do not wait for it.
+        ranks = [rank for rank in ranks if os.path.exists(self._stack_path(rank))]
+        if not ranks:
             return {}
         offsets = {}
         for rank in ranks:
@@ -396,7 +525,9 @@ def _trim_stack(text: str) -> str:
     from pytest_weightsync.ranks import worker
 
     plumbing = (f'File "{os.path.abspath(worker.__file__)}"', f"{os.sep}multiprocessing{os.sep}", 'File "<string>"')
-    return "\n".join(line for line in text.splitlines() if not any(p in line for p in plumbing)) + "\n"
+    lines = [line for line in text.splitlines() if not any(p in line for p in plumbing)]
+    # A crash dump ends with the list of loaded extension modules: long, and no help here.
+    return "\n".join(line for line in lines if not line.startswith("Extension modules:")) + "\n"
 
 
 def _outcome(rank: int, message: tuple) -> RankOutcome:
@@ -412,11 +543,18 @@ def _outcome(rank: int, message: tuple) -> RankOutcome:
         return RankOutcome(rank, "error", summary, detail, exception)
     if kind == "died":
         code = message[1]
-        how = f"killed by signal {-code}" if isinstance(code, int) and code < 0 else f"exit code {code}"
+        how = f"killed by signal {_signal_name(-code)}" if isinstance(code, int) and code < 0 else f"exit code {code}"
         return RankOutcome(rank, "died", f"process died without answering ({how})")
     if kind == "skip":
         return RankOutcome(rank, "error", f"skipped while starting: {message[1]}")
     return RankOutcome(rank, "error", f"unexpected reply {kind!r}")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"{number} ({signal.Signals(number).name})"
+    except ValueError:
+        return str(number)
 
 
 def _ranks(ranks) -> str:

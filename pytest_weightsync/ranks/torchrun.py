@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-import traceback
 from typing import Any, Callable
 
 from pytest_weightsync.ranks import context as _context
@@ -78,8 +77,11 @@ def run_local(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list:
         if outcomes is not None and isinstance(exc, outcomes.Skipped):
             outcome = ("skip", str(exc.msg))
         else:
-            summary = f"{type(exc).__name__}: {exc}".rstrip(": ")
-            outcome = ("error", summary, "".join(traceback.format_exception(exc)))
+            # The pool's own formatting: an exception whose __str__ raises is still reported
+            # (by type and repr) instead of breaking this rank out of the gather below.
+            from pytest_weightsync.ranks.worker import _format, _summary
+
+            outcome = ("error", _summary(exc), _format(exc))
     try:
         pickle.dumps(outcome)
     except Exception as exc:

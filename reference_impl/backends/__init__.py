@@ -22,8 +22,17 @@ BACKEND_MODULES = {
     "megatron": ("megatron.core.transformer.moe.moe_layer", "megatron-core"),
     "sglang": ("sglang.srt.layers.moe.fused_moe_triton.layer", "sglang"),
     "transformer_engine": ("transformer_engine.pytorch", "transformer-engine"),
-    "megatron_bridge": ("megatron.bridge", "megatron-bridge"),
+    # Not ``megatron.bridge``: its package __init__ imports AutoBridge -> peft -> Transformer
+    # Engine and fails on CPU; the mapping module imports once that chain is bypassed (bridge.py).
+    "megatron_bridge": ("megatron.bridge.models.conversion.param_mapping", "megatron-bridge"),
     "deep_ep": ("deep_ep", "deep-ep"),
+}
+
+
+#: Backend name -> "module:function" called before the import (e.g. to bypass a package
+#: ``__init__`` that cannot import here); an exception it raises makes the backend unavailable.
+_PREPARE = {
+    "megatron_bridge": "pytest_weightsync.reference_impl.backends.bridge:register_namespace_packages",
 }
 
 
@@ -67,6 +76,9 @@ def probe(name: str) -> BackendStatus:
             f"unknown backend {name!r}; known backends: {', '.join(sorted(BACKEND_MODULES))}"
         ) from None
     try:
+        if name in _PREPARE:
+            prepare_module, _, prepare_function = _PREPARE[name].partition(":")
+            getattr(importlib.import_module(prepare_module), prepare_function)()
         importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
         detail = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ImportError) else str(exc)
@@ -100,7 +112,7 @@ def receiver_loader(status: BackendStatus) -> Selection:
     """The receiver-side loader to use given the SGLang probe result.
 
     With SGLang importable the real ``FusedMoE.weight_loader`` runs; without it the reference
-    receiver (:mod:`reference_impl.receiver`) loads the payload instead.
+    receiver (:mod:`pytest_weightsync.reference_impl.receiver`) loads the payload instead.
     """
     if status.name != "sglang":
         raise ValueError(f"receiver_loader needs the 'sglang' probe, got {status.name!r}")
@@ -113,7 +125,7 @@ def trainer_source(status: BackendStatus) -> Selection:
     """The trainer-side shard source to use given the Megatron-Core probe result.
 
     With Megatron-Core importable, shards are read from real MoE layers built in gloo ranks;
-    without it, the reference's synthetic shards (:mod:`reference_impl.synth`) stand in.
+    without it, the reference's synthetic shards (:mod:`pytest_weightsync.reference_impl.synth`) stand in.
     """
     if status.name != "megatron":
         raise ValueError(f"trainer_source needs the 'megatron' probe, got {status.name!r}")

@@ -13,7 +13,9 @@ called). This module builds the real thing so the suites can check that model ag
 * :func:`write_expert_shards` / :func:`read_expert_shards` put known values into the sharded
   parameters the way a trainer holds them, and read them back as a state dict.
 * :func:`te_grouped_names` renames SequentialMLP shards to TEGroupedMLP's
-  ``linear_fc1.weight{i}`` naming, for exporters that must accept both.
+  ``linear_fc1.weight{i}`` naming, for exporters that must accept both;
+  :func:`te_grouped_sharded_state_dict` checks that naming against Megatron-Core's own
+  TEGroupedMLP checkpoint code (TEGroupedMLP itself needs Transformer Engine and is never built).
 
 Must run in a process where ``torch.distributed`` is initialized (gloo on CPU). Megatron-Core
 is imported inside the functions, so importing this module is cheap and never fails.
@@ -33,6 +35,9 @@ EXPERT_TYPES = ("sequential", "te_grouped")
 _SEQUENTIAL_NAME = re.compile(r"^(?:.*\.)?experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _TE_GROUPED_NAME = re.compile(r"^(?:.*\.)?experts\.(linear_fc[12])\.weight(\d+)$")
 _TE_STACKED_NAME = re.compile(r"^(?:.*\.)?experts\.(linear_fc[12])\.weight$")
+
+#: A weight entry of a sharded state dict: ``...weight`` (SequentialMLP) or ``...weight{i}`` (TE).
+_WEIGHT_KEY = re.compile(r"\.weight\d*$")
 
 _PARTITION_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce")
 
@@ -174,6 +179,35 @@ def _module_spec(cfg: MegatronMoEConfig):
 
 
 @contextlib.contextmanager
+def model_parallel(**sizes) -> Iterator[object]:
+    """``parallel_state.initialize_model_parallel(**sizes)`` for the body, then tear it down
+    completely; yields the ``parallel_state`` module. Collective: every rank must enter.
+
+    ``destroy_model_parallel`` only forgets Megatron's groups; the torch.distributed process
+    groups stay alive, each gloo group with its own threads and sockets. A warm rank process
+    that builds topology after topology would pile up hundreds of threads (and slow every
+    later test), so every group Megatron created in this rank is destroyed here as well."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(**sizes)
+    try:
+        yield ps
+    finally:
+        # Megatron hands the same group object out under several names (one list entry each).
+        created = {id(g): g for g in (getattr(ps, "_global_process_group_list", None) or ())
+                   if g is not None}
+        ps.destroy_model_parallel()
+        for group in created.values():
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # not registered with torch.distributed (e.g. already gone)
+                pass
+
+
+@contextlib.contextmanager
 def megatron_moe_layer(cfg: MegatronMoEConfig) -> Iterator[tuple[object, MegatronPlacement]]:
     """Build a real ``MoELayer`` for ``cfg`` in this rank; yield ``(layer, placement)``.
 
@@ -194,16 +228,13 @@ def megatron_moe_layer(cfg: MegatronMoEConfig) -> Iterator[tuple[object, Megatro
 
         if not torch.cuda.is_available():
             raise MegatronTopologyError("expert_type='te_grouped' (TEGroupedMLP) needs CUDA")
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
+    with model_parallel(
         tensor_model_parallel_size=cfg.tp,
         pipeline_model_parallel_size=1,
         expert_model_parallel_size=cfg.ep,
         expert_tensor_parallel_size=cfg.etp,
         create_gloo_process_groups=True,
-    )
-    try:
+    ) as ps:
         layer = build_module(_module_spec(cfg), config=_transformer_config(cfg), layer_number=1)
         placement = MegatronPlacement(
             rank=dist.get_rank(),
@@ -214,8 +245,6 @@ def megatron_moe_layer(cfg: MegatronMoEConfig) -> Iterator[tuple[object, Megatro
             local_expert_indices=tuple(int(i) for i in layer.local_expert_indices),
         )
         yield layer, placement
-    finally:
-        ps.destroy_model_parallel()
 
 
 def parse_expert_name(name: str) -> tuple[str, int | None, str]:
@@ -344,11 +373,16 @@ class CheckpointPiece:
 
 def checkpoint_pieces(layer) -> list[CheckpointPiece]:
     """The expert weights of ``layer`` as Megatron's checkpointing code places them."""
+    return pieces_of_sharded_state_dict(layer.sharded_state_dict(prefix=""))
+
+
+def pieces_of_sharded_state_dict(sharded) -> list[CheckpointPiece]:
+    """Main-replica expert weight pieces of a Megatron sharded state dict (factories built)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     pieces = []
-    for key, value in layer.sharded_state_dict(prefix="").items():
-        if not key.endswith(".weight") or ".linear_fc" not in key:
+    for key, value in sharded.items():
+        if ".linear_fc" not in key or not _WEIGHT_KEY.search(key):
             continue
         built = value.build() if isinstance(value, ShardedTensorFactory) else value
         for sh in built if isinstance(built, (list, tuple)) else [built]:
@@ -402,3 +436,114 @@ def assemble_checkpoint(pieces) -> dict[str, object]:
                 "main-replica checkpoint pieces (expected exactly once)"
             )
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# TEGroupedMLP's naming, from Megatron-Core's own checkpoint code (without Transformer Engine)
+# --------------------------------------------------------------------------------------------
+
+#: Methods of ``TEGroupedLinear`` (megatron/core/extensions/transformer_engine.py) that turn the
+#: TE parameters ``weight{i}`` of local GEMM ``i`` into sharded-state-dict entries placed at
+#: global expert ``ep_rank * num_gemms + i``. The class only exists where Transformer Engine
+#: imports; these two methods use nothing from TE, so they are compiled from the installed source.
+_TE_GROUPED_METHODS = ("_sharded_state_dict_grouped", "_split_extra_state")
+
+
+def _te_grouped_linear_methods() -> dict:
+    import ast
+    import inspect
+    import textwrap
+
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    tree = ast.parse(inspect.getsource(te_ext))
+    found = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "TEGroupedLinear":
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name in _TE_GROUPED_METHODS:
+                    source = textwrap.dedent(ast.get_source_segment(inspect.getsource(te_ext), item))
+                    namespace = dict(vars(te_ext))
+                    exec(compile(source, te_ext.__file__, "exec"), namespace)  # noqa: S102 - installed Megatron source
+                    found[item.name] = namespace[item.name]
+    missing = set(_TE_GROUPED_METHODS) - set(found)
+    if missing:
+        raise ExpertShardError(
+            f"megatron-core's TEGroupedLinear no longer defines {sorted(missing)}; update te_grouped_sharded_state_dict"
+        )
+    return found
+
+
+class _GroupedLinearState:
+    """The state a ``TEGroupedLinear`` holds for the checkpoint code: ``weight{i}`` per local
+    GEMM, the expert-TP group, the EP / expert-DP groups, and an fp8-free ``_extra_state``."""
+
+    def __init__(self, weights, axis, tp_group, pg_collection, methods):
+        self._weights = list(weights)
+        self._axis = axis
+        self.num_gemms = len(self._weights)
+        self._tp_group = tp_group
+        self._pg_collection = pg_collection
+        self.use_bias = False
+        self.fp8_meta = {"fp8_checkpoint": False}
+        self.fp8 = self.fp8_calibration = False
+        self._methods = methods
+
+    def state_dict(self, prefix="", keep_vars=False):
+        out = {f"{prefix}weight{i}": w for i, w in enumerate(self._weights)}
+        out[f"{prefix}_extra_state"] = None
+        return out
+
+    def _split_extra_state(self, state):
+        return self._methods["_split_extra_state"](self, state)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        # TEColumnParallelGroupedLinear / TERowParallelGroupedLinear: weight split along 0 / 1.
+        tp_axis_map = {f"{i}.weight": self._axis for i in range(self.num_gemms)}
+        return self._methods["_sharded_state_dict_grouped"](self, tp_axis_map, prefix, sharded_offsets, metadata)
+
+
+def te_grouped_sharded_state_dict(layer, grouped_weights) -> dict:
+    """Megatron-Core's TEGroupedMLP checkpoint entries for ``grouped_weights`` in this rank.
+
+    ``grouped_weights`` maps TEGroupedMLP names (``experts.linear_fc1.weight{i}``,
+    ``experts.linear_fc2.weight{i}``) to this rank's tensors. They are handed to the real
+    ``TEGroupedMLP.sharded_state_dict`` (megatron/core/transformer/moe/experts.py: the SwiGLU
+    factory of fc1, the prefixes) over stand-ins for its two ``TEGroupedLinear`` modules that run
+    the real ``_sharded_state_dict_grouped`` (key ``weight{i}``, global expert offset). Returns
+    the sharded state dict; :func:`pieces_of_sharded_state_dict` and
+    :func:`assemble_checkpoint` place it. ``layer`` is a built SequentialMLP ``MoELayer`` of the
+    same topology (for the config and process groups); must run inside
+    :func:`megatron_moe_layer`.
+    """
+    import types
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    experts = layer.experts
+    methods = _te_grouped_linear_methods()
+    fc = {1: {}, 2: {}}
+    for name, tensor in grouped_weights.items():
+        kind, local, projection = parse_expert_name(name)
+        if kind != "te_grouped":
+            raise ExpertShardError(f"{name!r} is not a TEGroupedMLP expert name")
+        fc[int(projection[-1])][local] = tensor
+    for number, weights in fc.items():
+        if sorted(weights) != list(range(experts.num_local_experts)):
+            raise ExpertShardError(
+                f"linear_fc{number}: TEGroupedMLP weights {sorted(weights)} do not cover local experts "
+                f"0..{experts.num_local_experts - 1}"
+            )
+    pg = types.SimpleNamespace(ep=experts.ep_group, expt_dp=ps.get_expert_data_parallel_group(), expt_tp=experts.tp_group)
+    standin = types.SimpleNamespace(
+        _modules={
+            "linear_fc1": _GroupedLinearState([fc[1][i] for i in sorted(fc[1])], 0, experts.tp_group, pg, methods),
+            "linear_fc2": _GroupedLinearState([fc[2][i] for i in sorted(fc[2])], 1, experts.tp_group, pg, methods),
+        },
+        config=experts.config,
+        ep_group=experts.ep_group,
+        tp_group=experts.tp_group,
+        num_local_experts=experts.num_local_experts,
+    )
+    return TEGroupedMLP.sharded_state_dict(standin, prefix="experts.", sharded_offsets=(), metadata=None)

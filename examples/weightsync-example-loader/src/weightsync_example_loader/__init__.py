@@ -1,5 +1,8 @@
-"""Example third-party MoE expert loaders for pytest-weightsync's conformance suites."""
+"""Example third-party MoE expert loaders and distributed exporters for pytest-weightsync's
+conformance suites."""
 
+from weightsync_example_loader.exporter import ExampleDistributedExporter, UnregroupedFc1Exporter
 from weightsync_example_loader.loader import ExampleLoader, SwappedGateUpLoader
 
-__all__ = ["ExampleLoader", "SwappedGateUpLoader"]
+__all__ = ["ExampleDistributedExporter", "ExampleLoader", "SwappedGateUpLoader",
+           "UnregroupedFc1Exporter"]

@@ -131,18 +131,13 @@ class ExampleLoader:
                 found.setdefault((layer, "w2" if projection == "down" else "w13"), {})[
                     (expert, projection)] = tensor
         copies = []
+        # Like SGLang's per-expert weight_loader, every tensor is placed on its own: a bucket
+        # may hold any subset of the experts (trainers cut buckets by bytes, not by layer).
         for (layer, which), got in sorted(found.items()):
             self._check_buffers(params, spec, layer, local, rows)
-            needed = ("down",) if which == "w2" else ("gate", "up")
-            for expert in owned:
-                for projection in needed:
-                    if (expert, projection) not in got:
-                        raise ExpertPayloadError(
-                            f"layer {layer} {which}_weight: expert {expert} {projection}_proj is "
-                            f"missing; send every local expert of a parameter together")
-                    copies += self._expert_copies(params, spec, topology, layer, expert - first,
-                                                  projection, got[expert, projection], row_start,
-                                                  rows)
+            for (expert, projection), tensor in sorted(got.items()):
+                copies += self._expert_copies(params, spec, topology, layer, expert - first,
+                                              projection, tensor, row_start, rows)
         return copies
 
     def _plan_packed(self, params, entries, spec, topology, first, local, row_start, rows):

@@ -1,0 +1,307 @@
+"""Stock SGLang's model loaders as implementations under test (rows of the conformance matrix).
+
+A conformance harness that fails correct real code is worse than none, so stock SGLang runs
+through the same suites as every third-party loader: when SGLang imports, the registry adds
+:class:`Qwen3MoeLoader` (``sglang-qwen3-moe``) and :class:`Qwen35MoeLoader`
+(``sglang-qwen3.5-moe``) as built-in implementations.
+
+What runs is SGLang's own code, unmodified:
+
+* the model class's ``load_weights`` - ``Qwen3MoeForCausalLM.load_weights``
+  (``sglang/srt/models/qwen3_moe.py``) or ``Qwen3_5MoeForCausalLM.load_weights``
+  (``sglang/srt/models/qwen3_5.py``), called as ``cls.load_weights(model, payload)``: its name
+  mapping (``FusedMoE.make_expert_params_mapping``, the ``is_fused_expert`` branch for
+  ``experts.gate_up_proj`` / ``experts.down_proj``, its skips and warnings) all run;
+* one real ``FusedMoE`` per layer (``sglang/srt/layers/moe/fused_moe_triton/layer.py``) and
+  its ``weight_loader``: expert filtering by MoE-EP rank, MoE-TP row slicing, gate/up placement
+  (``load_up_proj_weight_first`` of the runner's weight layout), padding;
+* the parallel placement: each (topology, rank) gets SGLang's runtime context from
+  ``runtime_context.create_context(ServerArgs(tp_size, ep_size, moe_dp_size, attn_cp_size),
+  ranks=SpawnRanks(world_rank=rank))``, and the layer reads MoE-TP/EP/DP sizes and ranks from it
+  (checked against :func:`pytest_weightsync.reference_impl.layout.receiver_shard`);
+* ``load_format="direct"``: SGLang's ``_model_load_weights_direct`` from
+  ``model_executor/model_runner_components/weight_updater.py`` (what
+  ``update_weights_from_tensor(load_format="direct")`` calls: ``default_weight_loader`` per name).
+
+What is stand-in (the smallest object the real method body needs):
+
+* the model object is the real class created without its ``__init__`` (``cls.__new__`` plus
+  ``torch.nn.Module.__init__``): no attention, embeddings or config parsing. It holds
+  ``config.num_experts``, and ``model.layers[L].mlp.experts`` = the real ``FusedMoE`` of layer L,
+  so ``named_parameters()`` yields ``model.layers.{L}.mlp.experts.w13_weight`` / ``w2_weight`` -
+  the full checkpoint names, as the served model sees them. Every other tensor the harness
+  passes in ``params`` (e.g. the router ``model.layers.0.mlp.gate.weight``) is attached at its
+  name as a plain parameter, so a loader that writes it is caught. Qwen3.5's shared-expert
+  fusion (an aiter/ROCm option) is off, as on every CUDA/CPU deployment.
+* the layers' parameters ARE the harness tensors: before each call the ``.data`` of every
+  ``FusedMoE`` parameter is pointed at the matching tensor of ``params`` (same storage, so the
+  harness's address and raw-bit checks see SGLang's writes). The ``FusedMoE`` is built with the
+  padded per-rank intermediate size (``buffer_rows * moe_tp``), as SGLang sizes a padded layer.
+* the gate/up order is SGLang's MoE runner: ``triton`` stores ``[gate | up]``,
+  ``flashinfer_cutlass`` ``[up | gate]`` (its weight layout sets ``load_up_proj_weight_first``).
+  Building a layer needs no GPU for either; no kernel runs.
+* padding: SGLang has two loaders for a buffer wider than the loaded rows. The default one
+  (``pad_mode="even"``) takes rank r's even slice of the checkpoint and zeroes the buffer's
+  tail. The padded one (``FusedMoE.use_padded_loading``, ``pad_mode="blocked"``) takes
+  ``[r * P, (r + 1) * P)`` clipped to the checkpoint; SGLang selects it on its CPU engine
+  (``SGLANG_USE_CPU_ENGINE=1``) and for the flashinfer_trtllm runners. That property is cached
+  per layer; for blocked receivers it is set on the layer to ``True``, as those deployments
+  compute it - the loading code that then runs is SGLang's.
+
+Claims (:data:`Capabilities`): formats ``compat`` and ``direct`` for both, ``hf_fused`` only for
+Qwen3.5 (Qwen3-MoE's ``load_weights`` has no fused-experts branch: ``experts.gate_up_proj``
+matches no mapping and is skipped silently). Never ``packed`` (no stock path). Every order and
+both padding modes; topologies SGLang's launcher refuses are refused (see
+:func:`sglang_refusal`). SGLang has no begin/end hooks for a stream: each bucket is one
+``load_weights`` call, as in ``update_weights_from_tensor``.
+
+SGLang is imported inside the methods: registering these rows imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Optional
+
+from pytest_weightsync.protocols import Capabilities
+
+#: Receiver gate/up order -> the SGLang MoE runner whose weight layout stores it.
+RUNNER_FOR_ORDER = {"gate_up": "triton", "up_gate": "flashinfer_cutlass"}
+
+
+class SGLangPlacementError(RuntimeError):
+    """SGLang placed a rank differently from the receiver topology: a harness bug or an SGLang
+    change, never a property of the payload."""
+
+
+def sglang_refusal(spec, receiver) -> Optional[str]:
+    """Why SGLang cannot serve ``receiver`` at all, or ``None``.
+
+    SGLang's launcher (``arg_groups/parallel_hook.py``) asserts, for ``moe_dp_size > 1`` with
+    ``ep_size > 1``, that ``ep_size * moe_dp_size == tp_size`` (MoE-TP 1).
+    """
+    if receiver.moe_dp > 1 and receiver.moe_ep > 1 and receiver.moe_tp > 1:
+        return (f"SGLang requires ep_size * moe_dp_size == tp_size when both exceed 1 (receiver "
+                f"moe_tp={receiver.moe_tp}, moe_ep={receiver.moe_ep}, moe_dp={receiver.moe_dp})")
+    return None
+
+
+def _sglang_serves(spec, receiver) -> bool:
+    return sglang_refusal(spec, receiver) is None
+
+
+_sglang_serves.__doc__ = sglang_refusal.__doc__
+_sglang_serves.refusal = sglang_refusal  # the skip reason Capabilities.topology_refusal shows
+#: Shared by every SGLang model row.
+_BUILD_LOCK = threading.Lock()
+_CONTEXTS: dict = {}
+
+
+def _context(receiver, rank: int):
+    """SGLang's runtime context of TP rank ``rank`` of ``receiver``, created by SGLang from its
+    own server arguments (cached: contexts are immutable once published)."""
+    key = (receiver.tp, receiver.moe_ep, receiver.moe_dp, rank)
+    if key not in _CONTEXTS:
+        from sglang.srt.runtime_context import SpawnRanks, create_context
+        from sglang.srt.server_args import ServerArgs
+
+        extra = {"moe_dp_size": receiver.moe_dp}
+        if receiver.moe_dp > 1:  # SGLang: attn_cp_size != moe_dp_size only with moe_dp_size 1
+            extra["attn_cp_size"] = receiver.moe_dp
+        server_args = ServerArgs(model_path="dummy", device="cpu", tp_size=receiver.tp,
+                                 ep_size=receiver.moe_ep, **extra)
+        _CONTEXTS[key] = create_context(server_args, role="test",
+                                        ranks=SpawnRanks(world_rank=rank))
+    return _CONTEXTS[key]
+
+
+class _BuiltModel:
+    """One receiver rank's model object (real class, minimal attributes) and its layers."""
+
+    def __init__(self, model, layers, context, runner):
+        self.model = model
+        self.layers = layers
+        self.context = context
+        self.runner = runner
+
+    def bind(self, params: dict) -> None:
+        """Point every parameter of the model at the harness tensor of the same name."""
+        import torch
+
+        own = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, tensor in params.items():
+            data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
+            if name in own:
+                own[name].data = data
+            else:
+                _attach(self.model, name, torch.nn.Parameter(data, requires_grad=False))
+
+
+def _attach(root, name: str, param) -> None:
+    """Register ``param`` at dotted ``name`` under ``root``, creating plain modules on the way
+    (a layer index under ``model.layers`` reuses the existing layer module)."""
+    import torch
+
+    *path, leaf = name.split(".")
+    module = root
+    for part in path:
+        child = module._modules.get(part)
+        if child is None:
+            child = torch.nn.Module()
+            module.add_module(part, child)
+        module = child
+    module.register_parameter(leaf, param)
+
+
+class _SGLangModelLoader:
+    """A stock SGLang model's ``load_weights`` over real ``FusedMoE`` layers (see the module
+    docstring for what is real and what is stand-in)."""
+
+    name: str
+    model_module: str
+    model_class: str
+    capabilities: Capabilities
+
+    #: Models kept per loader (least recently used dropped first): randomized topologies
+    #: must not grow the cache without bound.
+    max_models = 256
+
+    def __init__(self) -> None:
+        self._models: OrderedDict = OrderedDict()
+
+    # -- the protocol ----------------------------------------------------------------------
+
+    def load_weights(self, params, payload, *, format, spec, topology, rank) -> None:
+        if format not in self.capabilities.formats:
+            raise ValueError(f"{self.name} does not load the {format!r} format (claims "
+                             f"{sorted(self.capabilities.formats)})")
+        built = self.model_for(spec, topology, rank)
+        built.bind(params)
+        payload = list(payload)
+        from pytest_weightsync.reference_impl.backends.sglang import _activated
+
+        with _activated(built.context, built.runner):
+            if format == "direct":
+                from sglang.srt.model_executor.model_runner_components.weight_updater import (
+                    _model_load_weights_direct,
+                )
+
+                _model_load_weights_direct(built.model, payload)
+            else:
+                type(built.model).load_weights(built.model, payload)
+
+    # -- building --------------------------------------------------------------------------
+
+    def model_for(self, spec, topology, rank) -> _BuiltModel:
+        """The model of receiver ``rank`` (built once per (spec, topology, rank))."""
+        key = (spec, topology, rank)
+        with _BUILD_LOCK:
+            if key in self._models:
+                self._models.move_to_end(key)
+            else:
+                self._models[key] = self._build(spec, topology, rank)
+                while len(self._models) > self.max_models:
+                    self._models.popitem(last=False)
+            return self._models[key]
+
+    def model_cls(self):
+        import importlib
+
+        return getattr(importlib.import_module(self.model_module), self.model_class)
+
+    def _configure(self, model, spec) -> None:
+        """Attributes the real ``load_weights`` reads besides the layers."""
+        from types import SimpleNamespace
+
+        model.config = SimpleNamespace(num_experts=spec.num_experts)
+
+    def _build(self, spec, topology, rank) -> _BuiltModel:
+        import torch
+        from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+        from pytest_weightsync.reference_impl.backends.sglang import (
+            _activated,
+            preload_runner_modules,
+        )
+        from pytest_weightsync.reference_impl.layout import receiver_shard
+
+        reason = sglang_refusal(spec, topology)
+        if reason is not None:
+            raise SGLangPlacementError(reason)
+        runner = RUNNER_FOR_ORDER[topology.order]
+        preload_runner_modules((runner,))
+        shard = receiver_shard(spec, topology, rank)
+        context = _context(topology, rank)
+        layers = []
+        with _activated(context, runner):
+            for layer_id in range(spec.num_layers):
+                layer = FusedMoE(num_experts=spec.num_experts, hidden_size=spec.hidden,
+                                 intermediate_size=shard.buffer_rows * topology.moe_tp,
+                                 layer_id=layer_id, top_k=min(2, spec.num_experts),
+                                 params_dtype=spec.dtype,
+                                 prefix=f"model.layers.{layer_id}.mlp.experts")
+                if topology.pad_mode == "blocked":
+                    layer.use_padded_loading = True  # see the module docstring
+                layers.append(layer)
+        placed = (layers[0].moe_tp_rank, layers[0].moe_ep_rank, layers[0].num_local_experts)
+        wanted = (shard.moe_tp_rank, shard.moe_ep_rank, len(shard.experts))
+        if placed != wanted or context.parallel.moe_dp_rank != shard.moe_dp_rank:
+            raise SGLangPlacementError(
+                f"SGLang placed receiver rank {rank} of {topology} at (moe_tp_rank, moe_ep_rank, "
+                f"local experts)={placed}, moe_dp_rank={context.parallel.moe_dp_rank}; the "
+                f"reference layout says {wanted}, moe_dp_rank={shard.moe_dp_rank}")
+        up_first = bool(getattr(_weight_layout(layers[0]), "load_up_proj_weight_first", False))
+        if up_first != (topology.order == "up_gate"):
+            raise SGLangPlacementError(f"runner {runner} stores up first={up_first}, receiver "
+                                       f"order is {topology.order!r}")
+        cls = self.model_cls()
+        model = cls.__new__(cls)
+        torch.nn.Module.__init__(model)
+        self._configure(model, spec)
+        model.model = torch.nn.Module()
+        blocks = []
+        for layer in layers:
+            block = torch.nn.Module()
+            block.mlp = torch.nn.Module()
+            block.mlp.experts = layer
+            blocks.append(block)
+        model.model.layers = torch.nn.ModuleList(blocks)
+        return _BuiltModel(model, layers, context, runner)
+
+
+def _weight_layout(layer):
+    from sglang.srt.layers.moe.fused_moe_triton.layer import _weight_layout_method
+
+    return _weight_layout_method(layer)
+
+
+class Qwen3MoeLoader(_SGLangModelLoader):
+    """``Qwen3MoeForCausalLM.load_weights`` (per-expert names only: no fused-experts branch)."""
+
+    name = "sglang-qwen3-moe"
+    model_module = "sglang.srt.models.qwen3_moe"
+    model_class = "Qwen3MoeForCausalLM"
+    capabilities = Capabilities(formats=("compat", "direct"), topology=_sglang_serves)
+
+
+class Qwen35MoeLoader(_SGLangModelLoader):
+    """``Qwen3_5MoeForCausalLM.load_weights`` (per-expert and fused ``gate_up_proj`` names)."""
+
+    name = "sglang-qwen3.5-moe"
+    model_module = "sglang.srt.models.qwen3_5"
+    model_class = "Qwen3_5MoeForCausalLM"
+    capabilities = Capabilities(formats=("compat", "hf_fused", "direct"),
+                                topology=_sglang_serves)
+
+    def _configure(self, model, spec) -> None:
+        super()._configure(model, spec)
+        model.num_fused_shared_experts = 0  # aiter-only shared-expert fusion is off
+        model.enable_shared_expert_fusion = False
+
+
+#: ``"module:attr"`` of every stock SGLang row, registered when SGLang imports.
+BUILTIN_ROWS = (
+    "pytest_weightsync.reference_impl.backends.sglang_models:Qwen3MoeLoader",
+    "pytest_weightsync.reference_impl.backends.sglang_models:Qwen35MoeLoader",
+)

@@ -1,0 +1,121 @@
+"""The reference distributed exporter: what runs in every trainer rank of a real Megatron job.
+
+It reads what a real trainer holds - this rank's ``named_parameters()`` of a (DDP-wrapped)
+Megatron model, local layer and expert numbering, SequentialMLP or TEGroupedMLP spelling - and
+the process groups of ``megatron.core.parallel_state``, then:
+
+1. stacks its local expert shards (``fc1 = [gate_r; up_r]``, ``fc2 = down[:, cols_r]``);
+2. all_gathers over the EP/ETP/PP groups of ``parallel_state`` and regroups fc1 into gate and
+   up, joins fc2 along its partition dim, offsets expert ids by EP rank and layers by PP stage
+   (:func:`pytest_weightsync.reference_impl.trainer.gather_stacked`);
+3. builds the payload in the requested format for the engine rank(s) it feeds and cuts it
+   into buckets (:func:`pytest_weightsync.reference_impl.buckets.split_buckets`).
+
+Delivery (see :mod:`pytest_weightsync.protocols`): ``colocated`` returns one stream for the
+engine rank colocated with this trainer rank; ``distributed`` returns every engine rank's
+stream from trainer rank 0 and ``None`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping, Optional
+
+from pytest_weightsync.protocols import colocated_engine_rank
+from pytest_weightsync.reference_impl.layout import (
+    MoESpec,
+    ReceiverTopology,
+    WeightSyncError,
+    parse_megatron_name,
+)
+
+#: Everything up to and including the model wrappers' prefixes (``module.module.``, ...).
+_DECODER = re.compile(r"^(?:.*?\.)?(decoder\..*)$")
+
+
+class ModelStateError(WeightSyncError):
+    """The model state lacks an expert parameter, or holds one twice or of the wrong shape."""
+
+
+def local_expert_stacks(spec: MoESpec, model_state: Mapping, rows: int):
+    """``(fc1 [L_stage, e_local, 2*rows, H], fc2 [L_stage, e_local, H, rows])`` from this
+    rank's named parameters (either expert spelling, any wrapper prefix)."""
+    import torch
+
+    found = {}
+    for name, param in model_state.items():
+        m = _DECODER.match(name)
+        parsed = parse_megatron_name(m.group(1)) if m else None
+        if parsed is None:
+            continue
+        if parsed in found:
+            raise ModelStateError(f"two parameters for local (layer, expert, fc) {parsed}: "
+                                  f"{found[parsed][0]!r} and {name!r}")
+        found[parsed] = (name, param)
+    if not found:
+        raise ModelStateError("the model state holds no Megatron expert parameter "
+                              "(decoder.layers.L.mlp.experts...linear_fc1/2.weight)")
+    n_layers = 1 + max(k[0] for k in found)
+    n_experts = 1 + max(k[1] for k in found)
+    shapes = {1: (2 * rows, spec.hidden), 2: (spec.hidden, rows)}
+    stacks = {}
+    for fc in (1, 2):
+        per_layer = []
+        for li in range(n_layers):
+            row = []
+            for ei in range(n_experts):
+                if (li, ei, fc) not in found:
+                    raise ModelStateError(f"no linear_fc{fc} weight for local layer {li}, "
+                                          f"local expert {ei}")
+                name, param = found[li, ei, fc]
+                if tuple(param.shape) != shapes[fc]:
+                    raise ModelStateError(f"{name}: shape {tuple(param.shape)}, expected "
+                                          f"{shapes[fc]}")
+                row.append(param.detach())
+            per_layer.append(torch.stack(row))
+        stacks[fc] = torch.stack(per_layer)
+    return stacks[1], stacks[2]
+
+
+def payload_for(fmt: str, spec: MoESpec, receiver: ReceiverTopology, engine_rank: int, full):
+    """The ``fmt`` payload engine rank ``engine_rank`` gets, as ``(name, tensor)`` pairs."""
+    from pytest_weightsync.reference_impl import compat, direct, hf_fused, packed
+
+    if fmt == "compat":
+        return compat.export(full)
+    if fmt == "packed":
+        return packed.export(spec, full, receiver.order)
+    if fmt == "direct":
+        return direct.export(spec, receiver, engine_rank, full)
+    if fmt == "hf_fused":
+        return hf_fused.export(full)
+    raise WeightSyncError(f"unknown payload format {fmt!r}")
+
+
+def export_weights_distributed(model_state, *, config, format, spec, trainer, receiver,
+                               delivery, bucket_bytes: Optional[int]):
+    """See the module docstring. Collective over every rank of the trainer world."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from pytest_weightsync.reference_impl.buckets import split_buckets
+    from pytest_weightsync.reference_impl.trainer import gather_stacked
+
+    etp_size = ps.get_expert_tensor_parallel_world_size()
+    if spec.intermediate % etp_size:
+        raise WeightSyncError(f"intermediate {spec.intermediate} is not divisible by the "
+                              f"expert tensor parallel size {etp_size}")
+    fc1, fc2 = local_expert_stacks(spec, model_state, spec.intermediate // etp_size)
+    full = gather_stacked(spec, fc1, fc2, etp=ps.get_expert_tensor_parallel_group(),
+                          ep=ps.get_expert_model_parallel_group(),
+                          pp=ps.get_pipeline_model_parallel_group())
+    rank = dist.get_rank()
+    if delivery == "colocated":
+        engine_rank = colocated_engine_rank(rank, receiver.tp)
+        return split_buckets(payload_for(format, spec, receiver, engine_rank, full), bucket_bytes)
+    if delivery == "distributed":
+        if rank != 0:
+            return None
+        return {r: split_buckets(payload_for(format, spec, receiver, r, full), bucket_bytes)
+                for r in range(receiver.tp)}
+    raise WeightSyncError(f"unknown delivery {delivery!r}; expected 'colocated' or 'distributed'")

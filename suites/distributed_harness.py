@@ -1,0 +1,167 @@
+"""Driving a distributed exporter in real trainer ranks, and the receivers with its streams.
+
+In every rank (:func:`export_in_rank`, run through a warm rank pool): Megatron-Core's
+``parallel_state`` is initialized for the case's trainer topology, the rank's real MoE layers
+are built and filled with its synthetic shard values (only its own: the full weights are
+dropped before the exporter runs), and the exporter is called once per update - one update
+per payload format - with its inputs checked after each call
+(:func:`pytest_weightsync.distributed.call_exporter`).
+
+In the pytest process (:func:`judge`): the streams come back pickled; each one is loaded,
+bucket by bucket between ``begin_update()`` and ``end_update()``, into a fresh reference
+receiver of the engine rank it was sent to, and that rank is judged bit for bit against the
+state computed independently from the synthetic value function. Colocated delivery feeds
+``world // receiver.tp`` engine replicas; each is judged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+
+from . import conformance_harness as ch
+from .harness import LOAD_FORMAT
+from .matrix import Case
+
+#: Formats the distributed property covers: the ones the reference receiver loads.
+FORMATS = tuple(f for f in ("compat", "hf_fused", "packed", "direct") if f in LOAD_FORMAT)
+
+
+@dataclass(frozen=True)
+class DistCase:
+    """One distributed-export scenario: a topology case, how the streams are delivered and
+    the bucket limit the exporter is given."""
+
+    case: Case
+    delivery: str
+    bucket_bytes: Optional[int]
+
+    @property
+    def world(self) -> int:
+        return self.case.trainer.world_size
+
+    @property
+    def id(self) -> str:
+        b = "all" if self.bucket_bytes is None else self.bucket_bytes
+        return f"{self.case.id}-{self.delivery}-b{b}"
+
+
+def require_megatron() -> None:
+    """Skip, naming the package, unless megatron-core can be imported (checked cheaply)."""
+    if importlib.util.find_spec("megatron") is None or \
+            importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("megatron-core is not installed: distributed exporters run against real "
+                    "megatron.core.parallel_state groups and MoE layers (pip install "
+                    "'pytest-weightsync[megatron]')")
+
+
+def require_claim(impl, dcase: DistCase, fmt: Optional[str] = None) -> None:
+    """Skip with the reason unless ``impl`` claims the receiver, trainer and delivery."""
+    case = dcase.case
+    caps = impl.capabilities
+    reason = (caps.topology_refusal("exporter", case.spec, case.receiver)
+              or caps.trainer_refusal(case.spec, case.trainer)
+              or caps.delivery_refusal(dcase.delivery))
+    if reason is None and fmt is not None:
+        reason = caps.format_refusal("exporter", fmt, case.receiver)
+    if reason is not None:
+        pytest.skip(f"{impl.name} {reason}")
+    if dcase.delivery == "colocated" and dcase.world % case.receiver.tp:
+        pytest.skip(f"colocated delivery needs the trainer world ({dcase.world}) to be a "
+                    f"multiple of the engine size ({case.receiver.tp})")
+
+
+def export_in_rank(exporter, dcase: DistCase, formats, version: int):
+    """Rank body: real Megatron state for this rank, one exporter call per format. Returns
+    one :class:`pytest_weightsync.distributed.RankExport` (or an error string) per format."""
+    import torch.distributed as dist
+
+    from pytest_weightsync import distributed
+    from pytest_weightsync.reference_impl import synth, trainer
+    from pytest_weightsync.reference_impl.megatron_state import (
+        megatron_model_state,
+        megatron_parallel_state,
+        transformer_config,
+    )
+
+    case = dcase.case
+    rank = dist.get_rank()
+    with megatron_parallel_state(case.spec, case.trainer):
+        full = synth.full_weights(case.spec, version)
+        values = trainer.trainer_state(case.spec, case.trainer, rank, full)
+        del full  # the trainer rank keeps only its own shards
+        config = transformer_config(case.spec, case.trainer)
+        _, params = megatron_model_state(case.spec, case.trainer, rank, values, config)
+        out = []
+        for update, fmt in enumerate(formats, start=1):
+            try:
+                out.append(distributed.call_exporter(
+                    exporter, params, config=config, format=fmt, spec=case.spec,
+                    trainer=case.trainer, receiver=case.receiver, delivery=dcase.delivery,
+                    bucket_bytes=dcase.bucket_bytes, rank=rank, update=update))
+            except distributed.DistributedExportError as error:
+                out.append(str(error))  # reported by the pytest process, at this call
+        return out
+
+
+def _engine_streams(dcase: DistCase, rank_results: list) -> list:
+    """``[(sender description, engine rank, stream)]`` in trainer-rank order."""
+    out = []
+    for result in rank_results:
+        for engine_rank, stream in sorted(result.streams.items()):
+            who = (f"trainer rank {result.trainer_rank} -> colocated engine replica "
+                   f"{result.trainer_rank // dcase.case.receiver.tp} rank {engine_rank}"
+                   if dcase.delivery == "colocated"
+                   else f"trainer rank {result.trainer_rank} (sender) -> engine rank {engine_rank}")
+            out.append((who, engine_rank, stream))
+    return out
+
+
+def judge(dcase: DistCase, fmt: str, rank_results: list, version: int) -> int:
+    """Load every stream into a fresh reference receiver and check it bit for bit; raise
+    :class:`suites.conformance_harness.ConformanceError` naming the format, delivery, sender
+    and engine rank. Returns the number of engine ranks checked."""
+    from pytest_weightsync import compare
+    from pytest_weightsync.reference_impl import synth
+    from pytest_weightsync.reference_impl.layout import WeightSyncError
+    from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
+
+    errors = [r for r in rank_results if isinstance(r, str)]
+    if errors:
+        raise ch.ConformanceError(errors[0])
+    case = dcase.case
+    streams = _engine_streams(dcase, rank_results)
+    wanted = case.receiver.tp * (dcase.world // case.receiver.tp
+                                 if dcase.delivery == "colocated" else 1)
+    if len(streams) != wanted:
+        raise ch.ConformanceError(f"{fmt}/{dcase.delivery}: {len(streams)} streams came back, "
+                                  f"expected {wanted}")
+    for who, engine_rank, stream in streams:
+        receiver = ReferenceReceiver(case.spec, case.receiver, engine_rank)
+        for tensor in receiver.params.values():
+            synth.poison_(tensor)
+        before = compare.snapshot(receiver.params)
+        head = f"{fmt} payload, {dcase.delivery} delivery, {who}"
+        try:
+            receiver.begin_update()
+            for bucket in stream:
+                receiver.load(list(bucket), load_format=LOAD_FORMAT[fmt])
+            receiver.end_update()
+        except WeightSyncError as error:
+            raise ch.ConformanceError(f"{head}: the reference receiver refused the stream: "
+                                      f"{type(error).__name__}: {error}") from None
+        try:
+            ch.check_rank(receiver.params, case, engine_rank, version, before)
+        except AssertionError as error:
+            raise ch.ConformanceError(f"{head}:\n{error}") from None
+    return len(streams)
+
+
+def run_and_judge(pool, exporter, dcase: DistCase, formats, version: int = 1) -> dict:
+    """Export ``formats`` in the case's ranks and judge each; ``{format: engine ranks checked}``."""
+    per_rank = pool.run(export_in_rank, dcase.world, exporter, dcase, tuple(formats), version)
+    return {fmt: judge(dcase, fmt, [r[i] for r in per_rank], version)
+            for i, fmt in enumerate(formats)}

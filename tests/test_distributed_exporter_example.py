@@ -1,0 +1,140 @@
+"""The distributed-export conformance check tells a correct exporter from broken ones.
+
+The example package's distributed exporter must pass on real Megatron trainer layouts in gloo
+ranks; its twin that forgets to regroup fc1 after the ETP gather must fail with the first
+wrong (layer, expert, projection, row, col); an exporter that modifies its trainer state must
+fail at that call, naming the rank and the shard, before any receiver value is compared.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from suites import conformance_harness as ch
+from suites import distributed_harness as dh
+from suites.test_conformance_distributed import CASES
+
+EXAMPLE_SRC = Path(__file__).resolve().parents[1] / "examples" / "weightsync-example-loader" / "src"
+
+
+def _by_topology(fragment: str) -> dh.DistCase:
+    return next(c for c in CASES if fragment in c.id and c.world == 4)
+
+
+ETP2_PP2 = _by_topology("T.tp2ep1etp2pp2te")  # colocated, padded receiver: compat only
+ETP2_EP2 = _by_topology("T.tp1ep2etp2pp1seq")  # distributed delivery, up/gate receiver
+ETP1_PP2 = _by_topology("T.tp1ep2etp1pp2te")
+
+
+@pytest.fixture
+def example(monkeypatch: pytest.MonkeyPatch):
+    dh.require_megatron()
+    monkeypatch.syspath_prepend(str(EXAMPLE_SRC))
+    from weightsync_example_loader import exporter
+
+    return exporter
+
+
+class InPlaceRegroupExporter:
+    """Regroups fc1 into its own parameter (a real bug: it corrupts the next training step)."""
+
+    name = "in-place"
+
+    def __init__(self):
+        from pytest_weightsync.protocols import Capabilities
+
+        self.capabilities = Capabilities()
+
+    def export_weights_distributed(self, model_state, *, config, format, spec, trainer, receiver,
+                                   delivery, bucket_bytes):
+        import torch
+        import torch.distributed as dist
+
+        from pytest_weightsync.reference_impl.impl import ReferenceImplementation
+
+        result = ReferenceImplementation().export_weights_distributed(
+            model_state, config=config, format=format, spec=spec, trainer=trainer,
+            receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes)
+        if dist.get_rank() == 1:
+            name = next(n for n in model_state if n.endswith("linear_fc1.weight"))
+            with torch.no_grad():
+                model_state[name][3, 0] += 1
+        return result
+
+
+@pytest.mark.parametrize("dcase", [ETP2_PP2, ETP2_EP2], ids=lambda c: c.id)
+def test_example_distributed_exporter_passes(example, rank_pool, dcase):
+    impl = example.ExampleDistributedExporter()
+    dh.require_claim(impl, dcase)
+    formats = [f for f in ("compat", "direct")
+               if impl.capabilities.format_refusal("exporter", f, dcase.case.receiver) is None]
+    assert dh.run_and_judge(rank_pool, impl, dcase, formats)
+
+
+def test_unregrouped_twin_passes_without_etp_and_fails_located_with_it(example, rank_pool):
+    twin = example.UnregroupedFc1Exporter()
+    assert dh.run_and_judge(rank_pool, twin, ETP1_PP2, ["compat"])  # ETP 1: nothing to regroup
+    with pytest.raises(ch.ConformanceError) as info:
+        dh.run_and_judge(rank_pool, twin, ETP2_EP2, ["compat"])
+    message = str(info.value)
+    assert message.startswith("compat payload, distributed delivery, trainer rank 0 (sender)")
+    # fc1 concatenated as [gate_0; up_0; gate_1; up_1] and split in half: "up" starts with
+    # gate_1. The receiver is up/gate ordered, so up row 0 is the first element of w13.
+    assert "first at layer=0 expert=0 projection=up row=0 col=0" in message, message
+
+
+def test_exporter_that_modifies_its_inputs_fails_at_that_call(rank_pool):
+    dh.require_megatron()
+    with pytest.raises(ch.ConformanceError) as info:
+        dh.run_and_judge(rank_pool, InPlaceRegroupExporter(), ETP2_EP2, ["compat", "direct"])
+    message = str(info.value)
+    assert message.startswith("export call for update 1 (compat, distributed delivery) in "
+                              "trainer rank 1 modified trainer rank 1's shard "
+                              "module.module.decoder.layers.0.mlp.experts.local_experts.0."
+                              "linear_fc1.weight at row 3 col 0"), message
+
+
+class ScribblingExporter:
+    """Single-process exporter that regroups fc1 in the trainer state it was handed."""
+
+    name = "scribbling"
+
+    def __init__(self, calls_before_bug: int):
+        from pytest_weightsync.protocols import Capabilities
+
+        self.capabilities = Capabilities()
+        self.calls = 0
+        self.calls_before_bug = calls_before_bug
+
+    def export_weights(self, trainer_states, *, format, spec, trainer, receiver, rank):
+        import torch
+
+        from pytest_weightsync.reference_impl.impl import ReferenceImplementation
+
+        payload = ReferenceImplementation().export_weights(
+            trainer_states, format=format, spec=spec, trainer=trainer, receiver=receiver,
+            rank=rank)
+        payload = [(name, tensor.clone()) for name, tensor in payload]
+        self.calls += 1
+        if self.calls == self.calls_before_bug + 1:
+            state = trainer_states[1]
+            name = next(n for n in state if n.endswith("linear_fc1.weight"))
+            with torch.no_grad():
+                state[name][3, 0] = -state[name][3, 0] if state[name][3, 0] else 1.0
+        return payload
+
+
+def test_single_process_export_modifying_a_shard_fails_at_that_call():
+    from suites import matrix
+    from suites.test_conformance_export import export_and_check
+
+    case = next(c for c in matrix.CASES if c.trainer.world_size >= 2 and c.receiver.tp >= 3
+                and c.spec.intermediate // c.trainer.etp >= 4)
+    with pytest.raises(ch.ConformanceError) as info:
+        export_and_check(ScribblingExporter(calls_before_bug=2), case, "compat", version=1)
+    message = str(info.value)
+    assert message.startswith("export call for receiver rank 2 (compat) modified trainer rank "
+                              "1's shard decoder.layers.0.mlp.experts."), message
+    assert message.endswith("linear_fc1.weight at row 3 col 0"), message
