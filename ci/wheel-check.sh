@@ -88,7 +88,10 @@ set +e
     --weightsync-only example --weightsync-only example-swapped -v -W ignore > out.txt 2>&1
 rc=$?
 set -e
-cat out.txt | tail -25
+# Show the matrix, prefixed: the inner run's own closing line ("2 failed, ...": the swapped twin
+# failing as it must) would read like the outcome of the whole CI run.
+grep -E "^(implementation|example)" out.txt | sed 's/^/wheel-check: matrix: /'
+fail() { sed 's/^/wheel-check: inner run: /' out.txt | tail -40 >&2; echo "wheel-check: FAIL: $*" >&2; exit 1; }
 [ $rc -eq 1 ] || fail "expected exit code 1 (example passes, example-swapped fails), got $rc"
 grep -Eq "test_loader_lands_bit_exact_on_every_rank\[$TOPOLOGY-example-(compat|packed|direct)\] PASSED" out.txt \
     || fail "no moe_case-parametrized test of the example ran (suites' conftest not found?)"
