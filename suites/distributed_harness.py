@@ -11,7 +11,11 @@ In the pytest process (:func:`judge`): the streams come back pickled; each one i
 bucket by bucket between ``begin_update()`` and ``end_update()``, into a fresh reference
 receiver of the engine rank it was sent to, and that rank is judged bit for bit against the
 state computed independently from the synthetic value function. Colocated delivery feeds
-``world // receiver.tp`` engine replicas; each is judged.
+``world // receiver.tp`` engine replicas; each is judged. Where SGLang imports, every stream
+is also loaded, bucket by bucket (one ``load_weights`` call each, as
+``update_weights_from_tensor`` does), by each stock SGLang row that claims its format and
+receiver (:mod:`pytest_weightsync.reference_impl.backends.sglang_models`) and judged the same
+way: a stream only the reference accepts is not one a real engine loads.
 """
 
 from __future__ import annotations
@@ -120,6 +124,43 @@ def _engine_streams(dcase: DistCase, rank_results: list) -> list:
     return out
 
 
+_ENGINE_LOADERS: Optional[list] = None
+
+
+def engine_loaders() -> list:
+    """The stock SGLang rows available here (none when SGLang does not import, or when
+    ``WEIGHTSYNC_OPTIONAL_BUILTINS`` leaves them out), built once per process."""
+    global _ENGINE_LOADERS
+    if _ENGINE_LOADERS is None:
+        from pytest_weightsync.registry import as_implementation, optional_targets
+
+        _ENGINE_LOADERS = [as_implementation(target, source)
+                           for target, source in optional_targets()]
+    return _ENGINE_LOADERS
+
+
+def _judge_with_engines(case, fmt: str, engine_rank: int, stream, version: int, head: str) -> None:
+    """Load ``stream`` into every claiming stock SGLang row over fresh harness buffers and
+    judge the result like the reference receiver's."""
+    from pytest_weightsync import compare
+
+    for loader in engine_loaders():
+        if ch.unclaimed(loader, "loader", case, fmt) is not None:
+            continue
+        params = ch.receiver_params(case, engine_rank)
+        before = compare.snapshot(params)
+        try:
+            for bucket in stream:
+                loader.load_weights(params, list(bucket), format=fmt, spec=case.spec,
+                                    topology=case.receiver, rank=engine_rank)
+            ch.check_rank(params, case, engine_rank, version, before)
+        except AssertionError as error:
+            raise ch.ConformanceError(f"{head}, loaded by {loader.name}:\n{error}") from None
+        except Exception as error:
+            raise ch.ConformanceError(f"{head}: {loader.name} could not load the stream: "
+                                      f"{type(error).__name__}: {error}") from None
+
+
 def judge(dcase: DistCase, fmt: str, rank_results: list, version: int) -> int:
     """Load every stream into a fresh reference receiver and check it bit for bit; raise
     :class:`suites.conformance_harness.ConformanceError` naming the format, delivery, sender
@@ -157,6 +198,7 @@ def judge(dcase: DistCase, fmt: str, rank_results: list, version: int) -> int:
             ch.check_rank(receiver.params, case, engine_rank, version, before)
         except AssertionError as error:
             raise ch.ConformanceError(f"{head}:\n{error}") from None
+        _judge_with_engines(case, fmt, engine_rank, stream, version, head)
     return len(streams)
 
 

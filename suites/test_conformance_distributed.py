@@ -4,7 +4,8 @@ Each test runs once per registered implementation with that role, in real gloo r
 every case but the EP 8 one, so one warm pool serves them) with Megatron-Core's ``parallel_state`` initialized for the
 case's trainer topology and real MoE layers holding each rank's shards. The exporter does its
 own collectives; its streams come back and are loaded by the reference receiver of the engine
-rank they were sent to, which is judged bit for bit against the independent oracle.
+rank they were sent to, which is judged bit for bit against the independent oracle - and,
+where SGLang imports, by every stock SGLang row that claims the format and receiver.
 
 - ``distributed_export_bit_exact``: a pairwise cover of trainer EP 1-8 x ETP 1-2 x PP 1-2 x
   TP 1-4 (both expert module spellings, both deliveries, bucketed and unbucketed streams),
