@@ -24,7 +24,6 @@ from typing import Mapping, Optional
 from pytest_weightsync.protocols import colocated_engine_rank
 from pytest_weightsync.reference_impl.layout import (
     MoESpec,
-    ReceiverTopology,
     WeightSyncError,
     parse_megatron_name,
 )
@@ -77,27 +76,13 @@ def local_expert_stacks(spec: MoESpec, model_state: Mapping, rows: int):
     return stacks[1], stacks[2]
 
 
-def payload_for(fmt: str, spec: MoESpec, receiver: ReceiverTopology, engine_rank: int, full):
-    """The ``fmt`` payload engine rank ``engine_rank`` gets, as ``(name, tensor)`` pairs."""
-    from pytest_weightsync.reference_impl import compat, direct, hf_fused, packed
-
-    if fmt == "compat":
-        return compat.export(full)
-    if fmt == "packed":
-        return packed.export(spec, full, receiver.order)
-    if fmt == "direct":
-        return direct.export(spec, receiver, engine_rank, full)
-    if fmt == "hf_fused":
-        return hf_fused.export(full)
-    raise WeightSyncError(f"unknown payload format {fmt!r}")
-
-
 def export_weights_distributed(model_state, *, config, format, spec, trainer, receiver,
                                delivery, bucket_bytes: Optional[int]):
     """See the module docstring. Collective over every rank of the trainer world."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from pytest_weightsync.reference_impl import senders
     from pytest_weightsync.reference_impl.buckets import split_buckets
     from pytest_weightsync.reference_impl.trainer import gather_stacked
 
@@ -112,10 +97,10 @@ def export_weights_distributed(model_state, *, config, format, spec, trainer, re
     rank = dist.get_rank()
     if delivery == "colocated":
         engine_rank = colocated_engine_rank(rank, receiver.tp)
-        return split_buckets(payload_for(format, spec, receiver, engine_rank, full), bucket_bytes)
+        return split_buckets(senders.export(format, spec, receiver, engine_rank, full), bucket_bytes)
     if delivery == "distributed":
         if rank != 0:
             return None
-        return {r: split_buckets(payload_for(format, spec, receiver, r, full), bucket_bytes)
+        return {r: split_buckets(senders.export(format, spec, receiver, r, full), bucket_bytes)
                 for r in range(receiver.tp)}
     raise WeightSyncError(f"unknown delivery {delivery!r}; expected 'colocated' or 'distributed'")

@@ -19,12 +19,9 @@ module) must stay cheap.
 
 from __future__ import annotations
 
-from pytest_weightsync.protocols import FORMATS, Capabilities
-from pytest_weightsync.reference_impl.errors import PayloadError
-
-
-class PayloadFormatError(PayloadError):
-    """An unknown format, or a payload name that does not belong to the declared format."""
+from pytest_weightsync.protocols import Capabilities
+from pytest_weightsync.reference_impl.errors import shown
+from pytest_weightsync.reference_impl.senders import PayloadFormatError, check_format
 
 
 _NAME_KIND = {"compat": "expert", "packed": "fused", "direct": "fused", "hf_fused": "hf_fused"}
@@ -34,10 +31,8 @@ _KIND_WORDS = {"compat": "per-expert Hugging Face", "packed": "fused w13/w2",
 
 def _check_format(fmt: str, payload) -> None:
     from pytest_weightsync.reference_impl.layout import parse_receiver_name
-    from pytest_weightsync.reference_impl.receiver import shown
 
-    if fmt not in FORMATS:
-        raise PayloadFormatError(f"unknown payload format {shown(fmt)}; expected one of {FORMATS}")
+    check_format(fmt)
     for index, item in enumerate(payload):
         if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
             parsed = parse_receiver_name(item[0])
@@ -63,8 +58,7 @@ class ReferenceImplementation:
 
     def begin_update(self, params, *, format, spec, topology, rank) -> None:
         """Open an update (a stream of ``load_weights`` buckets) on ``params``."""
-        if format not in FORMATS:
-            raise PayloadFormatError(f"unknown payload format {format!r}; expected one of {FORMATS}")
+        check_format(format)
         receiver = self._receiver(params, spec, topology, rank)
         receiver.begin_update()
         self._open[id(params)] = (params, receiver)
@@ -102,19 +96,12 @@ class ReferenceImplementation:
     def export_weights(self, trainer_states, *, format, spec, trainer, receiver, rank):
         """Gather the full expert weights from every trainer rank's shards, then build the
         ``format`` payload receiver ``rank`` gets (one bucket)."""
-        from pytest_weightsync.reference_impl import compat, direct, hf_fused, packed
+        from pytest_weightsync.reference_impl import senders
         from pytest_weightsync.reference_impl.trainer import gather_full_weights
 
-        if format not in FORMATS:
-            raise PayloadFormatError(f"unknown payload format {format!r}; expected one of {FORMATS}")
-        full = gather_full_weights(spec, trainer, trainer_states)
-        if format == "compat":
-            return compat.export(full)
-        if format == "hf_fused":
-            return hf_fused.export(full)
-        if format == "packed":
-            return packed.export(spec, full, receiver.order)
-        return direct.export(spec, receiver, rank, full)
+        check_format(format)
+        return senders.export(format, spec, receiver, rank,
+                              gather_full_weights(spec, trainer, trainer_states))
 
     def export_weights_distributed(self, model_state, *, config, format, spec, trainer, receiver,
                                    delivery, bucket_bytes):
@@ -122,8 +109,7 @@ class ReferenceImplementation:
         (:mod:`pytest_weightsync.reference_impl.distributed_export`)."""
         from pytest_weightsync.reference_impl.distributed_export import export_weights_distributed
 
-        if format not in FORMATS:
-            raise PayloadFormatError(f"unknown payload format {format!r}; expected one of {FORMATS}")
+        check_format(format)
         return export_weights_distributed(model_state, config=config, format=format, spec=spec,
                                           trainer=trainer, receiver=receiver, delivery=delivery,
                                           bucket_bytes=bucket_bytes)

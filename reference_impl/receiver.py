@@ -63,7 +63,7 @@ from typing import Iterable, Mapping, Optional
 import torch
 
 from pytest_weightsync.reference_impl import fastcopy
-from pytest_weightsync.reference_impl.errors import PayloadError
+from pytest_weightsync.reference_impl.errors import MAX_NAME_CHARS, PayloadError, shown
 from pytest_weightsync.reference_impl.layout import (
     PROJECTIONS,
     MoESpec,
@@ -79,8 +79,6 @@ from pytest_weightsync.reference_impl.layout import (
 )
 
 LOAD_FORMATS = (None, "direct")
-#: Longest name (characters) quoted in an error message; longer ones are cut with an ellipsis.
-MAX_NAME_CHARS = 200
 #: Most missing pieces / entries listed in one message (the count is always given).
 MAX_LISTED = 8
 #: Naming schemes of ``load_format=None``, by ``ParsedName.kind``, as format names.
@@ -136,13 +134,6 @@ class IncompleteUpdateError(WeightSyncError):
 class MissingExpertError(IncompleteUpdateError):
     """``end_update``: (layer, expert, projection) pieces this rank owns that no bucket of the
     update carried; they still hold the previous version."""
-
-
-def shown(name) -> str:
-    """``repr`` of a name for a message, cut to :data:`MAX_NAME_CHARS` characters."""
-    if isinstance(name, (str, bytes)) and len(name) > MAX_NAME_CHARS:
-        return f"{name[:MAX_NAME_CHARS]!r}... ({len(name)} chars)"
-    return repr(name)
 
 
 def _extent(tensor: torch.Tensor) -> Optional[tuple[int, int]]:

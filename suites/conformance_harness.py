@@ -175,13 +175,45 @@ def check_receiver(receiver, case, version, before):
     check_rank(receiver.params, case, receiver.rank, version, before)
 
 
+def export_and_check(exporter, case, fmt, version, ranks=None):
+    """Export ``version`` for each receiver rank in ``ranks`` (default all; one call per rank),
+    checking after EVERY call that no trainer shard changed - before the receiver's values are
+    judged, so the failure names the call that did it - then load the stream into a fresh
+    reference receiver of that rank and judge it."""
+    from pytest_weightsync import distributed
+    from pytest_weightsync.protocols import as_stream
+    from pytest_weightsync.reference_impl import trainer
+
+    states = trainer.trainer_states(case.spec, case.trainer,
+                                    synth.full_weights(case.spec, version))
+    shards_before = [distributed.snapshot(state) for state in states]
+    receivers = harness.fresh_receivers(case)
+    for receiver in (receivers if ranks is None else [receivers[r] for r in ranks]):
+        before = compare.snapshot(receiver.params)
+        chunk = exporter.export_weights(states, format=fmt, spec=case.spec, trainer=case.trainer,
+                                        receiver=case.receiver, rank=receiver.rank)
+        for rank, (shards, state) in enumerate(zip(shards_before, states)):
+            where = distributed.first_modification(shards, state)
+            if where is not None:
+                raise ConformanceError(f"export call for receiver rank {receiver.rank} "
+                                       f"({fmt}) modified trainer rank {rank}'s shard {where}")
+        receiver.begin_update()
+        for bucket in as_stream(chunk, source=f"{exporter.name}.export_weights"):
+            receiver.load(list(bucket), load_format=harness.LOAD_FORMAT[fmt])
+        receiver.end_update()
+        check_receiver(receiver, case, version, before)
+
+
 # --- capabilities ------------------------------------------------------------------------------
 
 
 def unclaimed(impl, role, case, fmt=None):
-    """Why ``impl`` is not run on ``case`` (and ``fmt``), or ``None`` when it claims both."""
+    """Why ``impl`` is not run on ``case`` (and ``fmt``), or ``None`` when it claims both. An
+    exporter must also claim the case's trainer layout (expert modules, parallel sizes)."""
     caps = impl.capabilities
     reason = caps.topology_refusal(role, case.spec, case.receiver)
+    if reason is None and role == "exporter":
+        reason = caps.trainer_refusal(case.spec, case.trainer)
     if reason is None and fmt is not None:
         reason = caps.format_refusal(role, fmt, case.receiver)
     return None if reason is None else f"{impl.name} {reason}"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl import compat, direct, moe_forward, packed, synth
+from pytest_weightsync.reference_impl import moe_forward, senders, synth
 from pytest_weightsync.reference_impl.layout import (
     MoESpec,
     ReceiverTopology,
@@ -86,13 +86,7 @@ def expected_params(spec: MoESpec, topo: ReceiverTopology, rank: int, version: i
 def payload(path: str, spec: MoESpec, topo: ReceiverTopology, rank: int, full: dict,
             layers=None) -> list:
     """What receiver ``rank`` gets along ``path`` (compat and packed are rank independent)."""
-    if path == "compat":
-        return compat.export(full, layers)
-    if path == "packed":
-        return packed.export(spec, full, topo.order, layers)
-    if path == "direct":
-        return direct.export(spec, topo, rank, full, layers)
-    raise ValueError(f"unknown path {path!r}; expected one of {PATHS}")
+    return senders.export(path, spec, topo, rank, full, layers)
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl import compat, direct, hf_fused, packed, synth, trainer
+from pytest_weightsync.reference_impl import senders, synth, trainer
 from pytest_weightsync.reference_impl.buckets import split_buckets
 from pytest_weightsync.reference_impl.layout import locate_receiver_element
 from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
@@ -69,15 +69,7 @@ def gathered_weights(case, version):
 def payload(path, case, rank, full, layers=None):
     """The ``path`` payload receiver ``rank`` gets, as one bucket (all but direct are rank
     independent)."""
-    if path == "compat":
-        return compat.export(full, layers)
-    if path == "hf_fused":
-        return hf_fused.export(full, layers)
-    if path == "packed":
-        return packed.export(case.spec, full, case.receiver.order, layers)
-    if path == "direct":
-        return direct.export(case.spec, case.receiver, rank, full, layers)
-    raise ValueError(f"unknown path {path!r}; expected one of {PATHS}")
+    return senders.export(path, case.spec, case.receiver, rank, full, layers)
 
 
 def stream(path, case, rank, full, bucket="split_layer", layers=None):

@@ -28,7 +28,6 @@ from hypothesis import strategies as st
 from . import conformance_harness as ch
 from . import harness, matrix
 from pytest_weightsync import compare
-from pytest_weightsync.protocols import as_stream
 
 #: Few, reproducible examples: this file stays within a few seconds per implementation.
 PROFILE = settings(max_examples=12, deadline=None, derandomize=True, database=None,
@@ -78,46 +77,21 @@ def test_loader_on_drawn_topologies_and_buckets(weightsync_loader):
 
 @pytest.mark.weightsync_property("export_bit_exact")
 def test_exporter_on_drawn_topologies(weightsync_exporter):
-    from pytest_weightsync.reference_impl import synth, trainer
-
     exporter, refusals, ran = weightsync_exporter, [], []
-    trainer_refusal = getattr(exporter.capabilities, "trainer_refusal", None)
 
     @PROFILE
     @given(case=matrix.cases(), fmt=st.sampled_from(ch.FORMATS), data=st.data())
     def run(case, fmt, data):
         reason = ch.unclaimed(exporter, "exporter", case, fmt)
-        if reason is None and trainer_refusal is not None:
-            reason = trainer_refusal(case.spec, case.trainer)
         if reason is not None:
             refusals.append(reason)
             return
         ran.append(case.id)
-        states = trainer.trainer_states(case.spec, case.trainer,
-                                        synth.full_weights(case.spec, 1))
-        shards_before = [compare.snapshot(state) for state in states]
-        receivers = harness.fresh_receivers(case)
-        for rank in _ranks(data, case):
-            receiver = receivers[rank]
-            before = compare.snapshot(receiver.params)
-            result = exporter.export_weights(states, format=fmt, spec=case.spec,
-                                             trainer=case.trainer, receiver=case.receiver,
-                                             rank=rank)
-            try:
-                receiver.begin_update()
-                for bucket in as_stream(result, source=f"{exporter.name}.export_weights"):
-                    receiver.load(list(bucket), load_format=harness.LOAD_FORMAT[fmt])
-                receiver.end_update()
-                ch.check_receiver(receiver, case, 1, before)
-            except AssertionError as error:
-                raise ch.ConformanceError(f"{case.id} trainer={case.trainer} format={fmt} "
-                                          f"receiver rank {rank}:\n{error}") from None
-        for trainer_rank, (snap, state) in enumerate(zip(shards_before, states)):
-            try:
-                compare.assert_unchanged(snap, state)
-            except AssertionError as error:
-                raise ch.ConformanceError(f"{case.id}: export modified trainer rank "
-                                          f"{trainer_rank}'s shards:\n{error}") from None
+        try:
+            ch.export_and_check(exporter, case, fmt, 1, ranks=_ranks(data, case))
+        except AssertionError as error:
+            raise ch.ConformanceError(f"{case.id} trainer={case.trainer} format={fmt}:\n"
+                                      f"{error}") from None
 
     run()
     if not ran:

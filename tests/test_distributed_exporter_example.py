@@ -128,7 +128,7 @@ class ScribblingExporter:
 
 def test_single_process_export_modifying_a_shard_fails_at_that_call():
     from suites import matrix
-    from suites.test_conformance_export import export_and_check
+    from suites.conformance_harness import export_and_check
 
     case = next(c for c in matrix.CASES if c.trainer.world_size >= 2 and c.receiver.tp >= 3
                 and c.spec.intermediate // c.trainer.etp >= 4)
