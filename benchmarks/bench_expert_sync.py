@@ -11,10 +11,15 @@ Paths, for one MoE layer whose experts are separate per-expert allocations on th
 - ``direct_tpK``: receiver rank 0's own ``w13 [E, 2I/K, H]``/``w2 [E, H, I/K]`` slices copied
   straight from the trainer tensors (strided column slices of fc2 when K > 1).
 
-``packed`` and ``direct`` run through :func:`pytest_weightsync.reference_impl.fastcopy.copy_pairs` twice: with
-the plan built in every call (``copy_pairs``) and with a plan built once and reused
-(``plan``), which is what a sender that updates the same buffers repeatedly can do. On a GPU
-they also run through ``torch._foreach_copy_`` for comparison.
+``packed`` and ``direct`` run through :mod:`pytest_weightsync.reference_impl.fastcopy` with the
+plan built in every call (``copy_pairs``) and with a plan built once and reused (``plan``: what
+a sender that updates the same buffers repeatedly does; on a GPU it replays a CUDA graph), plus
+``plan/eager`` (reused, no graph). On a GPU, for comparison: ``triton`` (every pair through the
+Triton kernel, no runs), ``foreach`` (``torch._foreach_copy_``) and ``torch`` (``torch.cat`` /
+``torch.stack`` of the sources into the fused buffers, where they are whole tensors). For
+``direct_tpK`` with K > 1 the ``parts`` group splits the plan into its contiguous runs and its
+strided rest, each against a plain copy of its own bytes. ``--sweep`` also times the strided
+rest under a grid of Triton launch shapes.
 
 Every row reports GB/s of payload, the ratio to the ``limit`` for the same bytes measured in
 the same run (interleaved, median of ``--repeats``), and the speedup over the per-expert loop
@@ -33,7 +38,7 @@ import sys
 import torch
 
 from pytest_weightsync.throughput import machine_info, median_seconds_interleaved, plain_copy
-from pytest_weightsync.reference_impl.fastcopy import copy_pairs, plan_copies
+from pytest_weightsync.reference_impl.fastcopy import copy_pairs, find_runs, plan_copies
 
 #: Qwen3.5-35B-A3B: 256 experts, hidden 2048, moe_ffn 512 (one layer = 1.5 GiB in bf16).
 FULL_LAYER = dict(experts=256, hidden=2048, moe_ffn=512)
@@ -123,21 +128,59 @@ def run(args) -> dict:
             )
         print_rows([r for r in rows if r["group"] == group])
 
+    cuda = device.startswith("cuda")
+
+    def sweep(group: str, pairs, nbytes: int):
+        """The strided rest under a grid of launch shapes, each graph-captured like a reused
+        plan; prints the best shapes (what TritonCopyLaunch's defaults should be)."""
+        fns = {}
+        for tile in (2048, 4096, 8192, 16384):
+            for tpp in (1, 2, 4):
+                for warps in (2, 4, 8):
+                    opts = dict(tile=tile, tiles_per_program=tpp, num_warps=warps)
+                    plan = plan_copies(pairs, backend="triton", graph=True, triton_options=opts)
+                    fns[f"tile{tile}/tpp{tpp}/w{warps}"] = plan.run
+        bench(f"{group}/sweep", fns, nbytes)
+        best = sorted((r for r in rows if r["group"] == f"{group}/sweep" and r["path"] != "limit"),
+                      key=lambda r: -r["ratio_to_limit"])[:5]
+        print("best launch shapes for the strided rest:", ", ".join(
+            f"{r['path']} {r['ratio_to_limit']:.3f}" for r in best))
+
+
+    def plan_rows(group: str, pairs, torch_fn=None):
+        plan = plan_copies(pairs)
+        eager = plan_copies(pairs, graph=False)
+        fns = {
+            "per_expert": None,  # filled by the caller
+            f"{group}/copy_pairs": lambda: copy_pairs(pairs),
+            f"{group}/plan": plan.run,
+            f"{group}/plan/eager": eager.run,
+        }
+        if cuda:
+            fns[f"{group}/triton"] = plan_copies(pairs, backend="triton", graph=False).run
+            fns[f"{group}/foreach"] = lambda: copy_pairs(pairs, backend="foreach")
+            if torch_fn is not None:
+                fns[f"{group}/torch"] = torch_fn
+        steps[group] = [vars(s) for s in plan.steps]
+        return fns, plan
+
+    steps: dict[str, list] = {}
+
     # packed export: the whole layer
     w13 = torch.empty(E, 2 * inter, H, dtype=dtype, device=device)
     w2 = torch.empty(E, H, inter, dtype=dtype, device=device)
     pairs = packed_pairs(fc1, fc2, w13, w2)
-    plan = plan_copies(pairs)
-    fns = {
-        "per_expert": lambda: per_expert_load(fc1, fc2, w13, w2, 1, 0),
-        "packed/copy_pairs": lambda: copy_pairs(pairs),
-        "packed/plan": plan.run,
-    }
-    if device.startswith("cuda"):
-        fns["packed/foreach"] = lambda: copy_pairs(pairs, backend="foreach")
+
+    def torch_packed():
+        torch.cat(fc1, out=w13.view(E * 2 * inter, H))
+        torch.stack(fc2, out=w2)
+
+    fns, plan = plan_rows("packed", pairs, torch_packed)
+    fns["per_expert"] = lambda: per_expert_load(fc1, fc2, w13, w2, 1, 0)
     bench("packed", fns, payload_bytes(pairs))
     check(pairs)
-    del w13, w2, pairs, plan
+    graphed = {"packed": plan.captured}
+    del w13, w2, pairs, plan, fns
 
     for tp in args.tp:
         if inter % tp:
@@ -146,22 +189,43 @@ def run(args) -> dict:
         w13 = torch.empty(E, 2 * inter // tp, H, dtype=dtype, device=device)
         w2 = torch.empty(E, H, inter // tp, dtype=dtype, device=device)
         pairs = direct_pairs(fc1, fc2, w13, w2, tp, 0)
-        plan = plan_copies(pairs)
-        fns = {
-            "per_expert": lambda: per_expert_load(fc1, fc2, w13, w2, tp, 0),
-            f"direct_tp{tp}/copy_pairs": lambda: copy_pairs(pairs),
-            f"direct_tp{tp}/plan": plan.run,
-        }
-        if device.startswith("cuda"):
-            fns[f"direct_tp{tp}/foreach"] = lambda: copy_pairs(pairs, backend="foreach")
-        bench(f"direct_tp{tp}", fns, payload_bytes(pairs))
+        group = f"direct_tp{tp}"
+
+        def torch_direct(tp=tp, w13=w13, w2=w2):
+            if tp == 1:
+                torch.cat(fc1, out=w13.view(-1, H))
+                torch.stack(fc2, out=w2)
+            else:
+                part = inter // tp
+                torch.stack([x for f in fc1 for x in (f[:part], f[inter:inter + part])], out=w13.view(2 * E, part, H))
+                torch.stack([f[:, :part] for f in fc2], out=w2)
+
+        fns, plan = plan_rows(group, pairs, torch_direct)
+        fns["per_expert"] = lambda: per_expert_load(fc1, fc2, w13, w2, tp, 0)
+        bench(group, fns, payload_bytes(pairs))
         check(pairs)
-        del w13, w2, pairs, plan
+        graphed[group] = plan.captured
+        if tp > 1:
+            run_idx, rest_idx = find_runs(pairs)
+            contiguous = [pairs[i] for run in run_idx for i in run]
+            strided = [pairs[i] for i in rest_idx]
+            parts = {}
+            for name, sub in (("runs", contiguous), ("rest", strided)):
+                if sub:
+                    parts[f"{group}/{name}"] = (plan_copies(sub).run, payload_bytes(sub))
+            for name, (fn, nbytes) in parts.items():
+                bench(name, {name: fn}, nbytes)
+            if args.sweep and strided and cuda:
+                sweep(f"{group}/rest", strided, payload_bytes(strided))
+        del w13, w2, pairs, plan, fns
 
     for r in rows:
-        base = next(x for x in rows if x["group"] == r["group"] and x["path"] == "per_expert")
-        r["speedup_vs_per_expert"] = base["seconds"] / r["seconds"]
+        base = next((x for x in rows if x["group"] == r["group"] and x["path"] == "per_expert"), None)
+        if base is not None:
+            r["speedup_vs_per_expert"] = base["seconds"] / r["seconds"]
     return dict(
+        steps=steps,
+        graphed=graphed,
         shape=dict(experts=E, hidden=H, moe_ffn=inter, dtype=str(dtype)),
         device=device,
         repeats=args.repeats,
@@ -196,6 +260,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--sweep", action="store_true", help="also time Triton launch shapes on the strided rest")
     args = p.parse_args(argv)
     if args.repeats < 5:
         p.error("--repeats must be at least 5")
@@ -206,7 +271,7 @@ def main(argv=None) -> int:
     result = run(args)
     print("\nspeedup over the per-expert loop of the same receiver MoE-TP:")
     for r in result["results"]:
-        if r["path"] not in ("per_expert", "limit"):
+        if r["path"] not in ("per_expert", "limit") and "speedup_vs_per_expert" in r:
             print(f"  {r['group']:<12} {r['path']:<24} x{r['speedup_vs_per_expert']:.1f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -12,6 +12,10 @@
 #          otherwise the stage is listed as not run)
 #   bench  benchmarks/bench_expert_sync.py --device cuda on one GPU, bench_gather.py on two
 #
+# Stage one also runs the GPU throughput guard (suites/test_throughput_guard.py -m gpu): its
+# ratios are saved as RESULTS_DIR/h200.json and compared with ci/baselines/h200.json (tolerance
+# 0.10) when the visible GPU is the one that file names.
+#
 # Every pytest run is bounded: a per-file wall-clock limit (`timeout`, which also ends the
 # receiver and rank processes a test spawned) and, where pytest-timeout is installed, a
 # per-test limit. GPU_DEADLINE_S (seconds from the start of this script) caps the whole run:
@@ -204,6 +208,7 @@ run_pytest() {
 # (e.g. the Megatron-Bridge / DeepEP suites, which skip unless those packages are installed) is
 # appended with the default limit, so a new GPU suite cannot be forgotten.
 ONE_GPU_FILES=(
+    "suites/test_throughput_guard.py 180"
     "suites/test_gpu_cuda_graph.py 120"
     "suites/test_gpu_repeated.py 150"
     "suites/test_fastcopy.py 120"
@@ -215,6 +220,29 @@ for f in $(grep -l "pytest.mark.gpu" suites/test_*.py 2>/dev/null); do
     printf '%s\n' "${ONE_GPU_FILES[@]}" | grep -q "^$f " || ONE_GPU_FILES+=("$f 120")
 done
 
+# The GPU throughput guard: ratios of the reused copy plans to a plain copy, saved as
+# $RESULTS/h200.json every run and compared (tolerance 0.10, counts exact) with the committed
+# ci/baselines/h200.json when this GPU is the kind that file was measured on.
+BASELINE=ci/baselines/h200.json
+GUARD_ARGS=(--weightsync-save-baseline "$RESULTS/h200.json")
+if [ -f "$BASELINE" ]; then
+    same=$("$PYTHON" - "$BASELINE" <<'PY'
+import json, sys, torch
+want = json.load(open(sys.argv[1])).get("machine", {}).get("gpu")
+print("yes" if want == torch.cuda.get_device_name(0) else f"no: {want!r} vs {torch.cuda.get_device_name(0)!r}")
+PY
+)
+    if [ "$same" = "yes" ]; then
+        GUARD_ARGS+=(--weightsync-baseline "$BASELINE")
+        GUARD_NOTE="compared with $BASELINE"
+    else
+        GUARD_NOTE="not compared with $BASELINE (measured on another GPU, $same)"
+    fi
+else
+    GUARD_NOTE="no $BASELINE yet: commit $RESULTS/h200.json there"
+fi
+say "   throughput guard: $GUARD_NOTE; this run's ratios: $RESULTS/h200.json"
+
 if has_stage one; then
     say ""
     say "== one GPU (CUDA_VISIBLE_DEVICES=0): pytest -m gpu, one run per file"
@@ -224,7 +252,11 @@ if has_stage one; then
             say "   $file: not present in this checkout"
             continue
         fi
-        run_pytest "$file" 0 "$limit" -m gpu "$file"
+        if [ "$file" = "suites/test_throughput_guard.py" ]; then
+            run_pytest "$file" 0 "$limit" -m gpu "$file" "${GUARD_ARGS[@]}"
+        else
+            run_pytest "$file" 0 "$limit" -m gpu "$file"
+        fi
     done
     if [ "$XDIST" -eq 1 ]; then
         run_pytest "tests/test_ranks_gpu.py -n 2" 0 120 -m gpu -n 2 tests/test_ranks_gpu.py

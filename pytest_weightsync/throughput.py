@@ -4,16 +4,25 @@ Absolute GB/s depend on the machine and on whoever else is using it; the ratio o
 throughput to one plain copy of the same bytes, measured in the same run and interleaved with
 it, mostly does not. So the baseline stores ratios only, and the guard compares ratios.
 
-Tests record a measurement through the ``throughput`` fixture::
+Ratios still move with the machine's load (30-40% on a shared two-core runner); what a path
+does per call does not. So tests can also record exact counts (aten operations dispatched,
+bytes written, temporaries allocated: :mod:`pytest_weightsync.opcount`), which the guard holds
+fixed.
+
+Tests record through the ``throughput`` fixture::
 
     def test_packed_export_keeps_pace_with_a_plain_copy(throughput):
         m = throughput.measure("packed_tp1", lambda: copy_pairs(pairs), nbytes=payload)
+        c = throughput.count_ops("ops/packed", lambda: copy_pairs(pairs))
 
-At the end of the session ``--weightsync-save-baseline FILE`` writes the ratios as JSON, and
-``--weightsync-baseline FILE`` compares them with a stored file and fails the run (exit status
-1, with a table) when one dropped by more than the tolerance (``--weightsync-tolerance``, else
-the ``weightsync_tolerance`` ini value, 0.10 by default). Measurements travel from xdist
-workers in ``user_properties``, so the guard works with ``-n``.
+At the end of the session ``--weightsync-save-baseline FILE`` writes the ratios and counts as
+JSON, with the test that measured each entry, and ``--weightsync-baseline FILE`` compares them
+with a stored file and fails the run (exit status 1, with a table) when a ratio dropped by
+more than the tolerance (``--weightsync-tolerance``, else the ``weightsync_tolerance`` ini
+value, else the file's ``tolerance``, else 0.10), when any count rose, or when a stored entry
+was not measured although its test was part of the run (skipped, failed, or no longer
+recording it); an entry whose test was deselected or not collected is listed as not run.
+Measurements travel from xdist workers in ``user_properties``, so the guard works with ``-n``.
 
 torch is imported only inside the measuring functions.
 """
@@ -30,6 +39,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import pytest
+
+from pytest_weightsync import opcount
 
 #: Key under which a measurement rides in ``report.user_properties``.
 PROPERTY_KEY = "weightsync_throughput"
@@ -222,14 +233,34 @@ def load_baseline(path: str) -> dict[str, Any]:
         ) from None
     except json.JSONDecodeError as exc:
         raise BaselineError(f"--weightsync-baseline: {path!r} is not valid JSON: {exc}") from None
-    ratios = data.get("ratios") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not ("ratios" in data or "counts" in data):
+        raise BaselineError(
+            f"--weightsync-baseline: {path!r} has neither 'ratios' (name -> positive number) "
+            "nor 'counts' (name -> {field: count})"
+        )
+    ratios = data.get("ratios", {})
     if not isinstance(ratios, dict) or not all(
         isinstance(v, (int, float)) and v > 0 for v in ratios.values()
     ):
         raise BaselineError(
             f"--weightsync-baseline: {path!r} has no 'ratios' mapping of name -> positive number"
         )
+    if "counts" in data and not opcount.valid_counts(data["counts"]):
+        raise BaselineError(
+            f"--weightsync-baseline: {path!r}: 'counts' must map name -> {{field: non-negative int}}"
+        )
+    sources = data.get("sources", {})
+    if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
+        raise BaselineError(f"--weightsync-baseline: {path!r}: 'sources' must map name -> test id")
     return data
+
+
+def test_key(nodeid: str) -> str:
+    """A test id that does not depend on where the suite was collected from: the file's base
+    name and the rest (``test_x.py::test_y[p]``), so a baseline saved from a checkout still
+    names its tests when the suites run from an installed package."""
+    path, sep, rest = nodeid.partition("::")
+    return path.replace("\\", "/").rsplit("/", 1)[-1] + sep + rest
 
 
 @dataclass(frozen=True)
@@ -238,6 +269,9 @@ class Comparison:
     baseline: float | None
     measured: float | None
     tolerance: float
+    #: For an entry not measured: "" when its test was part of the run (a failure), else why
+    #: it is excused (deselected / not collected).
+    excused: str = ""
 
     @property
     def limit(self) -> float | None:
@@ -254,13 +288,26 @@ class Comparison:
         if self.baseline is None:
             return "new"
         if self.measured is None:
-            return "not measured"
+            return f"not run ({self.excused})" if self.excused else "NOT MEASURED"
         return "REGRESSED" if self.measured < self.limit else "ok"
 
+    @property
+    def failed(self) -> bool:
+        return self.status in ("REGRESSED", "NOT MEASURED")
 
-def compare(baseline: dict[str, float], measured: dict[str, float], tolerance: float) -> list[Comparison]:
+
+def compare(
+    baseline: dict[str, float],
+    measured: dict[str, float],
+    tolerance: float,
+    excused: Callable[[str], str] = lambda name: "",
+) -> list[Comparison]:
     names = sorted(set(baseline) | set(measured))
-    return [Comparison(n, baseline.get(n), measured.get(n), tolerance) for n in names]
+    return [
+        Comparison(n, baseline.get(n), measured.get(n), tolerance,
+                   excused(n) if n in baseline and n not in measured else "")
+        for n in names
+    ]
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -373,10 +420,33 @@ class ThroughputRecorder:
 
     def record(self, m: Measurement) -> None:
         """Attach ``m`` to the test's report; it counts only if the test passes."""
-        for key, value in self._node.user_properties:
-            if key == PROPERTY_KEY and value["name"] == m.name:
-                raise ValueError(f"throughput name {m.name!r} recorded twice in {self._node.nodeid}")
-        self._node.user_properties.append((PROPERTY_KEY, m.to_json()))
+        self._attach(PROPERTY_KEY, m.name, m.to_json())
+
+    def count_ops(self, name: str, fn: Callable[[], Any]) -> opcount.OpCount:
+        """Call ``fn`` once under the op counter and record what it did under ``name``
+        (see :mod:`pytest_weightsync.opcount`); returns the counts for the test's own checks."""
+        counted = opcount.count_ops(name, fn)
+        self._attach(opcount.PROPERTY_KEY, name, counted.to_json())
+        return counted
+
+    def record_counts(
+        self,
+        name: str,
+        ops: dict[str, int],
+        bytes_written: int = 0,
+        allocations: int = 0,
+        allocated_bytes: int = 0,
+    ) -> opcount.OpCount:
+        """Record counts the test obtained itself (a plan's launches per step kind, say)."""
+        counted = opcount.OpCount(name, dict(ops), bytes_written, allocations, allocated_bytes)
+        self._attach(opcount.PROPERTY_KEY, name, counted.to_json())
+        return counted
+
+    def _attach(self, key: str, name: str, value: dict[str, Any]) -> None:
+        for k, v in self._node.user_properties:
+            if k == key and v["name"] == name:
+                raise ValueError(f"throughput name {name!r} recorded twice in {self._node.nodeid}")
+        self._node.user_properties.append((key, dict(value, test=test_key(self._node.nodeid))))
 
 
 @pytest.fixture
@@ -386,48 +456,101 @@ def throughput(request: pytest.FixtureRequest) -> ThroughputRecorder:
 
 
 class ThroughputGuard:
-    """Per-session collector (on the controller): gathers ratios, saves, compares, reports."""
+    """Per-session collector (on the controller): gathers ratios and counts, saves, compares,
+    reports."""
 
     def __init__(self, config: pytest.Config, tolerance: float, baseline: dict[str, Any] | None):
         self.config = config
         self.tolerance = tolerance
         self.baseline = baseline
         self.measurements: dict[str, dict[str, Any]] = {}
+        self.counts: dict[str, dict[str, Any]] = {}
         self.comparisons: list[Comparison] = []
+        self.count_changes: list[opcount.CountChange] = []
+        self.counts_missing: list[tuple[str, str]] = []  # (name, "" or why excused)
         self.failed = False
         self.saved_to: str | None = None
         self.duplicates: list[str] = []
+        #: Outcome of every test that reported in this run, by :func:`test_key`.
+        self.outcomes: dict[str, str] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        key = test_key(report.nodeid)
+        if report.failed:
+            self.outcomes[key] = f"failed in {report.when}"
+        elif report.skipped:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            reason = reason.removeprefix("Skipped: ")
+            if not self.outcomes.get(key, "").startswith("failed"):
+                self.outcomes[key] = f"skipped: {reason}"
+        else:
+            self.outcomes.setdefault(key, "passed without recording it")
         if report.when != "call" or not report.passed:
             return
         for key, value in report.user_properties:
-            if key != PROPERTY_KEY:
+            store = {PROPERTY_KEY: self.measurements, opcount.PROPERTY_KEY: self.counts}.get(key)
+            if store is None:
                 continue
-            if value["name"] in self.measurements:
+            if value["name"] in store:
                 self.duplicates.append(f"{value['name']} (again in {report.nodeid})")
                 continue
-            self.measurements[value["name"]] = value
+            store[value["name"]] = value
+
+    def excused(self, name: str) -> str:
+        """Why a stored entry that was not measured does not fail the run ("" if it does):
+        only when the test that measured it did not take part in this run at all."""
+        source = (self.baseline or {}).get("sources", {}).get(name)
+        if source is None:
+            return ""  # the baseline does not say which test measures it
+        if source in self.outcomes:
+            return ""
+        return f"{source} deselected or not collected"
+
+    def unmeasured_reason(self, name: str) -> str:
+        source = (self.baseline or {}).get("sources", {}).get(name)
+        if source is None:
+            return "the baseline names no test that measures it"
+        return f"{source} {self.outcomes.get(source, 'did not run')}"
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         measured = {n: m["ratio"] for n, m in self.measurements.items()}
+        counted = {n: c["fields"] for n, c in self.counts.items()}
         save = self.config.getoption("weightsync_save_baseline", None)
         if save:
-            payload = {
+            payload: dict[str, Any] = {
                 "format": BASELINE_FORMAT,
                 "ratios": dict(sorted(measured.items())),
                 "tolerance": self.tolerance,
                 "machine": machine_info(),
                 "measurements": [self.measurements[n] for n in sorted(self.measurements)],
+                "sources": {
+                    n: v["test"]
+                    for n, v in sorted({**self.measurements, **self.counts}.items())
+                    if "test" in v
+                },
             }
+            if counted:
+                payload["counts"] = dict(sorted(counted.items()))
             os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)
             with open(save, "w") as f:
                 json.dump(payload, f, indent=2, sort_keys=True)
                 f.write("\n")
             self.saved_to = save
         if self.baseline is not None:
-            self.comparisons = compare(self.baseline["ratios"], measured, self.tolerance)
-            self.failed = any(c.status == "REGRESSED" for c in self.comparisons)
+            if "ratios" in self.baseline:
+                self.comparisons = compare(self.baseline["ratios"], measured, self.tolerance, self.excused)
+            stored = self.baseline.get("counts")
+            if stored is not None:
+                for name, fields in sorted(stored.items()):
+                    if name in counted:
+                        self.count_changes += opcount.compare_counts(fields, counted[name], name)
+                    else:
+                        self.counts_missing.append((name, self.excused(name)))
+            self.failed = (
+                any(c.failed for c in self.comparisons)
+                or any(c.worse for c in self.count_changes)
+                or any(not why for _, why in self.counts_missing)
+            )
         if self.duplicates:
             self.failed = True
         if self.failed and session.exitstatus == pytest.ExitCode.OK:
@@ -450,6 +573,15 @@ class ThroughputGuard:
             ]
             for line in _table(("name", "device", "MiB", "path GB/s", "copy GB/s", "ratio"), cells):
                 tr.write_line(line)
+        if self.counts:
+            tr.write_sep("-", "weightsync op counts (per call)")
+            cells = []
+            for n, c in sorted(self.counts.items()):
+                f = c["fields"]
+                ops = ", ".join(f"{k[3:]} x{v}" for k, v in f.items() if k.startswith("op:"))
+                cells.append((n, ops or "-", f["bytes_written"], f["allocations"], f["allocated_bytes"]))
+            for line in _table(("name", "ops", "bytes written", "allocations", "allocated bytes"), cells):
+                tr.write_line(line)
         if self.duplicates:
             tr.write_line(
                 "throughput names recorded by more than one test (names must be unique): "
@@ -458,28 +590,48 @@ class ThroughputGuard:
             )
         if self.saved_to:
             tr.write_line(f"weightsync throughput baseline written to {self.saved_to}")
-        if self.comparisons or self.failed:
+        if self.comparisons or self.count_changes or self.counts_missing or self.failed:
             title = (
                 "weightsync throughput REGRESSION"
                 if self.failed
                 else "weightsync throughput vs baseline"
             )
             tr.write_sep("=" if self.failed else "-", title, red=self.failed, bold=self.failed)
-            for line in comparison_table(self.comparisons):
-                tr.write_line(line)
-            missing = [c.name for c in self.comparisons if c.status == "not measured"]
-            if missing:
-                tr.write_line(
-                    f"baseline entries not measured in this run: {', '.join(missing)}", yellow=True
-                )
+            if self.comparisons:
+                for line in comparison_table(self.comparisons):
+                    tr.write_line(line)
+            missing = [c.name for c in self.comparisons if c.status == "NOT MEASURED"]
+            missing += [n for n, why in self.counts_missing if not why]
+            for name in missing:
+                tr.write_line(f"baseline entry {name} was not measured: {self.unmeasured_reason(name)}", red=True)
+            excused = [c for c in self.comparisons if c.status.startswith("not run")]
+            if excused or any(why for _, why in self.counts_missing):
+                names = [c.name for c in excused] + [n for n, why in self.counts_missing if why]
+                tr.write_line(f"baseline entries not run (their tests were deselected): {', '.join(names)}", yellow=True)
             new = [c.name for c in self.comparisons if c.status == "new"]
+            if self.baseline is not None and "counts" in self.baseline:
+                new += [n for n in self.counts if n not in self.baseline["counts"]]
             if new:
                 tr.write_line(
                     f"measured entries absent from the baseline: {', '.join(new)}", yellow=True
                 )
-            if self.failed:
+            if self.count_changes:
+                rows = [
+                    (c.name, c.field, c.baseline, c.measured,
+                     "MORE" if c.worse else "fewer (update the baseline)")
+                    for c in self.count_changes
+                ]
+                for line in _table(("name", "count", "baseline", "measured", "status"), rows):
+                    tr.write_line(line, red=any(c.worse for c in self.count_changes))
+            if any(c.status == "REGRESSED" for c in self.comparisons):
                 tr.write_line(
                     f"a throughput ratio dropped by more than the tolerance "
                     f"({self.tolerance:.0%}); the run fails",
+                    red=True,
+                )
+            if any(c.worse for c in self.count_changes):
+                tr.write_line(
+                    "a path now does more per call than the baseline records (counts are exact); "
+                    "the run fails",
                     red=True,
                 )

@@ -1,19 +1,30 @@
 """Many small copies as one operation.
 
 Every sender path expresses its work as a list of ``(dst, src)`` tensor pairs of equal shape
-and dtype and hands it to :func:`copy_pairs`; making that one call fast makes every path fast.
+and dtype and hands it to :func:`copy_pairs` (or builds a reusable :func:`plan_copies`);
+making that one call fast makes every path fast.
 
 Why a dedicated routine: expert weights are separate per-expert allocations on the trainer and
 views into fused ``w13``/``w2`` buffers on the receiver. A loop of ``dst.copy_(src)`` costs one
 kernel launch per expert on a GPU (7% of a plain copy at MoE-TP 1, 2% at MoE-TP 2 for a
 Qwen3.5-35B-A3B layer on an H200), and ``torch._foreach_copy_`` degrades on the strided slices
-of MoE-TP 2. On a GPU this module copies every pair in one Triton launch per element width and
-row-length class (:mod:`pytest_weightsync.reference_impl.triton_copy`); on a CPU a single-threaded loop of
-in-place copies already runs at the speed of one plain copy, so it is kept.
+of MoE-TP 2. So the plan picks, per pair list, the fastest bit-exact way it knows:
 
-Backends (``backend=``): ``"auto"`` picks ``"triton"`` for CUDA tensors when triton imports,
-``"foreach"`` (``torch._foreach_copy_``) for CUDA tensors without triton, and ``"loop"`` for
-every other device. All are bit-identical to ``dst.copy_(src)``.
+- runs (:func:`find_runs`): whole contiguous sources whose destinations tile one contiguous
+  span (every expert of a layer into ``w13``, then into ``w2``; gate and up row blocks at
+  MoE-TP 2) become one ``torch.cat(out=)`` each - torch's batched copy kernel, as fast as a
+  plain copy;
+- the rest (strided column slices of fc2 at MoE-TP > 1, scattered destinations) goes to one
+  Triton launch per element width and row-length class
+  (:mod:`pytest_weightsync.reference_impl.triton_copy`) on CUDA, ``torch._foreach_copy_``
+  without triton, and a loop of in-place copies on a CPU (single-threaded it already runs at
+  the speed of one plain copy there);
+- a plan that runs again is captured in a CUDA graph, so later runs pay no host work or gaps
+  between launches.
+
+Every step moves elements as integers of their width, so the result is bit-identical to
+``dst.copy_(src)`` (NaN payloads and signed zeros included). ``CopyPlan.steps`` says what a
+plan does; the op-count guard (``suites/test_copy_op_counts.py``) holds those counts fixed.
 """
 
 from __future__ import annotations
@@ -157,81 +168,273 @@ def _as_bits(t):
     return None if name is None else t.view(getattr(torch, name))
 
 
+@dataclass(frozen=True)
+class Step:
+    """One operation of a plan: ``kind`` says how its pairs are copied.
+
+    ``"cat"``: one ``torch.cat(out=)`` of contiguous sources into one contiguous span that
+    their adjacent destinations tile (a run); ``"triton"``: one launch of the multi-tensor
+    kernel; ``"foreach"``: one ``torch._foreach_copy_``; ``"copy"``: ``dst.copy_(src)`` per
+    pair. ``launches`` is how many device operations the step issues per run.
+    """
+
+    kind: str
+    pairs: int
+    nbytes: int
+    launches: int
+
+
 @dataclass
 class CopyPlan:
-    """A validated pair list bound to a backend; :meth:`run` performs the copies.
+    """A validated pair list bound to its copy steps; :meth:`run` performs the copies.
 
     The plan keeps references to every tensor it copies, so addresses recorded in it stay
     valid. Building it costs host time per pair; a sender that updates the same buffers
-    repeatedly can build it once and call :meth:`run` per update.
+    repeatedly builds it once and calls :meth:`run` per update. On CUDA such a reused plan is
+    captured in a CUDA graph (``graph="auto"``: at its second run), which removes the host
+    work and launch gaps of every later run.
     """
 
     backend: str
     pairs: list[tuple[Any, Any]]
-    _launches: list[Any] = field(default_factory=list, repr=False)
-    _leftover: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
+    graph: str | bool = "auto"
+    steps: list[Step] = field(default_factory=list)
+    #: The Triton launches among the steps (their ``even`` / ``offset32`` say how they index).
+    launches: list[Any] = field(default_factory=list, repr=False)
+    graph_error: str | None = None
+    _actions: list[Any] = field(default_factory=list, repr=False)
+    _runs: int = field(default=0, repr=False)
+    _graph: Any = field(default=None, repr=False)
+    _device: Any = field(default=None, repr=False)
+
+    def counts(self) -> dict[str, int]:
+        """Device operations one run issues, by step kind (``{"cat": 2, "triton": 1}``)."""
+        out: dict[str, int] = {}
+        for step in self.steps:
+            out[step.kind] = out.get(step.kind, 0) + step.launches
+        return out
+
+    @property
+    def captured(self) -> bool:
+        """Whether runs now replay a CUDA graph."""
+        return self._graph is not None
 
     def run(self) -> None:
         import torch
 
+        if self._graph is not None:
+            self._graph.replay()
+            return
         with torch.no_grad():
-            if self.backend == "loop":
-                for dst, src in self.pairs:
-                    dst.copy_(src)
-            elif self.backend == "foreach":
-                # As integers: _foreach_copy_ on CUDA converts through the compute type, which
-                # would canonicalize NaN payloads of bf16/fp16.
-                dsts, srcs = [], []
-                for dst, src in self.pairs:
-                    d, s = _as_bits(dst), _as_bits(src)
-                    if d is None:
-                        dst.copy_(src)
-                    else:
-                        dsts.append(d)
-                        srcs.append(s)
-                if dsts:
-                    torch._foreach_copy_(dsts, srcs)
+            if self._wants_capture(torch):
+                self._capture(torch)
+                if self._graph is not None:
+                    self._graph.replay()
+                    return
+            for action in self._actions:
+                action()
+        self._runs += 1
+
+    def _wants_capture(self, torch) -> bool:
+        if self.graph is False or self._device is None or self._device.type != "cuda":
+            return False
+        if not self._actions or self.graph_error is not None:
+            return False
+        if torch.cuda.is_current_stream_capturing():
+            return False  # we are being captured into the caller's graph: just issue the work
+        # "auto": the first run is eager (it compiles kernels and proves the steps work) and
+        # the second captures; True captures at the first (after an eager warm-up run).
+        return self.graph is True or self._runs >= 1
+
+    def _capture(self, torch) -> None:
+        if self._runs == 0:  # graph=True on a first run: warm up (Triton compiles) eagerly first
+            for action in self._actions:
+                action()
+            self._runs += 1
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self._device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            try:
+                with torch.cuda.stream(side):
+                    graph.capture_begin(capture_error_mode="thread_local")
+                    try:
+                        for action in self._actions:
+                            action()
+                    finally:
+                        graph.capture_end()
+            except RuntimeError as exc:  # keep working eagerly; say why in the plan
+                self.graph_error = f"{type(exc).__name__}: {exc}"
+                torch.cuda.current_stream().wait_stream(side)
+                return
+            torch.cuda.current_stream().wait_stream(side)
+        self._graph = graph
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def find_runs(pairs: Sequence[tuple[Any, Any]]) -> tuple[list[list[int]], list[int]]:
+    """Split pair indices into runs and the rest.
+
+    A run is two or more pairs whose sources are contiguous and whose contiguous destinations,
+    in address order, tile one span of one storage without gaps, all of one element width: the
+    whole run is then one ``torch.cat`` of the flattened sources into that span (what a layer
+    of whole per-expert tensors into a fused ``w13``/``w2`` is). Everything else is the rest.
+    """
+    rest: list[int] = []
+    candidates = []
+    for i, (dst, src) in enumerate(pairs):
+        if dst.numel() and dst.is_contiguous() and src.is_contiguous() and dst.element_size() in _INT_OF_WIDTH:
+            candidates.append(i)
+        elif dst.numel():
+            rest.append(i)
+    def key(i):
+        dst = pairs[i][0]
+        return (str(dst.device), dst.untyped_storage().data_ptr(), dst.data_ptr())
+    candidates.sort(key=key)
+    runs: list[list[int]] = []
+    current: list[int] = []
+    for i in candidates:
+        if current:
+            prev = pairs[current[-1]][0]
+            dst = pairs[i][0]
+            if (
+                dst.device == prev.device
+                and dst.element_size() == prev.element_size()
+                and dst.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+                and dst.data_ptr() == prev.data_ptr() + _nbytes(prev)
+            ):
+                current.append(i)
+                continue
+            if len(current) > 1:
+                runs.append(current)
             else:
-                for launch in self._launches:
-                    launch.run()
-                for dst, src in self._leftover:
-                    dst.copy_(src)
+                rest.extend(current)
+        current = [i]
+    if len(current) > 1:
+        runs.append(current)
+    else:
+        rest.extend(current)
+    rest.sort()
+    return runs, rest
 
 
-def _build_triton(plan: CopyPlan) -> None:
-    from pytest_weightsync.reference_impl import triton_copy
+def _cat_action(pairs, run: list[int]):
+    """One ``torch.cat`` of the run's flattened sources (as integers) into its span."""
+    import torch
 
-    groups: dict[tuple[Any, int, int, bool], list[tuple[int, ...]]] = {}
-    keep: dict[tuple[Any, int, int, bool], list[Any]] = {}
-    long_row = triton_copy.MAX_BLOCK_COLS
-    for dst, src in plan.pairs:
+    first = pairs[run[0]][0]
+    total = sum(pairs[i][0].numel() for i in run)
+    out = _as_bits(first).as_strided((total,), (1,), first.storage_offset())
+    srcs = [_as_bits(pairs[i][1]).reshape(-1) for i in run]
+    return lambda: torch.cat(srcs, out=out)
+
+
+def _copy_action(pairs):
+    def run():
+        for dst, src in pairs:
+            dst.copy_(src)
+    return run
+
+
+def _foreach_action(pairs):
+    # As integers: _foreach_copy_ on CUDA converts through the compute type, which would
+    # canonicalize NaN payloads of bf16/fp16.
+    import torch
+
+    dsts, srcs, odd = [], [], []
+    for dst, src in pairs:
+        d, s = _as_bits(dst), _as_bits(src)
+        if d is None:
+            odd.append((dst, src))
+        else:
+            dsts.append(d)
+            srcs.append(s)
+
+    def run():
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        for dst, src in odd:
+            dst.copy_(src)
+    return run
+
+
+def triton_groups(pairs: Sequence[tuple[Any, Any]], long_row: int, launch_key) -> tuple[
+    dict[tuple[Any, ...], list[tuple[int, ...]]], dict[tuple[Any, ...], list[Any]], list[tuple[Any, Any]]
+]:
+    """The 2-D copies of ``pairs`` grouped by launch: ``(device, element width, aligned,
+    *launch_key(copy))``; the tensors each group must keep alive; the pairs no launch takes."""
+    groups: dict[tuple[Any, ...], list[tuple[int, ...]]] = {}
+    keep: dict[tuple[Any, ...], list[Any]] = {}
+    leftover: list[tuple[Any, Any]] = []
+    for dst, src in pairs:
         elem = dst.element_size()
-        copies = to_2d_copies(dst, src, long_row) if elem in (1, 2, 4, 8) else None
+        copies = to_2d_copies(dst, src, long_row) if elem in _INT_OF_WIDTH else None
         if copies is None:
-            plan._leftover.append((dst, src))
+            leftover.append((dst, src))
             continue
         for copy in copies:
-            key = (dst.device, elem, triton_copy.block_cols_for(copy[3]), _aligned(copy, elem))
+            key = (dst.device, elem, _aligned(copy, elem), *launch_key(copy))
             groups.setdefault(key, []).append(copy)
             keep.setdefault(key, []).extend((dst, src))
+    return groups, keep, leftover
+
+
+def _add_triton(plan: CopyPlan, pairs, options: dict[str, Any]) -> None:
+    from pytest_weightsync.reference_impl import triton_copy
+
+    shape = triton_copy.LaunchShape(**options)
+    groups, keep, leftover = triton_groups(pairs, triton_copy.MAX_BLOCK_COLS, shape.key)
     for key, copies in groups.items():
-        device, elem, width, aligned = key
-        plan._launches.append(
-            triton_copy.TritonCopyLaunch(copies, elem, width, aligned, device, keep[key])
-        )
+        device, elem, aligned, width, _even = key
+        launch = triton_copy.TritonCopyLaunch(copies, elem, width, aligned, device, keep[key], shape)
+        plan._actions.append(launch.run)
+        plan.launches.append(launch)
+        plan.steps.append(Step("triton", len(copies), sum(c[2] * c[3] for c in copies) * elem, 1))
+    if leftover:
+        _add_copy(plan, leftover)
 
 
-def plan_copies(pairs: Iterable[Any], backend: str = "auto") -> CopyPlan:
-    """Validate ``pairs`` and prepare them for ``backend``.
+def _add_copy(plan: CopyPlan, pairs) -> None:
+    plan._actions.append(_copy_action(pairs))
+    plan.steps.append(Step("copy", len(pairs), sum(_nbytes(d) for d, _ in pairs), len(pairs)))
 
-    ``"auto"`` resolves per :func:`choose_backend` from the device of the first pair; a list
-    that spans device types uses the loop.
+
+def _add_foreach(plan: CopyPlan, pairs) -> None:
+    plan._actions.append(_foreach_action(pairs))
+    plan.steps.append(Step("foreach", len(pairs), sum(_nbytes(d) for d, _ in pairs), 1))
+
+
+def plan_copies(
+    pairs: Iterable[Any],
+    backend: str = "auto",
+    graph: str | bool = "auto",
+    triton_options: dict[str, Any] | None = None,
+    runs: bool | None = None,
+) -> CopyPlan:
+    """Validate ``pairs`` and choose how each is copied.
+
+    ``backend="auto"`` picks per pair list: runs (:func:`find_runs`) become one ``torch.cat``
+    each - torch's batched copy of whole contiguous tensors is as fast as a plain copy - and
+    the rest goes to the device's backend per :func:`choose_backend` (the Triton kernel for the
+    strided slices of MoE-TP > 1 on CUDA). A named backend (``"triton"``, ``"foreach"``,
+    ``"loop"``) copies every pair its way, with no runs unless ``runs=True`` (for tests,
+    benchmarks, and for planning what CUDA would do from CPU tensors: ``backend="triton",
+    runs=True``). A list spanning device types uses the loop and no runs. ``graph``: ``"auto"`` captures a CUDA plan in a CUDA
+    graph at its second run, ``True`` at its first, ``False`` never. ``triton_options`` go
+    to :class:`~pytest_weightsync.reference_impl.triton_copy.TritonCopyLaunch` (launch shape).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if graph not in ("auto", True, False):
+        raise ValueError(f"graph must be 'auto', True or False, got {graph!r}")
     checked = validate_pairs(pairs)
+    device_types = {dst.device.type for dst, _ in checked}
+    devices = {dst.device for dst, _ in checked}
+    use_runs = backend == "auto" if runs is None else bool(runs)
     if backend == "auto":
-        device_types = {dst.device.type for dst, _ in checked}
         if len(device_types) == 1:
             (device_type,) = device_types
             backend = choose_backend(
@@ -239,18 +442,34 @@ def plan_copies(pairs: Iterable[Any], backend: str = "auto") -> CopyPlan:
             )
         else:
             backend = "loop"
-    plan = CopyPlan(backend=backend, pairs=checked)
-    if backend == "triton":
-        _build_triton(plan)
+    plan = CopyPlan(backend=backend, pairs=checked, graph=graph)
+    if len(devices) == 1:
+        (plan._device,) = devices
+    rest = checked
+    if use_runs and len(device_types) == 1:
+        runs, rest_idx = find_runs(checked)
+        for run in runs:
+            plan._actions.append(_cat_action(checked, run))
+            plan.steps.append(Step("cat", len(run), sum(_nbytes(checked[i][0]) for i in run), 1))
+        rest = [checked[i] for i in rest_idx]
+    rest = [(d, s) for d, s in rest if d.numel()]
+    if rest:
+        if backend == "triton":
+            _add_triton(plan, rest, triton_options or {})
+        elif backend == "foreach":
+            _add_foreach(plan, rest)
+        else:
+            _add_copy(plan, rest)
     return plan
 
 
 def copy_pairs(pairs: Sequence[Any] | Iterable[Any], backend: str = "auto") -> str:
-    """Copy each ``src`` into its ``dst`` in place, bit for bit; return the backend used.
+    """Copy each ``src`` into its ``dst`` in place, bit for bit; return the backend used for
+    the pairs that are not runs (see :func:`plan_copies`).
 
     Every pair must have equal shape, dtype and device (the error names the pair index and
     the mismatch); ``dst`` must not overlap any ``src``.
     """
-    plan = plan_copies(pairs, backend)
+    plan = plan_copies(pairs, backend, graph=False)
     plan.run()
     return plan.backend

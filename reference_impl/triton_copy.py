@@ -16,20 +16,25 @@ falls back to ``torch._foreach_copy_`` where triton is missing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-#: Launch shape, from a sweep on an H200 (bf16, one Qwen3.5-35B-A3B layer): tiles of 4096
-#: elements, 4 warps, 2 tiles per program; larger tiles or more warps were slower, and
-#: streaming cache hints (evict-first loads, .cs stores) cost about 5%.
+#: Launch shape, from a sweep on an H200 (``bench_expert_sync.py --sweep``: the strided fc2
+#: column slices of a Qwen3.5-35B-A3B layer at receiver MoE-TP 2, bf16, graph-captured; tiles
+#: of 2-16 K elements x 1-4 tiles per program x 2-8 warps): tiles of 4096 elements, one tile
+#: per program, 2 warps moved 1,820 GB/s against 1,769 for the earlier 4096 / 2 / 4 (which
+#: ncu showed at 64 registers a thread, 50% occupancy); 16 K tiles with 2 warps fell to 250-1,260.
+#: Streaming cache hints (evict-first loads, .cs stores) cost about 5% in an earlier sweep.
 #: Elements copied by one tile (8 KiB of bf16). The tile is ``TILE // block_cols`` rows
 #: by ``block_cols`` columns, with ``block_cols`` picked per pair from its row length so that
 #: narrow column slices (fc2 at MoE-TP 2: 256 columns) still fill whole tiles.
 TILE = 4096
 MAX_BLOCK_COLS = 1024
-NUM_WARPS = 4
-TILES_PER_PROGRAM = 2
+NUM_WARPS = 2
+TILES_PER_PROGRAM = 1
 STREAMING = False
 MIN_BLOCK_COLS = 16
 
@@ -60,6 +65,8 @@ def _copy_tiles_kernel(
     ALIGNED: tl.constexpr,
     TILES: tl.constexpr,
     STREAMING: tl.constexpr,
+    EVEN: tl.constexpr,
+    OFFSET32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pair = tl.load(block_pair_ptr + pid).to(tl.int64)
@@ -98,25 +105,68 @@ def _copy_tiles_kernel(
     dst_base = dst_addr.to(ptr_ty)
 
     # This program copies TILES consecutive tiles (row-major over the pair's tile grid), so
-    # the table lookups above are paid once per TILES * BLOCK_R * BLOCK_C elements; tiles past
-    # the pair's end fall outside n_rows and are fully masked.
-    first = (pid - first_block) * TILES
+    # the table lookups above are paid once per TILES * BLOCK_R * BLOCK_C elements. EVEN: every
+    # pair of this launch is whole tiles and whole programs, so no element needs a mask;
+    # otherwise tiles past the pair's end fall outside n_rows and are fully masked. OFFSET32:
+    # every offset of this launch fits in 32 bits, which halves the index arithmetic.
+    if OFFSET32:
+        ss0 = ss0.to(tl.int32)
+        ss1 = ss1.to(tl.int32)
+        ds0 = ds0.to(tl.int32)
+        ds1 = ds1.to(tl.int32)
+        first = ((pid - first_block) * TILES).to(tl.int32)
+        tiles_c = tiles_c.to(tl.int32)
+        r_range = tl.arange(0, BLOCK_R)
+        c_range = tl.arange(0, BLOCK_C)
+    else:
+        first = (pid - first_block) * TILES
+        r_range = tl.arange(0, BLOCK_R).to(tl.int64)
+        c_range = tl.arange(0, BLOCK_C).to(tl.int64)
     for i in tl.static_range(TILES):
         tile = first + i
         tile_r = tile // tiles_c
         tile_c = tile - tile_r * tiles_c
-        rows = tile_r * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-        cols = tile_c * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        rows = tile_r * BLOCK_R + r_range
+        cols = tile_c * BLOCK_C + c_range
         src_ptrs = src_base + rows[:, None] * ss0 + cols[None, :] * ss1
         dst_ptrs = dst_base + rows[:, None] * ds0 + cols[None, :] * ds1
-        if STREAMING:
-            # Each byte is touched once: keep it from evicting anything useful from L2.
-            vals = tl.load(src_ptrs, mask=mask, eviction_policy="evict_first")
-            tl.store(dst_ptrs, vals, mask=mask, cache_modifier=".cs")
+        if EVEN:
+            vals = tl.load(src_ptrs)
+            tl.store(dst_ptrs, vals)
         else:
-            vals = tl.load(src_ptrs, mask=mask)
-            tl.store(dst_ptrs, vals, mask=mask)
+            mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+            if STREAMING:
+                # Each byte is touched once: keep it from evicting anything useful from L2.
+                vals = tl.load(src_ptrs, mask=mask, eviction_policy="evict_first")
+                tl.store(dst_ptrs, vals, mask=mask, cache_modifier=".cs")
+            else:
+                vals = tl.load(src_ptrs, mask=mask)
+                tl.store(dst_ptrs, vals, mask=mask)
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """How a launch cuts its copies: ``tile`` elements per tile, ``tiles_per_program`` tiles
+    per program, ``num_warps`` warps per program (defaults from the H200 sweep above)."""
+
+    tile: int = TILE
+    tiles_per_program: int = TILES_PER_PROGRAM
+    num_warps: int = NUM_WARPS
+
+    def block_rows(self, block_cols: int) -> int:
+        return max(1, self.tile // block_cols)
+
+    def even(self, copy: tuple[int, ...], block_cols: int) -> bool:
+        """Whether ``copy`` is whole tiles and whole programs: copied with no masks."""
+        rows, cols = copy[2], copy[3]
+        block_rows = self.block_rows(block_cols)
+        tiles = -(-rows // block_rows) * -(-cols // block_cols)
+        return rows % block_rows == 0 and cols % block_cols == 0 and tiles % self.tiles_per_program == 0
+
+    def key(self, copy: tuple[int, ...]) -> tuple[int, bool]:
+        """The part of a launch's grouping key this shape decides: tile width, evenness."""
+        width = block_cols_for(copy[3])
+        return width, self.even(copy, width)
 
 
 class TritonCopyLaunch:
@@ -126,7 +176,9 @@ class TritonCopyLaunch:
     dst_stride1)`` with strides in elements; ``keep_alive`` holds the tensors those addresses
     point into, so they stay valid for as long as this object lives. ``aligned`` promises that
     every address and row stride is a multiple of 16 bytes and every column stride is 1 (the
-    caller checks) and that every row length is a multiple of 16 bytes, which lets the kernel use vector memory accesses.
+    caller checks) and that every row length is a multiple of 16 bytes, which lets the kernel
+    use vector memory accesses. When every copy is whole tiles (:meth:`LaunchShape.even`) the
+    kernel runs without masks, and when every offset fits in 32 bits it indexes in 32 bits.
     """
 
     def __init__(
@@ -137,27 +189,31 @@ class TritonCopyLaunch:
         aligned: bool,
         device: torch.device,
         keep_alive: list[torch.Tensor],
-        tile: int = TILE,
-        num_warps: int = NUM_WARPS,
-        tiles_per_program: int = TILES_PER_PROGRAM,
+        shape: LaunchShape = LaunchShape(),
     ):
         if elem_size not in _BITS_DTYPE:
             raise ValueError(f"element size must be one of {sorted(_BITS_DTYPE)}, got {elem_size}")
         self.elem_size = elem_size
         self.block_cols = block_cols
-        self.block_rows = max(1, tile // block_cols)
-        self.num_warps = num_warps
-        self.tiles_per_program = tiles_per_program
+        self.block_rows = shape.block_rows(block_cols)
+        self.num_warps = shape.num_warps
+        self.tiles_per_program = tiles_per_program = shape.tiles_per_program
         self.streaming = STREAMING
         self.aligned = aligned
         self.keep_alive = keep_alive
         meta = []
         blocks_per_pair = []
         first = 0
+        self.even = all(shape.even(c, block_cols) for c in copies)
+        self.offset32 = True
         for src, dst, rows, cols, ss0, ss1, ds0, ds1 in copies:
             tiles_r = -(-rows // self.block_rows)
             tiles_c = -(-cols // block_cols)
             blocks = -(-(tiles_r * tiles_c) // tiles_per_program)
+            # Largest offset any lane forms, masked lanes of the last tiles included.
+            reach_r, reach_c = tiles_r * self.block_rows, tiles_c * block_cols
+            for s0, s1 in ((ss0, ss1), (ds0, ds1)):
+                self.offset32 &= (reach_r * abs(s0) + reach_c * abs(s1)) < 2**31
             meta.append((src, dst, rows, cols, ss0, ss1, ds0, ds1, tiles_c, first))
             blocks_per_pair.append(blocks)
             first += blocks
@@ -181,5 +237,7 @@ class TritonCopyLaunch:
             ALIGNED=self.aligned,
             TILES=self.tiles_per_program,
             STREAMING=self.streaming,
+            EVEN=self.even,
+            OFFSET32=self.offset32,
             num_warps=self.num_warps,
         )

@@ -31,11 +31,14 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def random_bits(shape, dtype, device="cpu", seed=0):
     """A tensor of ``dtype`` holding random bit patterns (NaNs with payloads, -0.0, ...)."""
-    g = torch.Generator().manual_seed(seed)
+    where = torch.device(device)
+    if where.type != "cuda":
+        where = torch.device("cpu")  # the interpreter test passes device="cpu"
+    g = torch.Generator(where).manual_seed(seed)
     if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool().to(device)
+        return torch.randint(0, 2, shape, generator=g, device=where).bool().to(device)
     width = torch.empty((), dtype=dtype).element_size()
-    bits = torch.randint(-(2**31), 2**31 - 1, shape, generator=g, dtype=torch.int64)
+    bits = torch.randint(-(2**31), 2**31 - 1, shape, generator=g, dtype=torch.int64, device=where)
     return bits.to(_BITS[width]).view(dtype).to(device)
 
 
@@ -154,9 +157,41 @@ _INTERPRETED_KERNEL_CHECK = textwrap.dedent(
     import torch
     from suites.test_fastcopy import check_backend
     check_backend("triton", dtypes=(torch.bfloat16, torch.float64, torch.bool))  # widths 2, 8, 1
+    from suites.test_fastcopy import check_even_and_32bit_launches
+    check_even_and_32bit_launches()
     print("triton kernel bit-identical under the interpreter")
     """
 )
+
+
+def check_even_and_32bit_launches(device="cpu"):
+    """Launches cut so that every copy is whole tiles (no masks) and, separately, ones that
+    are not, with 32-bit and 64-bit indexing: all bit-identical to ``copy_``."""
+    src = random_bits((8, 64), torch.bfloat16, device, seed=7)
+    flat = random_bits((3 * 1024,), torch.bfloat16, device, seed=8)
+    dst_cols = torch.zeros(8, 32, dtype=torch.bfloat16, device=device)
+    dst_flat = torch.zeros(3 * 1024, dtype=torch.bfloat16, device=device)
+    odd = torch.zeros(7, 30, dtype=torch.bfloat16, device=device)
+    pairs = [(dst_cols, src[:, 32:]), (dst_flat, flat), (odd, src[:7, 1:31])]
+    plan = plan_copies(pairs, backend="triton", graph=False, triton_options=dict(tile=64, tiles_per_program=1))
+    launches = plan.launches
+    assert {launch.even for launch in launches} == {True, False}, [vars(x) for x in launches]
+    assert all(launch.offset32 for launch in launches)
+    plan.run()
+    for i, (d, s) in enumerate(pairs):
+        assert_same_bits(d, s, f"shaped launch pair {i}")
+
+
+def test_launch_evenness_and_offset_width_are_decided_per_copy():
+    pytest.importorskip("triton")
+    from pytest_weightsync.reference_impl.triton_copy import LaunchShape
+
+    shape = LaunchShape(tile=64, tiles_per_program=2)
+    # 2-D copy tuples: (src, dst, rows, cols, ss0, ss1, ds0, ds1)
+    assert shape.even((0, 0, 8, 32, 64, 1, 32, 1), 32)  # 2 rows/tile: 4 tiles, 2 programs
+    assert not shape.even((0, 0, 6, 32, 64, 1, 32, 1), 32)  # 3 tiles: half a program
+    assert not shape.even((0, 0, 8, 30, 64, 1, 30, 1), 32)  # partial rows
+    assert shape.key((0, 0, 8, 30, 64, 1, 30, 1)) == (32, False)
 
 
 def test_triton_kernel_is_bit_identical_under_the_interpreter(tmp_path):
@@ -222,3 +257,169 @@ def test_gpu_full_layer_direct_tp2_slices_are_bit_identical():
         assert copy_pairs(pairs) == "triton"
         for i, (d, s) in enumerate(pairs):
             assert_same_bits(d, s, f"rank {rank} expert {i // 3} pair {i % 3}")
+
+
+# --------------------------------------------------------------------------- plan choice
+
+
+def sender_pairs(experts=4, hidden=16, inter=8, moe_tp=1, device="cpu", order=None):
+    """Receiver rank 0's pairs of one layer from separate per-expert tensors (fc1 = [gate; up],
+    fc2), in ``order`` (default expert by expert)."""
+    part = inter // moe_tp
+    fc1 = [random_bits((2 * inter, hidden), torch.bfloat16, device, seed=e) for e in range(experts)]
+    fc2 = [random_bits((hidden, inter), torch.bfloat16, device, seed=100 + e) for e in range(experts)]
+    w13 = torch.zeros(experts, 2 * part, hidden, dtype=torch.bfloat16, device=device)
+    w2 = torch.zeros(experts, hidden, part, dtype=torch.bfloat16, device=device)
+    pairs = []
+    for e in range(experts):
+        pairs.append((w13[e, :part], fc1[e][:part]))
+        pairs.append((w13[e, part:], fc1[e][inter:inter + part]))
+        pairs.append((w2[e], fc2[e][:, :part]))
+    if order is not None:
+        pairs = [pairs[i] for i in order]
+    return pairs
+
+
+def test_runs_are_whole_contiguous_tensors_tiling_one_span_in_any_list_order():
+    pairs = sender_pairs(order=list(range(12))[::-1])  # reversed: runs are found by address
+    runs, rest = fastcopy.find_runs(pairs)
+    by_len = sorted(len(r) for r in runs)
+    assert by_len == [4, 8], runs  # w2 (4 experts), w13 (gate + up of 4 experts)
+    assert rest == []
+    strided = sender_pairs(moe_tp=2)
+    runs, rest = fastcopy.find_runs(strided)
+    assert [len(r) for r in runs] == [8] and len(rest) == 4  # fc2 column slices stay out
+
+
+def test_gaps_and_lone_pairs_are_not_runs():
+    buf = torch.zeros(10)
+    a, b = random_bits((3,), torch.float32, seed=1), random_bits((3,), torch.float32, seed=2)
+    runs, rest = fastcopy.find_runs([(buf[0:3], a), (buf[4:7], b)])  # one element apart
+    assert runs == [] and rest == [0, 1]
+    runs, rest = fastcopy.find_runs([(buf[0:3], a), (torch.zeros(0), torch.zeros(0)), (buf[3:6], b)])
+    assert runs == [[0, 2]] and rest == []  # empty pairs copy nothing and break nothing
+    other = torch.zeros(10)
+    runs, rest = fastcopy.find_runs([(buf[0:3], a), (other[0:3], b)])
+    assert runs == [] and rest == [0, 1]
+
+
+@pytest.mark.parametrize("moe_tp", [1, 2])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_auto_plan_with_runs_is_bit_identical(moe_tp, shuffle):
+    order = [5, 0, 11, 3, 8, 1, 10, 2, 7, 4, 9, 6] if shuffle else None
+    pairs = sender_pairs(moe_tp=moe_tp, order=order)
+    plan = plan_copies(pairs)
+    plan.run()
+    for i, (d, s) in enumerate(pairs):
+        assert_same_bits(d, s, f"pair {i}")
+    assert plan.counts() == ({"cat": 2} if moe_tp == 1 else {"cat": 1, "copy": 4})
+    assert not plan.captured  # CPU plans never capture
+
+
+def test_named_backend_takes_every_pair_unless_runs_are_asked_for():
+    pairs = sender_pairs()
+    assert plan_copies(pairs, backend="loop").counts() == {"copy": 12}
+    assert plan_copies(pairs, backend="loop", runs=True).counts() == {"cat": 2}
+    with pytest.raises(ValueError, match="graph must be"):
+        plan_copies(pairs, graph="sometimes")
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+
+
+def _renew(pairs, seed):
+    for i, (_, s) in enumerate(pairs):
+        s.copy_(random_bits(tuple(s.shape), s.dtype, s.device, seed=seed + i))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moe_tp", [1, 2])
+def test_gpu_reused_plan_is_captured_at_its_second_run_and_copies_current_values(moe_tp):
+    pytest.importorskip("triton")
+    pairs = sender_pairs(experts=8, hidden=256, inter=128, moe_tp=moe_tp, device="cuda")
+    plan = plan_copies(pairs)
+    plan.run()
+    assert not plan.captured
+    for update in range(3):
+        _renew(pairs, seed=1000 * (update + 1))
+        plan.run()
+        assert plan.captured, plan.graph_error
+        torch.cuda.synchronize()
+        for i, (d, s) in enumerate(pairs):
+            assert_same_bits(d, s, f"update {update} pair {i}")
+
+
+@pytest.mark.gpu
+def test_gpu_graph_false_never_captures_and_true_captures_at_once():
+    pytest.importorskip("triton")
+    pairs = sender_pairs(moe_tp=2, device="cuda")
+    never = plan_copies(pairs, graph=False)
+    never.run()
+    never.run()
+    assert not never.captured
+    at_once = plan_copies(pairs, graph=True)
+    _renew(pairs, seed=77)
+    at_once.run()
+    assert at_once.captured, at_once.graph_error
+    torch.cuda.synchronize()
+    for i, (d, s) in enumerate(pairs):
+        assert_same_bits(d, s, f"graph=True pair {i}")
+
+
+@pytest.mark.gpu
+def test_gpu_plan_run_inside_a_callers_capture_is_recorded_into_that_graph():
+    pytest.importorskip("triton")
+    pairs = sender_pairs(moe_tp=2, device="cuda")
+    plan = plan_copies(pairs)
+    plan.run()  # compiles the kernel outside the capture
+    outer = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outer):
+        plan.run()
+    assert not plan.captured  # it issued its steps into the caller's graph instead
+    _renew(pairs, seed=5)
+    outer.replay()
+    torch.cuda.synchronize()
+    for i, (d, s) in enumerate(pairs):
+        assert_same_bits(d, s, f"replayed caller graph pair {i}")
+
+
+@pytest.mark.gpu
+def test_gpu_failed_capture_keeps_copying_eagerly_and_says_why(monkeypatch):
+    pytest.importorskip("triton")
+
+    class Refusing:
+        def capture_begin(self, *args, **kwargs):
+            raise RuntimeError("capture refused for the test")
+
+        def capture_end(self):
+            pass
+
+    pairs = sender_pairs(moe_tp=2, device="cuda")
+    plan = plan_copies(pairs)
+    plan.run()
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Refusing)
+    _renew(pairs, seed=9)
+    plan.run()
+    assert not plan.captured and "capture refused for the test" in plan.graph_error
+    torch.cuda.synchronize()
+    for i, (d, s) in enumerate(pairs):
+        assert_same_bits(d, s, f"eager after a failed capture, pair {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moe_tp,counts", [(1, {"cat": 2}), (2, {"cat": 1, "triton": 1})])
+def test_gpu_auto_plan_of_a_full_layer_is_batched_copies_and_one_launch(moe_tp, counts):
+    """The Qwen3.5-35B-A3B layer: whole tensors go to torch.cat, the strided rest to one
+    Triton launch (whole tiles: no masks)."""
+    pytest.importorskip("triton")
+    pairs = sender_pairs(experts=256, hidden=2048, inter=512, moe_tp=moe_tp, device="cuda")
+    plan = plan_copies(pairs)
+    assert plan.counts() == counts
+    launches = plan.launches
+    assert len(launches) == counts.get("triton", 0)
+    assert all(launch.even and launch.offset32 for launch in launches)
+    plan.run()
+    plan.run()
+    torch.cuda.synchronize()
+    for i, (d, s) in enumerate(pairs):
+        assert_same_bits(d, s, f"full layer MoE-TP {moe_tp} pair {i}")

@@ -102,3 +102,48 @@ def test_reused_copy_plan_keeps_pace_with_a_plain_copy(throughput):
     m = throughput.measure("cpu/direct_tp1/plan", plan.run, nbytes(pairs), repeats=REPEATS)
     assert_bits_equal(pairs)
     assert m.ratio > 0
+
+
+# --------------------------------------------------------------------------- one GPU
+#
+# The full Qwen3.5-35B-A3B layer (256 experts, hidden 2048, moe_ffn 512: 1.5 GiB of bf16),
+# reused plans as a sender runs them every update (captured in a CUDA graph). ci/gpu.sh runs
+# these with --weightsync-baseline ci/baselines/h200.json (tolerance 0.10) and saves what it
+# measured next to its results.
+
+GPU_LAYER = dict(experts=256, hidden=2048, inter=512)
+
+
+def gpu_layer_pairs(path):
+    E, H, inter = GPU_LAYER["experts"], GPU_LAYER["hidden"], GPU_LAYER["inter"]
+    tp = 1 if path == "packed" else int(path.removeprefix("direct_tp"))
+    part = inter // tp
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def bits(*shape):
+        return torch.randint(-(2**15), 2**15, shape, generator=g, dtype=torch.int16, device="cuda").view(torch.bfloat16)
+
+    fc1 = [bits(2 * inter, H) for _ in range(E)]
+    fc2 = [bits(H, inter) for _ in range(E)]
+    w13 = torch.zeros(E, 2 * part, H, dtype=torch.bfloat16, device="cuda")
+    w2 = torch.zeros(E, H, part, dtype=torch.bfloat16, device="cuda")
+    pairs = []
+    for e in range(E):
+        pairs.append((w13[e, :part], fc1[e][:part]))
+        pairs.append((w13[e, part:], fc1[e][inter:inter + part]))
+        pairs.append((w2[e], fc2[e][:, :part]))
+    return pairs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["packed", "direct_tp1", "direct_tp2"])
+def test_gpu_reused_plan_keeps_pace_with_a_plain_copy(throughput, path):
+    pytest.importorskip("triton")
+    pairs = gpu_layer_pairs(path)
+    plan = plan_copies(pairs)
+    plan.run()
+    plan.run()
+    assert plan.captured, plan.graph_error
+    m = throughput.measure(f"cuda/{path}/plan", plan.run, nbytes(pairs), device="cuda", repeats=REPEATS)
+    assert_bits_equal(pairs)
+    assert m.ratio > 0

@@ -15,6 +15,8 @@ pytest_plugins = ["pytester"]
 # Imported here, before any in-process run: pytester drops modules first imported inside a run,
 # and torch cannot be imported twice in one process.
 pytest.importorskip("torch")
+pytest.importorskip("torch.utils._python_dispatch")  # what the op counter imports, and
+pytest.importorskip("torch._dynamo")  # what entering a dispatch mode imports on first use
 
 MEASURED = """
 import time
@@ -103,18 +105,126 @@ def test_baseline_file_tolerance_applies_when_none_is_given(pytester):
     result.stdout.fnmatch_lines(["fast_path*100.000*0.010*ok"])
 
 
-def test_missing_and_new_entries_are_reported(pytester):
+def test_new_entries_are_listed_and_pass(pytester):
+    pytester.makepyfile(MEASURED.format(slow=1))
+    baseline = write_baseline(pytester, {})
+    result = pytester.runpytest(f"--weightsync-baseline={baseline}")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["fast_path*new", "*measured entries absent from the baseline: fast_path*"])
+
+
+def test_entry_whose_baseline_names_no_test_fails_when_not_measured(pytester):
     pytester.makepyfile(MEASURED.format(slow=1))
     baseline = write_baseline(pytester, {"gone_path": 0.5})
     result = pytester.runpytest(f"--weightsync-baseline={baseline}")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(
         [
-            "fast_path*new",
-            "gone_path*0.500*not measured",
-            "*baseline entries not measured in this run: gone_path*",
-            "*measured entries absent from the baseline: fast_path*",
+            "gone_path*0.500*NOT MEASURED",
+            "*baseline entry gone_path was not measured: the baseline names no test that measures it*",
         ]
     )
+
+
+SKIPPING = MEASURED + """
+
+def test_skipped_path(throughput):
+    pytest.skip("no accelerator here")
+    throughput.measure("skipped_path", lambda: None, 1 << 20)
+"""
+
+
+def _saved_with_skipped_entry(pytester):
+    """A baseline saved from a run where both paths measured, named by their tests."""
+    pytester.makepyfile(SKIPPING.format(slow=1).replace('pytest.skip("no accelerator here")', "pass"))
+    saved = pytester.path / "saved.json"
+    pytester.runpytest(f"--weightsync-save-baseline={saved}").assert_outcomes(passed=2)
+    data = json.loads(saved.read_text())
+    assert data["sources"]["skipped_path"].endswith(".py::test_skipped_path")
+    assert "/" not in data["sources"]["skipped_path"]
+    data["ratios"] = {k: v * 0.01 for k, v in data["ratios"].items()}  # ratios cannot regress
+    saved.write_text(json.dumps(data))
+    pytester.makepyfile(SKIPPING.format(slow=1))
+    return saved
+
+
+def test_entry_whose_test_was_skipped_fails_the_run(pytester):
+    saved = _saved_with_skipped_entry(pytester)
+    result = pytester.runpytest(f"--weightsync-baseline={saved}")
+    result.assert_outcomes(passed=1, skipped=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "skipped_path*NOT MEASURED",
+            "*baseline entry skipped_path was not measured:*::test_skipped_path skipped: no accelerator here*",
+        ]
+    )
+
+
+def test_entry_whose_test_was_deselected_is_listed_not_failed(pytester):
+    saved = _saved_with_skipped_entry(pytester)
+    result = pytester.runpytest(f"--weightsync-baseline={saved}", "-k", "fast_path")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(
+        ["skipped_path*not run (*::test_skipped_path deselected or not collected)",
+         "*baseline entries not run (their tests were deselected): skipped_path*"]
+    )
+
+
+COUNTED = """
+import torch
+
+def test_counted(throughput):
+    src = [torch.arange(8, dtype=torch.int16) for _ in range(4)]
+    out = torch.empty(32, dtype=torch.int16)
+    def path():
+        {body}
+    c = throughput.count_ops("ops/path", path)
+    assert torch.equal(out, torch.cat(src))
+"""
+BATCHED = "torch.cat(src, out=out)"
+LOOPED = "[out[8 * i:8 * i + 8].copy_(s) for i, s in enumerate(src)]"
+
+
+def test_counts_are_saved_and_an_increase_fails_the_run_naming_the_field(pytester):
+    pytester.makepyfile(COUNTED.format(body=BATCHED))
+    saved = pytester.path / "saved.json"
+    pytester.runpytest(f"--weightsync-save-baseline={saved}").assert_outcomes(passed=1)
+    data = json.loads(saved.read_text())
+    assert data["counts"]["ops/path"] == {
+        "op:aten.cat.out": 1, "bytes_written": 64, "allocations": 0, "allocated_bytes": 0,
+    }
+    assert pytester.runpytest(f"--weightsync-baseline={saved}").ret == 0
+    pytester.makepyfile(COUNTED.format(body=LOOPED))  # the same bytes, one copy per source
+    result = pytester.runpytest(f"--weightsync-baseline={saved}")
+    result.assert_outcomes(passed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "*weightsync throughput REGRESSION*",
+            "ops/path*op:aten.copy_.default*0*4*MORE",
+            "*does more per call than the baseline records*",
+        ]
+    )
+
+
+def test_fewer_counts_pass_with_a_note(pytester):
+    pytester.makepyfile(COUNTED.format(body=BATCHED))
+    baseline = pytester.path / "b.json"
+    baseline.write_text(json.dumps({"counts": {"ops/path": {
+        "op:aten.cat.out": 1, "op:aten.copy_.default": 4, "bytes_written": 128,
+        "allocations": 0, "allocated_bytes": 0}}}))
+    result = pytester.runpytest(f"--weightsync-baseline={baseline}")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["ops/path*op:aten.copy_.default*4*0*fewer (update the baseline)"])
+
+
+def test_malformed_counts_are_a_clear_usage_error(pytester):
+    pytester.makepyfile(COUNTED.format(body=BATCHED))
+    (pytester.path / "bad.json").write_text('{"counts": {"ops/path": {"bytes_written": -1}}}')
+    result = pytester.runpytest("--weightsync-baseline=bad.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*'counts' must map name -> {field: non-negative int}*"])
 
 
 def test_missing_baseline_file_is_a_clear_usage_error(pytester):
@@ -130,6 +240,10 @@ def test_malformed_baseline_is_a_clear_usage_error(pytester):
     result = pytester.runpytest("--weightsync-baseline=bad.json")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*'bad.json' has no 'ratios' mapping of name -> positive number*"])
+    (pytester.path / "empty.json").write_text("{}")
+    result = pytester.runpytest("--weightsync-baseline=empty.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*'empty.json' has neither 'ratios'*nor 'counts'*"])
 
 
 def test_tolerance_out_of_range_is_rejected(pytester):

@@ -1,0 +1,158 @@
+"""What each copy path does per MoE layer, counted exactly: the CPU guard CI can trust.
+
+Throughput ratios on a shared two-core CI machine move 30-40% run to run; these counts do not
+move at all. Each test runs one path once under the op counter (``throughput.count_ops``:
+aten operations dispatched, bytes written, temporaries allocated) and CI compares the result
+with ``ci/baselines/cpu.json`` exactly, so a regression to a per-expert loop (one copy per
+expert instead of one batched copy) or an extra full copy of the payload fails every time.
+
+Each test also checks the counts against figures derived here from the shapes alone (bytes
+written = payload bytes, nothing allocated by a reused plan), so the baseline cannot quietly
+absorb a wasteful path. The ``cuda-plan/*`` entries are what a plan would launch on a GPU
+(``CopyPlan.counts()`` of the same pairs planned for the Triton backend), checked on CPU.
+
+Shapes: Qwen3.5-35B-A3B's per-expert proportions, scaled down (16 experts, hidden 512,
+moe_ffn 256: 12 MiB of bf16 per layer).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pytest_weightsync.opcount import count_ops  # noqa: E402
+from pytest_weightsync.reference_impl import direct, hf_fused, packed  # noqa: E402
+from pytest_weightsync.reference_impl.fastcopy import copy_pairs, plan_copies  # noqa: E402
+from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology  # noqa: E402
+from pytest_weightsync.reference_impl.synth import full_weights  # noqa: E402
+
+EXPERTS, HIDDEN, INTER = 16, 512, 256
+SPEC = MoESpec(num_layers=1, num_experts=EXPERTS, hidden=HIDDEN, intermediate=INTER)
+ELEM = 2  # bf16
+
+
+def trainer_experts():
+    """Megatron SequentialMLP experts: separate fc1 ``[2I, H]`` = [gate; up], fc2 ``[H, I]``."""
+    g = torch.Generator().manual_seed(0)
+
+    def bits(*shape):
+        return torch.randint(-(2**15), 2**15, shape, generator=g, dtype=torch.int16).view(torch.bfloat16)
+
+    return [bits(2 * INTER, HIDDEN) for _ in range(EXPERTS)], [bits(HIDDEN, INTER) for _ in range(EXPERTS)]
+
+
+def layer_pairs(path: str):
+    """(pairs, payload bytes) of one layer: ``packed`` (every expert, whole), ``direct_tpK``
+    (receiver rank 0 of MoE-TP K: gate and up row blocks, strided fc2 columns when K > 1)."""
+    fc1, fc2 = trainer_experts()
+    tp = 1 if path == "packed" else int(path.removeprefix("direct_tp"))
+    part = INTER // tp
+    w13 = torch.zeros(EXPERTS, 2 * part, HIDDEN, dtype=torch.bfloat16)
+    w2 = torch.zeros(EXPERTS, HIDDEN, part, dtype=torch.bfloat16)
+    pairs = []
+    for e in range(EXPERTS):
+        pairs.append((w13[e, :part], fc1[e][:part]))
+        pairs.append((w13[e, part:], fc1[e][INTER:INTER + part]))
+        pairs.append((w2[e], fc2[e][:, :part]))
+    payload = (w13.numel() + w2.numel()) * ELEM
+    return pairs, payload
+
+
+def assert_bits_equal(pairs):
+    for i, (d, s) in enumerate(pairs):
+        diff = (d.view(torch.int16) != s.view(torch.int16)).nonzero()
+        assert diff.numel() == 0, f"pair {i} (expert {i // 3}): first differing element at {diff[0].tolist()}"
+
+
+PATHS = ("packed", "direct_tp1", "direct_tp2")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_reused_plan_writes_the_payload_once_and_allocates_nothing(throughput, path):
+    pairs, payload = layer_pairs(path)
+    plan = plan_copies(pairs)
+    plan.run()  # what a sender does every update after the first
+    c = throughput.count_ops(f"ops/{path}/plan", plan.run)
+    assert_bits_equal(pairs)
+    assert c.bytes_written == payload, c
+    assert c.allocations == 0, c
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_copy_pairs_writes_the_payload_once_and_allocates_nothing(throughput, path):
+    pairs, payload = layer_pairs(path)
+    c = throughput.count_ops(f"ops/{path}/copy_pairs", lambda: copy_pairs(pairs))
+    assert_bits_equal(pairs)
+    assert c.bytes_written == payload, c
+    assert c.allocations == 0, c
+
+
+@pytest.mark.parametrize("path", ("packed", "direct_tp1"))
+def test_whole_expert_tensors_are_one_batched_copy_per_fused_buffer(path):
+    """The independent part of the expectation: whole per-expert tensors into w13 and w2 are
+    two operations per layer however many experts there are - never a loop over them."""
+    pairs, _ = layer_pairs(path)
+    c = count_ops(path, plan_copies(pairs).run)
+    assert sum(c.ops.values()) == 2, c
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_cuda_plan_launches_a_fixed_number_of_kernels_per_layer(throughput, path):
+    """What the same pairs would launch on a GPU: torch.cat runs plus Triton launches."""
+    pytest.importorskip("triton")
+    pairs, payload = layer_pairs(path)
+    plan = plan_copies(pairs, backend="triton", runs=True, graph=False)
+    counts = plan.counts()
+    throughput.record_counts(
+        f"cuda-plan/{path}", {f"step:{k}": v for k, v in counts.items()},
+        bytes_written=sum(s.nbytes for s in plan.steps),
+    )
+    assert sum(s.nbytes for s in plan.steps) == payload
+    assert sum(counts.values()) <= 3, counts  # a launch per expert would be 16 or more
+
+
+@pytest.mark.parametrize("moe_tp", [1, 2])
+def test_per_expert_compat_loop_is_seen_as_a_loop(throughput, moe_tp):
+    """SGLang ``weight_loader``-style narrow + copy per (expert, shard): the counter must see
+    one copy per shard, or it could not catch a fast path regressing to this."""
+    _, payload = layer_pairs(f"direct_tp{moe_tp}")
+    experts_fc1, experts_fc2 = trainer_experts()
+    part = INTER // moe_tp
+    w13 = torch.zeros(EXPERTS, 2 * part, HIDDEN, dtype=torch.bfloat16)
+    w2 = torch.zeros(EXPERTS, HIDDEN, part, dtype=torch.bfloat16)
+
+    def load():
+        for e in range(EXPERTS):
+            w13[e].narrow(0, 0, part).copy_(experts_fc1[e].narrow(0, 0, part))
+            w13[e].narrow(0, part, part).copy_(experts_fc1[e].narrow(0, INTER, part))
+            w2[e].copy_(experts_fc2[e].narrow(1, 0, part))
+
+    c = throughput.count_ops(f"ops/per_expert_tp{moe_tp}", load)
+    assert c.ops == {"aten.copy_.default": 3 * EXPERTS}, c
+    assert c.bytes_written == payload
+
+
+def _export(sender: str, weights):
+    if sender == "packed":
+        return packed.export_layer(SPEC, 0, weights, "gate_up")
+    if sender == "hf_fused":
+        return hf_fused.export_layer(0, weights)
+    tp = int(sender.removeprefix("direct_tp"))
+    return direct.export_layer(SPEC, ReceiverTopology(tp=tp), 0, 0, weights)
+
+
+@pytest.mark.parametrize("sender", ("packed", "hf_fused", "direct_tp1", "direct_tp2"))
+def test_reference_sender_builds_each_fused_buffer_once(throughput, sender):
+    """The reference exporters per layer: two buffers allocated (w13, w2), the payload written
+    once into them, one batched copy per buffer - except the strided fc2 column slices of
+    MoE-TP > 1, which a CPU copies one expert at a time (a GPU: one Triton launch)."""
+    weights = full_weights(SPEC, version=1)[0]
+    out = []
+    c = throughput.count_ops(f"ops/sender/{sender}", lambda: out.extend(_export(sender, weights)))
+    payload = sum(t.numel() * t.element_size() for _, t in out)
+    assert len(out) == 2
+    assert c.allocations == 2 and c.allocated_bytes == payload, c
+    assert c.bytes_written == payload, c
+    strided = EXPERTS if sender == "direct_tp2" else 0
+    assert sum(c.ops.values()) == 2 + 2 - (strided > 0) + strided, c

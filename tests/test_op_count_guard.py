@@ -1,0 +1,91 @@
+"""The CPU op-count guard fails planted regressions every time, against the committed baseline.
+
+Runs ``suites/test_copy_op_counts.py`` in a subprocess with ``ci/baselines/cpu.json`` (what
+CI runs), once as committed and once with each planted regression loaded from a
+``conftest.py``: fastcopy no longer batching runs (every layer back to one copy per expert
+and shard), and a sender staging its payload through a temporary copy. The counts are exact,
+so these fail deterministically - unlike a throughput ratio on a busy two-core machine.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = ROOT / "suites" / "test_copy_op_counts.py"
+BASELINE = ROOT / "ci" / "baselines" / "cpu.json"
+
+PER_EXPERT_LOOP = """
+from pytest_weightsync.reference_impl import fastcopy
+
+# planted: runs are never found, so whole per-expert tensors are copied one pair at a time
+fastcopy.find_runs = lambda pairs: ([], [i for i, (d, _) in enumerate(pairs) if d.numel()])
+"""
+
+STAGING_COPY = """
+from pytest_weightsync.reference_impl import fastcopy
+
+_plan = fastcopy.plan_copies
+
+# planted: every source is staged through a temporary before it is copied
+def staged(pairs, *args, **kwargs):
+    return _plan([(d, s.clone()) for d, s in pairs], *args, **kwargs)
+
+fastcopy.plan_copies = staged
+"""
+
+
+def run_guard(tmp_path, conftest: str | None):
+    shutil.copy(SUITE, tmp_path / SUITE.name)
+    if conftest:
+        (tmp_path / "conftest.py").write_text(conftest)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "weightsync", "-p", "no:cacheprovider", "-q",
+         f"--weightsync-baseline={BASELINE}", "-o", "addopts=", "--rootdir", str(tmp_path), SUITE.name],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def baseline_exists():
+    if not BASELINE.exists():
+        pytest.fail(f"{BASELINE.relative_to(ROOT)} is missing: CI compares op counts against it")
+
+
+def test_committed_paths_match_the_committed_counts(tmp_path, baseline_exists):
+    rc, out = run_guard(tmp_path, None)
+    assert rc == 0, out
+    assert "REGRESSION" not in out, out
+
+
+def test_a_per_expert_loop_fails_the_guard(tmp_path, baseline_exists):
+    rc, out = run_guard(tmp_path, PER_EXPERT_LOOP)
+    assert rc == 1, out
+    assert "weightsync throughput REGRESSION" in out, out
+    # the reused plan of a whole-tensor layer: 2 batched copies became 48 single ones
+    lines = [line.split() for line in out.splitlines()]
+    assert ["ops/packed/plan", "op:aten.copy_.default", "0", "48", "MORE"] in lines, out
+    assert ["ops/packed/plan", "op:aten.cat.out", "2", "0", "fewer", "(update", "the", "baseline)"] in lines, out
+    assert ["cuda-plan/packed", "op:step:triton", "0", "1", "MORE"] in lines, out
+    assert ["ops/direct_tp2/plan", "op:aten.copy_.default", "16", "48", "MORE"] in lines, out
+
+
+def test_an_extra_staging_copy_fails_the_guard(tmp_path, baseline_exists):
+    """An extra copy is caught twice: the suite's own shape-derived expectation (payload
+    written once) fails the test, and the guard then reports its stored entry unmeasured."""
+    rc, out = run_guard(tmp_path, STAGING_COPY)
+    assert rc == 1, out
+    assert "weightsync throughput REGRESSION" in out, out
+    assert (
+        "baseline entry ops/sender/packed was not measured: test_copy_op_counts.py::"
+        "test_reference_sender_builds_each_fused_buffer_once[packed] failed in call"
+    ) in out, out
+    assert "allocations=50" in out, out  # the failing assertion shows the staged temporaries
