@@ -42,7 +42,7 @@ def main(argv=None) -> int:
             bar = ax.bar(x, r["gbps"], width=0.8, color="tab:blue" if "per_expert" not in r["path"] else "tab:gray")
             ax.annotate(f"{r['ratio_to_limit']:.2f}", (x, r["gbps"]), ha="center", va="bottom", fontsize=8)
             ticks.append(x)
-            labels.append(r["path"].split("/")[-1])
+            labels.append(r["path"].split("/", 1)[-1])
             x += 1
         ax.hlines(limit["gbps"], start - 0.45, x - 0.55, colors="tab:red", linestyles="dashed")
         ax.annotate(
