@@ -284,35 +284,30 @@ def find_runs(pairs: Sequence[tuple[Any, Any]]) -> tuple[list[list[int]], list[i
     of whole per-expert tensors into a fused ``w13``/``w2`` is). Everything else is the rest.
     """
     rest: list[int] = []
-    candidates = []
+    spans = []  # (device, storage, start, end, element width, index): one lookup per pair
     for i, (dst, src) in enumerate(pairs):
-        if dst.numel() and dst.is_contiguous() and src.is_contiguous() and dst.element_size() in _INT_OF_WIDTH:
-            candidates.append(i)
-        elif dst.numel():
+        if not dst.numel():
+            continue
+        if dst.is_contiguous() and src.is_contiguous() and dst.element_size() in _INT_OF_WIDTH:
+            start = dst.data_ptr()
+            spans.append((str(dst.device), dst.untyped_storage().data_ptr(), start,
+                          start + _nbytes(dst), dst.element_size(), i))
+        else:
             rest.append(i)
-    def key(i):
-        dst = pairs[i][0]
-        return (str(dst.device), dst.untyped_storage().data_ptr(), dst.data_ptr())
-    candidates.sort(key=key)
+    spans.sort()
     runs: list[list[int]] = []
     current: list[int] = []
-    for i in candidates:
-        if current:
-            prev = pairs[current[-1]][0]
-            dst = pairs[i][0]
-            if (
-                dst.device == prev.device
-                and dst.element_size() == prev.element_size()
-                and dst.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
-                and dst.data_ptr() == prev.data_ptr() + _nbytes(prev)
-            ):
-                current.append(i)
-                continue
+    prev = None
+    for span in spans:
+        if prev is not None and span[:2] == prev[:2] and span[2] == prev[3] and span[4] == prev[4]:
+            current.append(span[5])
+        else:
             if len(current) > 1:
                 runs.append(current)
             else:
                 rest.extend(current)
-        current = [i]
+            current = [span[5]]
+        prev = span
     if len(current) > 1:
         runs.append(current)
     else:
