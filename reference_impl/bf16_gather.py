@@ -248,7 +248,7 @@ def prepare_gather(
         slots = buffer.view(world, rnd.slot_bytes)
         pack = [(slots[rank, c.offset : c.offset + c.nbytes], src[c.key][rows(c)]) for c in rnd.chunks if c.owner == rank]
         unpack = [(dst[c.key][rows(c)], slots[c.owner, c.offset : c.offset + c.nbytes]) for c in rnd.chunks]
-        rounds.append(_RoundWork(buffer, slots[rank], plan_copies(pack), plan_copies(unpack)))
+        rounds.append(_RoundWork(buffer, slots[rank], plan_copies(pack, graph=False), plan_copies(unpack, graph=False)))
     return PreparedGather(plan, group, rank, out, buffers, tuple(rounds))
 
 
@@ -294,7 +294,7 @@ def _direct_rounds(plan: GatherPlan, rank: int, spans, group) -> list:
                 own.append((dst, src))
             else:
                 ops.append(dist.P2POp(dist.irecv, dst, peer_rank(owner), group))
-        rounds.append(_DirectRound(tuple(ops), plan_copies(own)))
+        rounds.append(_DirectRound(tuple(ops), plan_copies(own, graph=False)))
     return rounds
 
 

@@ -327,6 +327,13 @@ def test_named_backend_takes_every_pair_unless_runs_are_asked_for():
 # --------------------------------------------------------------------------- CUDA graphs
 
 
+def assert_pairs_copied(pairs, where):
+    """Every destination holds its source's bits (after the device finished writing)."""
+    torch.cuda.synchronize()
+    for i, (d, s) in enumerate(pairs):
+        assert_same_bits(d, s, f"{where}, pair {i}")
+
+
 def _renew(pairs, seed):
     for i, (_, s) in enumerate(pairs):
         s.copy_(random_bits(tuple(s.shape), s.dtype, s.device, seed=seed + i))
@@ -344,9 +351,7 @@ def test_gpu_reused_plan_is_captured_at_its_second_run_and_copies_current_values
         _renew(pairs, seed=1000 * (update + 1))
         plan.run()
         assert plan.captured, plan.graph_error
-        torch.cuda.synchronize()
-        for i, (d, s) in enumerate(pairs):
-            assert_same_bits(d, s, f"update {update} pair {i}")
+        assert_pairs_copied(pairs, f"update {update}")
 
 
 @pytest.mark.gpu
@@ -361,9 +366,7 @@ def test_gpu_graph_false_never_captures_and_true_captures_at_once():
     _renew(pairs, seed=77)
     at_once.run()
     assert at_once.captured, at_once.graph_error
-    torch.cuda.synchronize()
-    for i, (d, s) in enumerate(pairs):
-        assert_same_bits(d, s, f"graph=True pair {i}")
+    assert_pairs_copied(pairs, "graph=True")
 
 
 @pytest.mark.gpu
@@ -378,9 +381,7 @@ def test_gpu_plan_run_inside_a_callers_capture_is_recorded_into_that_graph():
     assert not plan.captured  # it issued its steps into the caller's graph instead
     _renew(pairs, seed=5)
     outer.replay()
-    torch.cuda.synchronize()
-    for i, (d, s) in enumerate(pairs):
-        assert_same_bits(d, s, f"replayed caller graph pair {i}")
+    assert_pairs_copied(pairs, "replayed caller graph")
 
 
 @pytest.mark.gpu
@@ -401,9 +402,7 @@ def test_gpu_failed_capture_keeps_copying_eagerly_and_says_why(monkeypatch):
     _renew(pairs, seed=9)
     plan.run()
     assert not plan.captured and "capture refused for the test" in plan.graph_error
-    torch.cuda.synchronize()
-    for i, (d, s) in enumerate(pairs):
-        assert_same_bits(d, s, f"eager after a failed capture, pair {i}")
+    assert_pairs_copied(pairs, "eager after a failed capture")
 
 
 @pytest.mark.gpu
@@ -420,6 +419,4 @@ def test_gpu_auto_plan_of_a_full_layer_is_batched_copies_and_one_launch(moe_tp, 
     assert all(launch.even and launch.offset32 for launch in launches)
     plan.run()
     plan.run()
-    torch.cuda.synchronize()
-    for i, (d, s) in enumerate(pairs):
-        assert_same_bits(d, s, f"full layer MoE-TP {moe_tp} pair {i}")
+    assert_pairs_copied(pairs, f"full layer MoE-TP {moe_tp}")
