@@ -146,12 +146,11 @@ def run(args) -> dict:
         print("best launch shapes for the strided rest:", ", ".join(
             f"{r['path']} {r['ratio_to_limit']:.3f}" for r in best))
 
-
-    def plan_rows(group: str, pairs, torch_fn=None):
+    def plan_rows(group: str, pairs, per_expert, torch_fn=None):
         plan = plan_copies(pairs)
         eager = plan_copies(pairs, graph=False)
         fns = {
-            "per_expert": None,  # filled by the caller
+            "per_expert": per_expert,
             f"{group}/copy_pairs": lambda: copy_pairs(pairs),
             f"{group}/plan": plan.run,
             f"{group}/plan/eager": eager.run,
@@ -175,8 +174,7 @@ def run(args) -> dict:
         torch.cat(fc1, out=w13.view(E * 2 * inter, H))
         torch.stack(fc2, out=w2)
 
-    fns, plan = plan_rows("packed", pairs, torch_packed)
-    fns["per_expert"] = lambda: per_expert_load(fc1, fc2, w13, w2, 1, 0)
+    fns, plan = plan_rows("packed", pairs, lambda: per_expert_load(fc1, fc2, w13, w2, 1, 0), torch_packed)
     bench("packed", fns, payload_bytes(pairs))
     check(pairs)
     graphed = {"packed": plan.captured}
@@ -200,8 +198,7 @@ def run(args) -> dict:
                 torch.stack([x for f in fc1 for x in (f[:part], f[inter:inter + part])], out=w13.view(2 * E, part, H))
                 torch.stack([f[:, :part] for f in fc2], out=w2)
 
-        fns, plan = plan_rows(group, pairs, torch_direct)
-        fns["per_expert"] = lambda: per_expert_load(fc1, fc2, w13, w2, tp, 0)
+        fns, plan = plan_rows(group, pairs, lambda: per_expert_load(fc1, fc2, w13, w2, tp, 0), torch_direct)
         bench(group, fns, payload_bytes(pairs))
         check(pairs)
         graphed[group] = plan.captured

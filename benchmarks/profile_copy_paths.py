@@ -19,23 +19,17 @@ import sys
 
 import torch
 
+from bench_expert_sync import FULL_LAYER, direct_pairs, trainer_experts
 from pytest_weightsync.reference_impl.fastcopy import find_runs, plan_copies
-
-E, H, INTER = 256, 2048, 512
 
 
 def layer_pairs(moe_tp: int):
-    part = INTER // moe_tp
-    fc1 = [torch.empty(2 * INTER, H, dtype=torch.bfloat16, device="cuda").random_() for _ in range(E)]
-    fc2 = [torch.empty(H, INTER, dtype=torch.bfloat16, device="cuda").random_() for _ in range(E)]
-    w13 = torch.empty(E, 2 * part, H, dtype=torch.bfloat16, device="cuda")
-    w2 = torch.empty(E, H, part, dtype=torch.bfloat16, device="cuda")
-    pairs = []
-    for e in range(E):
-        pairs.append((w13[e, :part], fc1[e][:part]))
-        pairs.append((w13[e, part:], fc1[e][INTER:INTER + part]))
-        pairs.append((w2[e], fc2[e][:, :part]))
-    return pairs
+    """Receiver rank 0's pairs of the full layer at MoE-TP ``moe_tp``, as the benchmark has them."""
+    E, H, inter = FULL_LAYER["experts"], FULL_LAYER["hidden"], FULL_LAYER["moe_ffn"]
+    fc1, fc2 = trainer_experts(E, H, inter, torch.bfloat16, "cuda")
+    w13 = torch.empty(E, 2 * inter // moe_tp, H, dtype=torch.bfloat16, device="cuda")
+    w2 = torch.empty(E, H, inter // moe_tp, dtype=torch.bfloat16, device="cuda")
+    return direct_pairs(fc1, fc2, w13, w2, moe_tp, 0)
 
 
 def main() -> int:
@@ -50,8 +44,8 @@ def main() -> int:
             steps.append((f"tp{tp} strided rest", plan_copies(strided, backend="triton", graph=False)))
             nbytes = sum(d.numel() * d.element_size() for d, _ in strided)
             src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-            dst = torch.empty_like(src)
-            steps.append((f"plain copy of {nbytes >> 20} MiB", type("P", (), {"run": lambda s: dst.copy_(src)})()))
+            plain = plan_copies([(torch.empty_like(src), src)], backend="loop", graph=False)
+            steps.append((f"plain copy of {nbytes >> 20} MiB", plain))
     for _, plan in steps:
         plan.run()
     torch.cuda.synchronize()

@@ -110,7 +110,7 @@ def count_ops(name: str, fn: Callable[[], Any]) -> OpCount:
                 totals["bytes_written"] += _nbytes(fresh)
             return out
 
-    with torch.no_grad(), Counter():
+    with torch.no_grad(), Counter():  # as senders write: autograd would add its own ops
         fn()
     return OpCount(name, dict(sorted(ops.items())), **totals)
 

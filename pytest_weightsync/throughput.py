@@ -475,16 +475,8 @@ class ThroughputGuard:
         self.outcomes: dict[str, str] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        key = test_key(report.nodeid)
-        if report.failed:
-            self.outcomes[key] = f"failed in {report.when}"
-        elif report.skipped:
-            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-            reason = reason.removeprefix("Skipped: ")
-            if not self.outcomes.get(key, "").startswith("failed"):
-                self.outcomes[key] = f"skipped: {reason}"
-        else:
-            self.outcomes.setdefault(key, "passed without recording it")
+        if self.baseline is not None:  # outcomes only explain unmeasured baseline entries
+            self._note_outcome(report)
         if report.when != "call" or not report.passed:
             return
         for key, value in report.user_properties:
@@ -495,6 +487,19 @@ class ThroughputGuard:
                 self.duplicates.append(f"{value['name']} (again in {report.nodeid})")
                 continue
             store[value["name"]] = value
+
+    def _note_outcome(self, report: pytest.TestReport) -> None:
+        """Keep the worst outcome of each test (failed > skipped > passed) by :func:`test_key`."""
+        key = test_key(report.nodeid)
+        if report.failed:
+            self.outcomes[key] = f"failed in {report.when}"
+        elif report.skipped:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            reason = reason.removeprefix("Skipped: ")
+            if not self.outcomes.get(key, "").startswith("failed"):
+                self.outcomes[key] = f"skipped: {reason}"
+        else:
+            self.outcomes.setdefault(key, "passed without recording it")
 
     def excused(self, name: str) -> str:
         """Why a stored entry that was not measured does not fail the run ("" if it does):

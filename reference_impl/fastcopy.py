@@ -417,9 +417,11 @@ def plan_copies(
     strided slices of MoE-TP > 1 on CUDA). A named backend (``"triton"``, ``"foreach"``,
     ``"loop"``) copies every pair its way, with no runs unless ``runs=True`` (for tests,
     benchmarks, and for planning what CUDA would do from CPU tensors: ``backend="triton",
-    runs=True``). A list spanning device types uses the loop and no runs. ``graph``: ``"auto"`` captures a CUDA plan in a CUDA
-    graph at its second run, ``True`` at its first, ``False`` never. ``triton_options`` go
-    to :class:`~pytest_weightsync.reference_impl.triton_copy.TritonCopyLaunch` (launch shape).
+    runs=True``). A list spanning device types uses the loop and no runs.
+
+    ``graph``: ``"auto"`` captures a CUDA plan in a CUDA graph at its second run, ``True`` at
+    its first, ``False`` never. ``triton_options`` go to
+    :class:`~pytest_weightsync.reference_impl.triton_copy.LaunchShape` (launch shape).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -442,8 +444,8 @@ def plan_copies(
         (plan._device,) = devices
     rest = checked
     if use_runs and len(device_types) == 1:
-        runs, rest_idx = find_runs(checked)
-        for run in runs:
+        run_lists, rest_idx = find_runs(checked)
+        for run in run_lists:
             plan._actions.append(_cat_action(checked, run))
             plan.steps.append(Step("cat", len(run), sum(_nbytes(checked[i][0]) for i in run), 1))
         rest = [checked[i] for i in rest_idx]

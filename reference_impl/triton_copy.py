@@ -27,7 +27,8 @@ import triton.language as tl
 #: of 2-16 K elements x 1-4 tiles per program x 2-8 warps): tiles of 4096 elements, one tile
 #: per program, 2 warps moved 1,820 GB/s against 1,769 for the earlier 4096 / 2 / 4 (which
 #: ncu showed at 64 registers a thread, 50% occupancy); 16 K tiles with 2 warps fell to 250-1,260.
-#: Streaming cache hints (evict-first loads, .cs stores) cost about 5% in an earlier sweep.
+#: Streaming cache hints (evict-first loads, .cs stores) cost about 5% in an earlier sweep, so
+#: the kernel uses plain loads and stores.
 #: Elements copied by one tile (8 KiB of bf16). The tile is ``TILE // block_cols`` rows
 #: by ``block_cols`` columns, with ``block_cols`` picked per pair from its row length so that
 #: narrow column slices (fc2 at MoE-TP 2: 256 columns) still fill whole tiles.
@@ -35,7 +36,6 @@ TILE = 4096
 MAX_BLOCK_COLS = 1024
 NUM_WARPS = 2
 TILES_PER_PROGRAM = 1
-STREAMING = False
 MIN_BLOCK_COLS = 16
 
 
@@ -64,7 +64,6 @@ def _copy_tiles_kernel(
     BLOCK_C: tl.constexpr,
     ALIGNED: tl.constexpr,
     TILES: tl.constexpr,
-    STREAMING: tl.constexpr,
     EVEN: tl.constexpr,
     OFFSET32: tl.constexpr,
 ):
@@ -135,13 +134,8 @@ def _copy_tiles_kernel(
             tl.store(dst_ptrs, vals)
         else:
             mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-            if STREAMING:
-                # Each byte is touched once: keep it from evicting anything useful from L2.
-                vals = tl.load(src_ptrs, mask=mask, eviction_policy="evict_first")
-                tl.store(dst_ptrs, vals, mask=mask, cache_modifier=".cs")
-            else:
-                vals = tl.load(src_ptrs, mask=mask)
-                tl.store(dst_ptrs, vals, mask=mask)
+            vals = tl.load(src_ptrs, mask=mask)
+            tl.store(dst_ptrs, vals, mask=mask)
 
 
 @dataclass(frozen=True)
@@ -198,7 +192,6 @@ class TritonCopyLaunch:
         self.block_rows = shape.block_rows(block_cols)
         self.num_warps = shape.num_warps
         self.tiles_per_program = tiles_per_program = shape.tiles_per_program
-        self.streaming = STREAMING
         self.aligned = aligned
         self.keep_alive = keep_alive
         meta = []
@@ -236,7 +229,6 @@ class TritonCopyLaunch:
             BLOCK_C=self.block_cols,
             ALIGNED=self.aligned,
             TILES=self.tiles_per_program,
-            STREAMING=self.streaming,
             EVEN=self.even,
             OFFSET32=self.offset32,
             num_warps=self.num_warps,

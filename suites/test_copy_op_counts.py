@@ -27,42 +27,18 @@ from pytest_weightsync.reference_impl.fastcopy import copy_pairs, plan_copies  #
 from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology  # noqa: E402
 from pytest_weightsync.reference_impl.synth import full_weights  # noqa: E402
 
+from .expert_layers import (  # noqa: E402
+    assert_bits_equal,
+    layer_bytes,
+    layer_pairs,
+    per_expert_load,
+    receiver_buffers,
+    trainer_experts,
+)
+
 EXPERTS, HIDDEN, INTER = 16, 512, 256
+LAYER = (EXPERTS, HIDDEN, INTER)
 SPEC = MoESpec(num_layers=1, num_experts=EXPERTS, hidden=HIDDEN, intermediate=INTER)
-ELEM = 2  # bf16
-
-
-def trainer_experts():
-    """Megatron SequentialMLP experts: separate fc1 ``[2I, H]`` = [gate; up], fc2 ``[H, I]``."""
-    g = torch.Generator().manual_seed(0)
-
-    def bits(*shape):
-        return torch.randint(-(2**15), 2**15, shape, generator=g, dtype=torch.int16).view(torch.bfloat16)
-
-    return [bits(2 * INTER, HIDDEN) for _ in range(EXPERTS)], [bits(HIDDEN, INTER) for _ in range(EXPERTS)]
-
-
-def layer_pairs(path: str):
-    """(pairs, payload bytes) of one layer: ``packed`` (every expert, whole), ``direct_tpK``
-    (receiver rank 0 of MoE-TP K: gate and up row blocks, strided fc2 columns when K > 1)."""
-    fc1, fc2 = trainer_experts()
-    tp = 1 if path == "packed" else int(path.removeprefix("direct_tp"))
-    part = INTER // tp
-    w13 = torch.zeros(EXPERTS, 2 * part, HIDDEN, dtype=torch.bfloat16)
-    w2 = torch.zeros(EXPERTS, HIDDEN, part, dtype=torch.bfloat16)
-    pairs = []
-    for e in range(EXPERTS):
-        pairs.append((w13[e, :part], fc1[e][:part]))
-        pairs.append((w13[e, part:], fc1[e][INTER:INTER + part]))
-        pairs.append((w2[e], fc2[e][:, :part]))
-    payload = (w13.numel() + w2.numel()) * ELEM
-    return pairs, payload
-
-
-def assert_bits_equal(pairs):
-    for i, (d, s) in enumerate(pairs):
-        diff = (d.view(torch.int16) != s.view(torch.int16)).nonzero()
-        assert diff.numel() == 0, f"pair {i} (expert {i // 3}): first differing element at {diff[0].tolist()}"
 
 
 PATHS = ("packed", "direct_tp1", "direct_tp2")
@@ -70,20 +46,22 @@ PATHS = ("packed", "direct_tp1", "direct_tp2")
 
 @pytest.mark.parametrize("path", PATHS)
 def test_reused_plan_writes_the_payload_once_and_allocates_nothing(throughput, path):
-    pairs, payload = layer_pairs(path)
+    pairs = layer_pairs(path, *LAYER)
+    payload = layer_bytes(path, *LAYER)
     plan = plan_copies(pairs)
     plan.run()  # what a sender does every update after the first
     c = throughput.count_ops(f"ops/{path}/plan", plan.run)
-    assert_bits_equal(pairs)
+    assert_bits_equal(pairs, EXPERTS)
     assert c.bytes_written == payload, c
     assert c.allocations == 0, c
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_copy_pairs_writes_the_payload_once_and_allocates_nothing(throughput, path):
-    pairs, payload = layer_pairs(path)
+    pairs = layer_pairs(path, *LAYER)
+    payload = layer_bytes(path, *LAYER)
     c = throughput.count_ops(f"ops/{path}/copy_pairs", lambda: copy_pairs(pairs))
-    assert_bits_equal(pairs)
+    assert_bits_equal(pairs, EXPERTS)
     assert c.bytes_written == payload, c
     assert c.allocations == 0, c
 
@@ -92,7 +70,7 @@ def test_copy_pairs_writes_the_payload_once_and_allocates_nothing(throughput, pa
 def test_whole_expert_tensors_are_one_batched_copy_per_fused_buffer(path):
     """The independent part of the expectation: whole per-expert tensors into w13 and w2 are
     two operations per layer however many experts there are - never a loop over them."""
-    pairs, _ = layer_pairs(path)
+    pairs = layer_pairs(path, *LAYER)
     c = count_ops(path, plan_copies(pairs).run)
     assert sum(c.ops.values()) == 2, c
 
@@ -101,7 +79,8 @@ def test_whole_expert_tensors_are_one_batched_copy_per_fused_buffer(path):
 def test_cuda_plan_launches_a_fixed_number_of_kernels_per_layer(throughput, path):
     """What the same pairs would launch on a GPU: torch.cat runs plus Triton launches."""
     pytest.importorskip("triton")
-    pairs, payload = layer_pairs(path)
+    pairs = layer_pairs(path, *LAYER)
+    payload = layer_bytes(path, *LAYER)
     plan = plan_copies(pairs, backend="triton", runs=True, graph=False)
     counts = plan.counts()
     throughput.record_counts(
@@ -116,19 +95,10 @@ def test_cuda_plan_launches_a_fixed_number_of_kernels_per_layer(throughput, path
 def test_per_expert_compat_loop_is_seen_as_a_loop(throughput, moe_tp):
     """SGLang ``weight_loader``-style narrow + copy per (expert, shard): the counter must see
     one copy per shard, or it could not catch a fast path regressing to this."""
-    _, payload = layer_pairs(f"direct_tp{moe_tp}")
-    experts_fc1, experts_fc2 = trainer_experts()
-    part = INTER // moe_tp
-    w13 = torch.zeros(EXPERTS, 2 * part, HIDDEN, dtype=torch.bfloat16)
-    w2 = torch.zeros(EXPERTS, HIDDEN, part, dtype=torch.bfloat16)
-
-    def load():
-        for e in range(EXPERTS):
-            w13[e].narrow(0, 0, part).copy_(experts_fc1[e].narrow(0, 0, part))
-            w13[e].narrow(0, part, part).copy_(experts_fc1[e].narrow(0, INTER, part))
-            w2[e].copy_(experts_fc2[e].narrow(1, 0, part))
-
-    c = throughput.count_ops(f"ops/per_expert_tp{moe_tp}", load)
+    fc1, fc2 = trainer_experts(*LAYER)
+    w13, w2 = receiver_buffers(*LAYER, moe_tp)
+    payload = layer_bytes(f"direct_tp{moe_tp}", *LAYER)
+    c = throughput.count_ops(f"ops/per_expert_tp{moe_tp}", lambda: per_expert_load(fc1, fc2, w13, w2, moe_tp))
     assert c.ops == {"aten.copy_.default": 3 * EXPERTS}, c
     assert c.bytes_written == payload
 

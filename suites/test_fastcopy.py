@@ -25,6 +25,8 @@ from pytest_weightsync.reference_impl.fastcopy import (  # noqa: E402
     plan_copies,
 )
 
+from .expert_layers import receiver_buffers, receiver_pairs, trainer_experts  # noqa: E402
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.bool)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -265,19 +267,9 @@ def test_gpu_full_layer_direct_tp2_slices_are_bit_identical():
 def sender_pairs(experts=4, hidden=16, inter=8, moe_tp=1, device="cpu", order=None):
     """Receiver rank 0's pairs of one layer from separate per-expert tensors (fc1 = [gate; up],
     fc2), in ``order`` (default expert by expert)."""
-    part = inter // moe_tp
-    fc1 = [random_bits((2 * inter, hidden), torch.bfloat16, device, seed=e) for e in range(experts)]
-    fc2 = [random_bits((hidden, inter), torch.bfloat16, device, seed=100 + e) for e in range(experts)]
-    w13 = torch.zeros(experts, 2 * part, hidden, dtype=torch.bfloat16, device=device)
-    w2 = torch.zeros(experts, hidden, part, dtype=torch.bfloat16, device=device)
-    pairs = []
-    for e in range(experts):
-        pairs.append((w13[e, :part], fc1[e][:part]))
-        pairs.append((w13[e, part:], fc1[e][inter:inter + part]))
-        pairs.append((w2[e], fc2[e][:, :part]))
-    if order is not None:
-        pairs = [pairs[i] for i in order]
-    return pairs
+    fc1, fc2 = trainer_experts(experts, hidden, inter, device)
+    pairs = receiver_pairs(fc1, fc2, *receiver_buffers(experts, hidden, inter, moe_tp, device), moe_tp)
+    return pairs if order is None else [pairs[i] for i in order]
 
 
 def test_runs_are_whole_contiguous_tensors_tiling_one_span_in_any_list_order():

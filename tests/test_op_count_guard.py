@@ -1,15 +1,15 @@
 """The CPU op-count guard fails planted regressions every time, against the committed baseline.
 
 Runs ``suites/test_copy_op_counts.py`` in a subprocess with ``ci/baselines/cpu.json`` (what
-CI runs), once as committed and once with each planted regression loaded from a
-``conftest.py``: fastcopy no longer batching runs (every layer back to one copy per expert
-and shard), and a sender staging its payload through a temporary copy. The counts are exact,
+CI runs), once as committed and once with each planted regression loaded as a plugin module:
+fastcopy no longer batching runs (every layer back to one copy per expert and shard), and a
+sender staging its payload through a temporary copy. The counts are exact,
 so these fail deterministically - unlike a throughput ratio on a busy two-core machine.
 """
 
 from __future__ import annotations
 
-import shutil
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,15 +42,17 @@ fastcopy.plan_copies = staged
 """
 
 
-def run_guard(tmp_path, conftest: str | None):
-    shutil.copy(SUITE, tmp_path / SUITE.name)
-    if conftest:
-        (tmp_path / "conftest.py").write_text(conftest)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "weightsync", "-p", "no:cacheprovider", "-q",
-         f"--weightsync-baseline={BASELINE}", "-o", "addopts=", "--rootdir", str(tmp_path), SUITE.name],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )
+def run_guard(tmp_path, plant: str | None):
+    """Run the suite in place (it imports its package's shared helpers) with the committed
+    baseline; ``plant`` is loaded first as a plugin module (``-p planted``)."""
+    args = [sys.executable, "-m", "pytest", "-p", "weightsync", "-p", "no:cacheprovider", "-q",
+            f"--weightsync-baseline={BASELINE}", "-o", "addopts=", str(SUITE)]
+    env = dict(os.environ)
+    if plant:
+        (tmp_path / "planted.py").write_text(plant)
+        args[3:3] = ["-p", "planted"]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -70,9 +72,11 @@ def test_a_per_expert_loop_fails_the_guard(tmp_path, baseline_exists):
     rc, out = run_guard(tmp_path, PER_EXPERT_LOOP)
     assert rc == 1, out
     assert "weightsync throughput REGRESSION" in out, out
-    # the reused plan of a whole-tensor layer: 2 batched copies became 48 single ones
+    # reused plans of a layer: 2 batched copies became one per pair - 32 whole per-expert
+    # tensors (packed), 48 gate/up/down slices (direct, MoE-TP 1)
     lines = [line.split() for line in out.splitlines()]
-    assert ["ops/packed/plan", "op:aten.copy_.default", "0", "48", "MORE"] in lines, out
+    assert ["ops/packed/plan", "op:aten.copy_.default", "0", "32", "MORE"] in lines, out
+    assert ["ops/direct_tp1/plan", "op:aten.copy_.default", "0", "48", "MORE"] in lines, out
     assert ["ops/packed/plan", "op:aten.cat.out", "2", "0", "fewer", "(update", "the", "baseline)"] in lines, out
     assert ["cuda-plan/packed", "op:step:triton", "0", "1", "MORE"] in lines, out
     assert ["ops/direct_tp2/plan", "op:aten.copy_.default", "16", "48", "MORE"] in lines, out
