@@ -1,10 +1,11 @@
-"""Root conftest: settings shared by the plugin's own tests and the conformance suites."""
+"""Root conftest of the repository: settings for the plugin's own tests and the reference's
+self-tests (not shipped: the installed conformance suites carry their own settings)."""
 
 pytest_plugins = ["pytester"]
 
 try:
     from hypothesis import HealthCheck, settings
-except ImportError:  # hypothesis is in the `test` extra
+except ImportError:  # pragma: no cover - hypothesis is a dependency
     pass
 else:
     settings.register_profile(

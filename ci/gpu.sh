@@ -12,7 +12,7 @@
 #          otherwise the stage is listed as not run)
 #   bench  benchmarks/bench_expert_sync.py --device cuda on one GPU, bench_gather.py on two
 #
-# Stage one also runs the GPU throughput guard (suites/test_throughput_guard.py -m gpu): its
+# Stage one also runs the GPU throughput guard (suites/selftest/test_throughput_guard.py -m gpu): its
 # ratios are saved as RESULTS_DIR/h200.json and compared with ci/baselines/h200.json (tolerance
 # 0.10) when the visible GPU is the one that file names.
 #
@@ -204,19 +204,19 @@ run_pytest() {
     fi
 }
 
-# File and per-file wall-clock limit (seconds). Any other suites/test_*.py with GPU tests
+# File and per-file wall-clock limit (seconds). Any other suites/selftest/test_*.py with GPU tests
 # (e.g. the Megatron-Bridge / DeepEP suites, which skip unless those packages are installed) is
 # appended with the default limit, so a new GPU suite cannot be forgotten.
 ONE_GPU_FILES=(
-    "suites/test_throughput_guard.py 180"
-    "suites/test_gpu_cuda_graph.py 120"
-    "suites/test_gpu_repeated.py 150"
-    "suites/test_fastcopy.py 120"
-    "suites/test_gpu_ipc.py 240"
-    "suites/test_gpu_nccl.py 60"
+    "suites/selftest/test_throughput_guard.py 180"
+    "suites/selftest/test_gpu_cuda_graph.py 120"
+    "suites/selftest/test_gpu_repeated.py 150"
+    "suites/selftest/test_fastcopy.py 120"
+    "suites/selftest/test_gpu_ipc.py 240"
+    "suites/selftest/test_gpu_nccl.py 60"
     "tests/test_ranks_gpu.py 90"
 )
-for f in $(grep -l "pytest.mark.gpu" suites/test_*.py 2>/dev/null); do
+for f in $(grep -l "pytest.mark.gpu" suites/selftest/test_*.py 2>/dev/null); do
     printf '%s\n' "${ONE_GPU_FILES[@]}" | grep -q "^$f " || ONE_GPU_FILES+=("$f 120")
 done
 
@@ -252,7 +252,7 @@ if has_stage one; then
             say "   $file: not present in this checkout"
             continue
         fi
-        if [ "$file" = "suites/test_throughput_guard.py" ]; then
+        if [ "$file" = "suites/selftest/test_throughput_guard.py" ]; then
             run_pytest "$file" 0 "$limit" -m gpu "$file" "${GUARD_ARGS[@]}"
         else
             run_pytest "$file" 0 "$limit" -m gpu "$file"
@@ -270,13 +270,13 @@ if has_stage two; then
     say ""
     if [ "$NGPU" -ge 2 ]; then
         say "== two GPUs (CUDA_VISIBLE_DEVICES=0,1)"
-        run_pytest "suites/test_gpu_nccl.py" 0,1 240 -m gpu suites/test_gpu_nccl.py
-        run_pytest "suites/test_gpu_ipc.py -k two_gpus" 0,1 120 -m gpu -k two_gpus suites/test_gpu_ipc.py
+        run_pytest "suites/selftest/test_gpu_nccl.py" 0,1 240 -m gpu suites/selftest/test_gpu_nccl.py
+        run_pytest "suites/selftest/test_gpu_ipc.py -k two_gpus" 0,1 120 -m gpu -k two_gpus suites/selftest/test_gpu_ipc.py
         run_pytest "tests/test_ranks_gpu.py" 0,1 120 -m gpu tests/test_ranks_gpu.py
         [ "$XDIST" -eq 1 ] && run_pytest "tests/test_ranks_gpu.py -n 2" 0,1 120 -m gpu -n 2 tests/test_ranks_gpu.py
     else
-        say "== two GPUs: not run: needs 2 GPUs, $NGPU visible (suites/test_gpu_nccl.py, the two-GPU"
-        say "   tests of suites/test_gpu_ipc.py and tests/test_ranks_gpu.py; listed per test above)"
+        say "== two GPUs: not run: needs 2 GPUs, $NGPU visible (suites/selftest/test_gpu_nccl.py, the two-GPU"
+        say "   tests of suites/selftest/test_gpu_ipc.py and tests/test_ranks_gpu.py; listed per test above)"
     fi
 fi
 

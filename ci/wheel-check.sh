@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
-# Proves the installable layout: the wheel alone (no checkout) carries the plugin, the
-# reference implementation and the conformance suites, under the one top-level name
-# pytest_weightsync.
+# Proves the wheel-only path a third party takes: `pip install pytest-weightsync mypkg`, then
+# `pytest -p weightsync --pyargs pytest_weightsync.suites --weightsync-only NAME`.
 #
 # 1. build the pytest-weightsync and example wheels from a copy of the sources (nothing is
-#    written into the checkout);
-# 2. check each wheel's top-level names (pytest_weightsync / weightsync_example_loader only);
-# 3. make a fresh venv in a temp dir OUTSIDE the checkout; give it the heavy dependencies
-#    without reinstalling them (a .pth file pointing at a directory of symlinks to everything
-#    in .venv's site-packages except this project's own installs), then pip install --no-deps
-#    both wheels;
-# 4. from a temp folder outside the checkout, run a small selection of the installed suites
-#    with `pytest -p weightsync --pyargs pytest_weightsync.suites`: the suites' conftest must
-#    parametrize moe_case, the example loader must pass and its swapped twin must fail.
+#    written into the checkout); check each wheel's top-level names, and that the wheel ships
+#    the conformance suites and their harness but not the reference's self-tests;
+# 2. make a fresh venv in a temp dir OUTSIDE the checkout holding only torch (linked from
+#    .venv with the packages torch itself requires: a 5 GB CUDA build is not reinstalled), then
+#    `pip install` both wheels the plain way: pip resolves everything else (pytest, hypothesis,
+#    megatron-core for the example's distributed exporter) from the package index, pinned by
+#    ci/constraints.txt so nothing can replace torch;
+# 3. from a temp folder outside the checkout, run the whole shipped conformance set:
+#    - against the example package's implementation (`example`: loader + distributed
+#      exporter): exit 0, verdict PASS;
+#    - against each broken twin (`example-swapped`, `example-unregrouped`): exit 1, FAIL with
+#      the bug located; the JSON's rerun command of the failing cell reruns exactly it.
 # Exits non-zero on any failure. Everything lives in one temp dir, removed on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 PY="$REPO/.venv/bin/python"
-SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/weightsync-wheel.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 fail() { echo "wheel-check: FAIL: $*" >&2; exit 1; }
@@ -27,74 +28,148 @@ start=$SECONDS
 # 1. wheels, built from copies of the sources (setuptools writes build/ and *.egg-info in-tree)
 mkdir -p "$WORK/src" "$WORK/dist"
 tar -C "$REPO" --exclude=./.venv --exclude=./.git --exclude='*.egg-info' --exclude=./build \
-    --exclude='__pycache__' --exclude=.hypothesis --exclude=.pytest_cache -cf - . \
-    | tar -C "$WORK/src" -xf -
+    --exclude='__pycache__' --exclude=.hypothesis --exclude=.pytest_cache --exclude='./.wt-*' \
+    -cf - . | tar -C "$WORK/src" -xf -
 "$PY" -m pip wheel --quiet --no-deps --no-build-isolation --no-index "$WORK/src" -w "$WORK/dist" \
     || fail "building the pytest-weightsync wheel"
 "$PY" -m pip wheel --quiet --no-deps --no-build-isolation --no-index \
     "$WORK/src/examples/weightsync-example-loader" -w "$WORK/dist" || fail "building the example wheel"
 
-# 2. top-level names of each wheel
-"$PY" - "$WORK/dist" <<'EOF' || fail "unexpected top-level names in a wheel"
+"$PY" - "$WORK/dist" <<'EOF' || fail "unexpected contents of a wheel"
 import sys, zipfile, pathlib
 allowed = {"pytest_weightsync": {"pytest_weightsync"},
            "weightsync_example_loader": {"weightsync_example_loader"}}
 for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
-    tops = {n.split("/", 1)[0] for n in zipfile.ZipFile(wheel).namelist()}
-    names = {t for t in tops if not t.endswith((".dist-info", ".data"))}
-    wanted = next((v for k, v in allowed.items() if k in names), None)
-    if wanted is None or names != wanted:
-        sys.exit(f"{wheel.name}: top-level names {sorted(names)}")
-    print(f"wheel-check: {wheel.name}: top-level {sorted(names)}")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/", 1)[0] for n in names}
+    tops = {t for t in tops if not t.endswith((".dist-info", ".data"))}
+    wanted = next((v for k, v in allowed.items() if k in tops), None)
+    if wanted is None or tops != wanted:
+        sys.exit(f"{wheel.name}: top-level names {sorted(tops)}")
+    if "pytest_weightsync" in tops:
+        shipped = {n for n in names if n.startswith("pytest_weightsync/suites/")}
+        for need in ("conformance/test_loader.py", "conformance/test_distributed_exporter.py",
+                     "harness/judge.py", "conftest.py"):
+            if f"pytest_weightsync/suites/{need}" not in shipped:
+                sys.exit(f"{wheel.name} lacks pytest_weightsync/suites/{need}")
+        selftests = sorted(n for n in shipped if "/selftest/" in n)
+        if selftests:
+            sys.exit(f"{wheel.name} ships the reference's self-tests: {selftests[:3]}")
+    print(f"wheel-check: {wheel.name}: top-level {sorted(tops)}")
 EOF
 
-# 3. fresh venv with the heavy dependencies linked in, not reinstalled
-"$PY" -m venv --without-pip "$WORK/venv"
+# 2. a fresh venv holding only torch (and what torch requires), then a plain pip install
+"$PY" -m venv "$WORK/venv"
 VPY="$WORK/venv/bin/python"
 VSITE=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-mkdir -p "$WORK/deps"
-for entry in "$SITE"/*; do
-    name=$(basename "$entry")
-    case "$name" in
-        pytest_weightsync*|__editable__*|weightsync_example*|*.pth|__pycache__) continue ;;
-    esac
-    ln -s "$entry" "$WORK/deps/$name"
-done
-echo "$WORK/deps" > "$VSITE/weightsync-wheel-check-deps.pth"
-"$PY" -m pip --python "$VPY" install --quiet --no-deps --no-index "$WORK"/dist/*.whl \
-    || fail "installing the wheels into the fresh venv"
+mkdir -p "$WORK/torch"
+"$PY" - "$WORK/torch" <<'EOF' || fail "linking torch into the fresh venv"
+import os, re, sys
+from importlib import metadata
+from pathlib import Path
 
-# 4. the installed suites, run from outside the checkout
-mkdir -p "$WORK/run"
-cd "$WORK/run"
-"$VPY" - "$WORK/venv" <<'EOF' || fail "the installed packages are not the ones imported"
+target = Path(sys.argv[1])
+wanted, todo = set(), ["torch"]
+while todo:  # torch and the distributions it requires, transitively (markers evaluated)
+    name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
+    if name in wanted:
+        continue
+    try:
+        dist = metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        continue
+    wanted.add(name)
+    from packaging.requirements import Requirement
+    for spec in dist.requires or ():
+        req = Requirement(spec)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            todo.append(req.name)
+linked = set()
+for name in sorted(wanted):
+    dist = metadata.distribution(name)
+    for f in dist.files or ():
+        top = f.parts[0]
+        if top in linked or top in ("..", "__pycache__") or top.endswith(".pth"):
+            continue
+        source = Path(dist.locate_file(top))
+        if source.exists():
+            os.symlink(source, target / top)
+            linked.add(top)
+print(f"wheel-check: fresh venv gets torch and {len(wanted) - 1} packages it requires: "
+      + ", ".join(sorted(wanted - {"torch"})))
+EOF
+echo "$WORK/torch" > "$VSITE/weightsync-wheel-check-torch.pth"
+"$VPY" -m pip install --quiet --disable-pip-version-check -c "$REPO/ci/constraints.txt" \
+    "$WORK"/dist/*.whl 2> >(grep -v "is ignored: it is neither" >&2) \
+    || fail "pip install of the wheels into the fresh venv"
+"$VPY" - "$WORK/venv" <<'EOF' || fail "the fresh venv does not hold what was installed"
 import sys, importlib.util
-import pytest_weightsync, pytest_weightsync.reference_impl, pytest_weightsync.suites
-import weightsync_example_loader
-for mod in (pytest_weightsync, pytest_weightsync.reference_impl, pytest_weightsync.suites,
-            weightsync_example_loader):
+from importlib import metadata
+import pytest_weightsync, pytest_weightsync.suites, weightsync_example_loader
+for mod in (pytest_weightsync, pytest_weightsync.suites, weightsync_example_loader):
     if not mod.__file__.startswith(sys.argv[1]):
         sys.exit(f"{mod.__name__} imported from {mod.__file__}, not the fresh venv")
-for name in ("reference_impl", "suites"):
+for name in ("reference_impl", "suites", "pytest_weightsync.suites.selftest"):
     if importlib.util.find_spec(name) is not None:
-        sys.exit(f"a top-level {name!r} is importable: the wheel must not install one")
-print("wheel-check: imports come from the fresh venv; no top-level reference_impl/suites")
+        sys.exit(f"{name!r} is importable: the wheel must not install it")
+if metadata.version("torch").split("+")[0] != "2.14.1":
+    sys.exit(f"torch {metadata.version('torch')} in the fresh venv: an install replaced it")
+print("wheel-check: imports come from the fresh venv; torch", metadata.version("torch"))
 EOF
-TOPOLOGY="L4E8H8I2-T.tp2ep4etp1pp2seq-R.tp1ep2dp1gu"
+
+# 3. the whole shipped conformance set, run from outside the checkout
+mkdir -p "$WORK/run"
+cd "$WORK/run"
+export WEIGHTSYNC_OPTIONAL_BUILTINS=none  # no SGLang here anyway; be explicit
+suite() { "$VPY" -m pytest -p weightsync --pyargs pytest_weightsync.suites -q -p no:cacheprovider \
+          -W ignore "$@"; }
+inner() { sed 's/^/wheel-check: inner run: /' "$1" | tail -40 >&2; }
+matrix() { grep -E "^(implementation|example)" "$1" | sed 's/^/wheel-check: matrix: /'; }
+
 set +e
-# The loader suite module by its installed name: its package conftest (moe_case) must load.
-"$VPY" -m pytest -p weightsync --pyargs pytest_weightsync.suites.test_conformance \
-    -p no:cacheprovider -k "on_every_rank and $TOPOLOGY" \
-    --weightsync-only example --weightsync-only example-swapped -v -W ignore > out.txt 2>&1
+suite --weightsync-only example --weightsync-report ok.json > ok.txt 2>&1
 rc=$?
 set -e
-# Show the matrix, prefixed: the inner run's own closing line ("2 failed, ...": the swapped twin
-# failing as it must) would read like the outcome of the whole CI run.
-grep -E "^(implementation|example)" out.txt | sed 's/^/wheel-check: matrix: /'
-fail() { sed 's/^/wheel-check: inner run: /' out.txt | tail -40 >&2; echo "wheel-check: FAIL: $*" >&2; exit 1; }
-[ $rc -eq 1 ] || fail "expected exit code 1 (example passes, example-swapped fails), got $rc"
-grep -Eq "test_loader_lands_bit_exact_on_every_rank\[$TOPOLOGY-example-(compat|packed|direct)\] PASSED" out.txt \
-    || fail "no moe_case-parametrized test of the example ran (suites' conftest not found?)"
-grep -Eq "^example +[0-9]+/0/0 +PASS" out.txt || fail "the example loader did not pass"
-grep -Eq "^example-swapped +0/[1-9][0-9]*/0 +FAIL" out.txt || fail "example-swapped did not fail"
+matrix ok.txt
+[ $rc -eq 0 ] || { inner ok.txt; fail "the example's conformance run exited $rc, expected 0"; }
+"$VPY" - ok.json <<'EOF' || { inner ok.txt; fail "the example is not PASS"; }
+import json, sys
+report = json.load(open(sys.argv[1]))
+(impl,) = report["implementations"]
+assert impl["name"] == "example" and impl["verdict"] == "PASS", impl
+assert set(impl["roles"]) == {"loader", "distributed_exporter"}, impl
+props = set(report["properties"])
+for prop in ("bit_exact", "in_place", "no_stale_values", "distributed_export_bit_exact"):
+    assert prop in props, (prop, props)
+assert not any("selftest" in t["nodeid"] for t in report["tests"])
+print(f"wheel-check: example PASS ({impl['ran']} tests, properties {sorted(props)})")
+EOF
+
+for twin in example-swapped example-unregrouped; do
+    set +e
+    suite --weightsync-only "$twin" -x --weightsync-report "$twin.json" > "$twin.txt" 2>&1
+    rc=$?
+    set -e
+    matrix "$twin.txt"
+    [ $rc -eq 1 ] || { inner "$twin.txt"; fail "$twin exited $rc, expected 1 (a located failure)"; }
+    "$VPY" - "$twin.json" "$twin" > rerun.sh <<'EOF' || { inner "$twin.txt"; fail "$twin did not fail located"; }
+import json, sys
+report = json.load(open(sys.argv[1]))
+twin = sys.argv[2]
+(impl,) = report["implementations"]
+assert impl["verdict_word"] == "FAIL", impl
+failure = report["failures"][0]
+wanted = {"example-swapped": "gate/up halves swapped",
+          "example-unregrouped": "first at layer=0 expert=0 projection="}[twin]
+assert wanted in failure["message"], failure["message"][:500]
+print(failure["rerun"])
+EOF
+    set +e
+    bash rerun.sh > rerun.txt 2>&1
+    rc=$?
+    set -e
+    grep -q "1 failed" rerun.txt && [ $rc -eq 1 ] \
+        || { inner rerun.txt; fail "the rerun command of $twin's failing cell did not rerun it"; }
+    echo "wheel-check: $twin FAIL, located; its rerun command reruns exactly the failing cell"
+done
 echo "wheel-check: OK in $((SECONDS - start)) s"

@@ -16,6 +16,7 @@ import pytest
 #: top level defines pytest hooks and/or fixtures and imports no heavy dependency.
 SUB_PLUGINS = (
     "pytest_weightsync.gpu_gate",
+    "pytest_weightsync.deadline",
     "pytest_weightsync.ranks.dispatch",
     "pytest_weightsync.registry",
     "pytest_weightsync.claims",
@@ -50,8 +51,37 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="fail a multi-rank test whose ranks have not all finished after this many seconds, "
-        "dumping the Python stack of every hung rank (default: 180, or the ini value).",
+        help="fail a multi-rank test whose ranks have not all finished its body after this many "
+        "seconds, dumping the Python stack of every hung rank (default: 180, or the ini value "
+        "weightsync_rank_timeout). Starting the ranks is bounded separately "
+        "(--weightsync-startup-timeout).",
+    )
+    group.addoption(
+        "--weightsync-startup-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="fail a multi-rank test whose rank processes have not all started and joined the "
+        "process group after this many seconds (an interpreter importing torch on a loaded "
+        "machine can take minutes; default: 300, or the ini value weightsync_startup_timeout).",
+    )
+    group.addoption(
+        "--weightsync-call-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="fail a conformance test whose call into the implementation in the pytest process "
+        "(load_weights, begin/end_update, export_weights) has not returned after this many "
+        "seconds, showing the call's Python stack; 0 for no limit (default: 300, or the ini "
+        "value weightsync_call_timeout).",
+    )
+    group.addoption(
+        "--weightsync-allow-partial",
+        action="store_true",
+        default=False,
+        help="exit 0 when no test failed even if a verdict is PARTIAL or NOT RUN (a -k or "
+        "single-file run while developing); without it such a run exits 1, since it "
+        "certifies nothing.",
     )
     group.addoption(
         "--weightsync-threads",
@@ -121,6 +151,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "weightsync_rank_timeout",
         "default per-test timeout in seconds for multi-rank tests",
         default="180",
+    )
+    parser.addini(
+        "weightsync_startup_timeout",
+        "seconds allowed for starting a pool's rank processes (default 300)",
+        default="",
+    )
+    parser.addini(
+        "weightsync_call_timeout",
+        "seconds an in-process implementation call may take; 0 for no limit (default 300)",
+        default="300",
     )
     parser.addini(
         "weightsync_tolerance",

@@ -66,32 +66,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
-#: Payload (wire) formats, fastest first (the order ``pytest_weightsync.reference_impl.select``
-#: falls back along):
-#:
-#: ``direct``   each receiver rank's own parameter names and exact shapes (SGLang
-#:              ``update_weights_from_tensor(load_format="direct")``);
-#: ``packed``   unsharded ``experts.w13_weight`` / ``experts.w2_weight`` of every expert in the
-#:              receiver's gate/up order: needs an engine-side loader (stock SGLang 0.5.23 has
-#:              no code path for these names);
-#: ``hf_fused`` the fused-experts checkpoint format SGLang's model ``load_weights`` accepts:
-#:              ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows first, always) and
-#:              ``experts.down_proj`` ``[E, H, I]``;
-#: ``compat``   per-expert Hugging Face names ``experts.{e}.{gate,up,down}_proj.weight``.
-FORMATS = ("direct", "packed", "hf_fused", "compat")
-#: Receiver orders of the two halves of ``w13_weight``.
-ORDERS = ("gate_up", "up_gate")
-#: The roles an implementation can play, by the method that provides each.
-ROLES = {"loader": "load_weights", "exporter": "export_weights",
-         "distributed_exporter": "export_weights_distributed"}
-#: Megatron-Core expert modules a trainer can hold its experts in (parameter spellings):
-#: ``sequential`` = ``SequentialMLP`` (``experts.local_experts.{i}.linear_fc1.weight``),
-#: ``te_grouped`` = ``TEGroupedMLP`` (``experts.linear_fc1.weight{i}``).
-EXPERT_IMPLS = ("sequential", "te_grouped")
-#: Trainer parallel sizes an exporter can bound (``TrainerTopology`` fields).
-TRAINER_AXES = ("tp", "ep", "etp", "pp")
-#: How a distributed exporter hands its streams over (see the module docstring).
-DELIVERIES = ("colocated", "distributed")
+from pytest_weightsync.vocabulary import (  # noqa: F401 - re-exported for implementations
+    DELIVERIES,
+    EXPERT_IMPLS,
+    EXPERT_MODULES,
+    FORMATS,
+    ORDERS,
+    RECEIVER_AXES,
+    ROLES,
+    TRAINER_AXES,
+)
+
+#: How the harness calls each protocol method: ``(positional parameters, keyword-only
+#: parameters, optional keywords)``. The registry checks every implementation's methods
+#: against this at registration (``inspect.signature``), so a wrong signature is one usage
+#: error naming the method instead of a TypeError per test. An optional keyword is passed
+#: only to a method that accepts it (by name or through ``**kwargs``): newer harness inputs
+#: reach the implementations that ask for them without breaking the others.
+SIGNATURES = {
+    "load_weights": (("params", "payload"), ("format", "spec", "topology", "rank"), ()),
+    "begin_update": (("params",), ("format", "spec", "topology", "rank"), ()),
+    "end_update": (("params",), ("format", "spec", "topology", "rank"), ()),
+    "export_weights": (("trainer_states",), ("format", "spec", "trainer", "receiver", "rank"), ()),
+    "export_weights_distributed": (
+        ("model_state",),
+        ("config", "format", "spec", "trainer", "receiver", "delivery", "bucket_bytes"),
+        ("model",)),
+}
 
 
 class ClaimError(TypeError):
@@ -170,7 +171,7 @@ class Capabilities:
                 raise ValueError(f"Capabilities.{name}: unknown value(s) {unknown}; "
                                  f"expected a subset of {allowed}")
             object.__setattr__(self, name, value)
-        for name in ("max_moe_tp", "max_moe_ep", "max_moe_dp",
+        for name in (*(f"max_{axis}" for axis in RECEIVER_AXES),
                      *(f"max_trainer_{axis}" for axis in TRAINER_AXES)):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
@@ -195,7 +196,7 @@ class Capabilities:
     def topology_refusal(self, role: str, spec, receiver) -> Optional[str]:
         """Why this implementation, in ``role``, is not run on ``receiver`` at all; ``None``
         when it claims it. (An exporter's order and padding gaps are routed, not refused.)"""
-        for axis in ("moe_tp", "moe_ep", "moe_dp"):
+        for axis in RECEIVER_AXES:
             limit = getattr(self, f"max_{axis}")
             if limit is not None and getattr(receiver, axis) > limit:
                 return f"claims {axis} <= {limit}, receiver has {axis}={getattr(receiver, axis)}"
@@ -217,7 +218,7 @@ class Capabilities:
         claims it."""
         impl = getattr(trainer, "expert_impl", "sequential")
         if impl not in self.expert_impls:
-            module = {"sequential": "SequentialMLP", "te_grouped": "TEGroupedMLP"}.get(impl, impl)
+            module = EXPERT_MODULES.get(impl, impl)
             return (f"claims trainer expert modules {sorted(self.expert_impls)}, the trainer "
                     f"holds its experts in {module} ({impl!r})")
         for axis in TRAINER_AXES:
@@ -334,9 +335,49 @@ def protocol_problems(obj) -> list[str]:
     if not isinstance(caps, Capabilities):
         problems.append(f"'capabilities' must be a pytest_weightsync.protocols.Capabilities, "
                         f"got {type(caps).__name__}")
+    for method in SIGNATURES:
+        problem = signature_problem(obj, method)
+        if problem is not None:
+            problems.append(problem)
     if not roles_of(obj):
         problems.append("it has none of load_weights(params, payload, *, format, spec, "
                         "topology, rank), export_weights(trainer_states, *, format, spec, "
                         "trainer, receiver, rank) and export_weights_distributed(model_state, *, "
                         "config, format, spec, trainer, receiver, delivery, bucket_bytes)")
     return problems
+
+
+def signature_problem(obj, method: str):
+    """Why ``obj.<method>`` cannot be called the way the harness calls it (see
+    :data:`SIGNATURES`), or ``None`` when it can (or ``obj`` has no such method)."""
+    import inspect
+
+    fn = getattr(obj, method, None)
+    if fn is None:
+        return None
+    if not callable(fn):
+        return f"{method} is a {type(fn).__name__}, not a method"
+    positional, keywords, _ = SIGNATURES[method]
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None  # a builtin or C callable: nothing to check before calling it
+    try:
+        sig.bind(*positional, **{k: None for k in keywords})
+    except TypeError as error:
+        wanted = ", ".join(positional) + ", *, " + ", ".join(keywords)
+        return (f"{method}{sig} cannot be called as {method}({wanted}): {error} (see "
+                f"pytest_weightsync.protocols)")
+    return None
+
+
+def accepts_keyword(fn, name: str) -> bool:
+    """Whether ``fn`` takes keyword ``name`` (by name or through ``**kwargs``)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == name and p.kind in (
+        p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)) for p in params)

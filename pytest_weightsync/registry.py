@@ -267,13 +267,39 @@ def _needs_optional(config: pytest.Config) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection(session: pytest.Session) -> None:
     """Resolve registrations before collecting, so a bad one is a usage error (exit code 4)
-    with its message, not a collection traceback per module - also on the xdist controller."""
+    with its message, not a collection traceback per module - also on the xdist controller.
+    The message is kept for the JSON report."""
     config = session.config
     only = config.getoption("weightsync_only", None) or ()
-    registry = base_registry(config) if only and _needs_optional(config) else \
-        declared_registry(config)
-    if only:
-        registry.only(only, "--weightsync-only")
+    try:
+        registry = base_registry(config) if only and _needs_optional(config) else \
+            declared_registry(config)
+        if only:
+            registry.only(only, "--weightsync-only")
+    except RegistrationError as error:
+        from pytest_weightsync.report import USAGE_ERROR
+
+        config.stash[USAGE_ERROR] = str(error)
+        raise
+
+
+class _NoImplementation:
+    """The parameter of a test whose role no selected implementation plays (e.g. an exporter
+    test under ``--weightsync-only`` naming a loader): such a test is deselected, not skipped."""
+
+    def __repr__(self) -> str:
+        return "no-implementation"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    unused = [item for item in items if any(
+        isinstance(getattr(item, "callspec", None) and item.callspec.params.get(name),
+                   _NoImplementation) for name in IMPL_FIXTURES)]
+    if unused:
+        drop = set(map(id, unused))
+        items[:] = [item for item in items if id(item) not in drop]
+        config.hook.pytest_deselected(items=unused)
 
 
 @pytest.fixture
@@ -337,6 +363,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     registry = registry_for(metafunc)
     for argname in wanted:
         entries = registry.with_role(IMPL_FIXTURES[argname])
+        if not entries:
+            metafunc.parametrize(argname, [_NoImplementation()], ids=["no-implementation"],
+                                 indirect=True)
+            continue
         metafunc.parametrize(argname, entries, ids=[e.name for e in entries], indirect=True)
 
 

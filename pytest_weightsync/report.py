@@ -1,5 +1,5 @@
 """The conformance matrix: implementation x property x topology, in the terminal, as JSON
-(``--weightsync-report PATH``) and as junit properties.
+(``--weightsync-report PATH``) and as junit properties, with each implementation's verdict.
 
 Tagging happens at collection: every test that checks a property (marker
 ``weightsync_property(name)``) or runs against a registered implementation gets
@@ -9,20 +9,27 @@ format and backend (marker ``weightsync_backend(name)``). pytest's ``--junitxml`
 report, so the matrix is built on the controller from reports alone
 (``pytest_runtest_logreport``), never from items - it works the same under ``-n``.
 
-The verdict of an implementation is decided by its conformance properties only: every
-property but :data:`HARDENING` (bit_exact, in_place, ..., and whatever property a suite adds).
-It is **FAIL** when any of their tests failed, **NOT RUN (props)** when a property collected for
-it ran no case at all (every case skipped: a claim too narrow to test, or a filter), and
-**PASS** only when every such property passed at least one case. :data:`HARDENING` is a report:
-its tests record a finding per bad kind (``record_property("weightsync_finding", ...)``, which
-xdist forwards like the tags) and are listed per implementation, never counted in the verdict
-(a hardening test that fails - a loader that refused a bucket after writing part of it - is a
-conformance failure and does count).
+Verdicts (:mod:`pytest_weightsync.verdict`) count every conformance property but
+:data:`HARDENING`, and certify only what ran: the run's selection
+(:mod:`pytest_weightsync.selection`) says which of an implementation's tests were selected,
+deselected or never collected, and a test counts only once its call phase reported. A run
+whose verdicts are not all PASS exits non-zero even when no test failed (PARTIAL, NOT RUN),
+unless ``--weightsync-allow-partial`` is given. :data:`HARDENING` is a report: its tests
+record a finding per bad kind (``record_property("weightsync_finding", ...)``) and are listed
+per implementation, never counted in the verdict (a hardening test that fails - a loader that
+refused a bucket after writing part of it - is a conformance failure and does count).
+
+Every message the plugin writes is cut: a failing test's pytest report (terminal, junit) to
+:data:`MAX_LONGREPR` characters, messages in the JSON and the matrix to :data:`MAX_MESSAGE`.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +37,10 @@ from typing import Optional
 
 import pytest
 
+from pytest_weightsync import verdict as verdicts
 from pytest_weightsync.registry import declared_registry, implementation_of, optional_names
+from pytest_weightsync.selection import Selection, SelectionRecorder, WorkerSelections
+from pytest_weightsync.vocabulary import HARDENING, PASS, PROPERTIES, VERDICTS
 
 PREFIX = "weightsync_"
 KEYS = ("implementation", "property", "topology", "format", "backend")
@@ -38,12 +48,25 @@ KEYS = ("implementation", "property", "topology", "format", "backend")
 FORMAT_PARAMS = ("payload_format", "path", "fmt", "restriction")
 #: What a test or a cell counts as, worst first.
 OUTCOMES = ("failed", "passed", "skipped")
+#: Longest failure message kept per test in the matrix and the JSON.
 MAX_MESSAGE = 4000
-#: The property whose tests report findings (strictness on bad input) instead of a verdict.
-HARDENING = "hardening"
+#: Longest pytest failure report (terminal, junit) of a tagged test.
+MAX_LONGREPR = 20000
 #: user_properties keys the hardening probe records at run time.
 FINDING_KEYS = ("bad_kind", "finding", "finding_detail")
 MAX_DETAIL = 100
+#: Versions of these distributions go into the JSON report (read from metadata, no import).
+VERSIONED = ("pytest-weightsync", "pytest", "pytest-xdist", "hypothesis", "torch", "sglang",
+             "megatron-core", "megatron-bridge", "transformer-engine")
+FORMAT_VERSION = 3
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters, keeping its head and tail."""
+    if len(text) <= limit:
+        return text
+    head, tail = (limit * 3) // 4, limit // 4
+    return f"{text[:head]}\n... [{len(text) - head - tail} characters cut] ...\n{text[-tail:]}"
 
 
 def _marker_arg(item: pytest.Item, name: str) -> Optional[str]:
@@ -56,7 +79,7 @@ def _marker_arg(item: pytest.Item, name: str) -> Optional[str]:
 
 def _topology_of(item: pytest.Item) -> Optional[str]:
     """The id of a topology-matrix case among the test's parameters (anything with ``spec``,
-    ``receiver`` and a string ``id``, like ``suites/matrix.Case``)."""
+    ``receiver`` and a string ``id``, like ``suites.harness.cases.Case`` / ``DistCase``)."""
     callspec = getattr(item, "callspec", None)
     if callspec is None:
         return None
@@ -95,6 +118,25 @@ def pytest_collection_modifyitems(items: list) -> None:
                 item.user_properties.append((PREFIX + key, value))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Where the test ran (the pytest process or an xdist worker): name the kind of a skip
+    (``weightsync_skip``: not claimed / not applicable / not run) and cut a huge failure
+    report before pytest prints it, writes it to junit or ships it to the controller."""
+    outcome = yield
+    report = outcome.get_result()
+    if not any(k.startswith(PREFIX) for k, _ in item.user_properties):
+        return
+    if report.skipped and call.excinfo is not None:
+        kind = getattr(call.excinfo.value, "kind", None)
+        if isinstance(kind, str):
+            report.user_properties.append((PREFIX + "skip", kind))
+    if report.failed and report.longrepr is not None:
+        text = str(report.longrepr)
+        if len(text) > MAX_LONGREPR:
+            report.longrepr = cut(text, MAX_LONGREPR)
+
+
 # --------------------------------------------------------------------------------------------
 # Collecting outcomes from reports
 # --------------------------------------------------------------------------------------------
@@ -102,15 +144,25 @@ def pytest_collection_modifyitems(items: list) -> None:
 
 @dataclass
 class TestResult:
+    """One tagged test as its reports tell it. ``outcome`` starts as ``not run`` and becomes
+    ``passed`` only when the call phase passed (a setup that passed is not a result)."""
+
+    __test__ = False  # not a pytest test class
+
     nodeid: str
     tags: dict
-    outcome: str = "passed"
+    outcome: str = "not run"
     message: str = ""
+    skip_kind: Optional[str] = None
     phases: set = field(default_factory=set)
     finding: dict = field(default_factory=dict)
+    duration: float = 0.0
+    location: Optional[tuple] = None
 
     def update(self, report) -> None:
         self.phases.add(report.when)
+        self.duration += float(getattr(report, "duration", 0.0) or 0.0)
+        self.location = self.location or getattr(report, "location", None)
         if report.failed:
             if self.outcome != "failed":
                 self.message = _failure_message(report)
@@ -118,6 +170,12 @@ class TestResult:
         elif report.skipped and self.outcome != "failed":
             self.outcome = "skipped"
             self.message = _skip_reason(report)
+        elif report.when == "call" and report.passed and self.outcome == "not run":
+            self.outcome = "passed"
+
+    @property
+    def ran(self) -> bool:
+        return self.outcome != "not run"
 
 
 def _failure_message(report) -> str:
@@ -126,15 +184,19 @@ def _failure_message(report) -> str:
     text = getattr(crash, "message", None) or getattr(report, "longreprtext", "") or str(longrepr)
     if report.when != "call":
         text = f"error in {report.when}: {text}"
-    return text[:MAX_MESSAGE]
+    return cut(text, MAX_MESSAGE)
+
+
+#: The exception name pytest puts before a skip's reason (``Skipped: ...``, or a skip kind's
+#: own class, ``NotClaimed: ...``).
+_SKIP_PREFIX = re.compile(r"^(?:[\w.]+\.)?(?:Skipped|NotClaimed|NotApplicable): ")
 
 
 def _skip_reason(report) -> str:
     longrepr = report.longrepr
     if isinstance(longrepr, tuple) and len(longrepr) == 3:
-        reason = str(longrepr[2])
-        return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
-    return str(longrepr or "")
+        return cut(_SKIP_PREFIX.sub("", str(longrepr[2]), count=1), MAX_MESSAGE)
+    return cut(str(longrepr or ""), MAX_MESSAGE)
 
 
 def _topologies(n: int) -> str:
@@ -146,22 +208,46 @@ def _worst(outcomes) -> str:
     for outcome in OUTCOMES:
         if outcome in outcomes:
             return outcome
-    return "skipped"
+    return "not run" if "not run" in outcomes else "skipped"
 
 
 def _topology_outcomes(cells: dict, impl: str, prop: str) -> Counter:
-    """How many topologies of ``impl`` x ``prop`` passed, failed and skipped; a topology
-    counts as the worst outcome among its tests."""
+    """How many topologies of ``impl`` x ``prop`` passed, failed, were skipped or did not
+    run; a topology counts as the worst outcome among its tests."""
     return Counter(_worst(t.outcome for t in tests)
                    for (i, p, _), tests in cells.items() if i == impl and p == prop)
 
 
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for name in VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
 class ConformanceReport:
-    """Outcomes of every tagged test, and what they add up to."""
+    """Outcomes of every tagged test, the run's selection, and what they add up to."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.results: dict[str, TestResult] = {}
+        self.started = time.time()
+        self.finished: Optional[float] = None
+        self.interrupted: Optional[str] = None
+        self.collection_errors: list[dict] = []
+        self.recorder = SelectionRecorder(config)
+        self.workers = WorkerSelections()
+        self._verdicts: Optional[dict] = None
+        self.exitstatus: Optional[int] = None
 
     # -- hooks -----------------------------------------------------------------------------
 
@@ -176,21 +262,93 @@ class ConformanceReport:
             result = self.results[report.nodeid] = TestResult(report.nodeid, tags)
         result.tags.update(tags)
         result.finding.update({k: str(v) for k, v in props if k in FINDING_KEYS})
+        for k, v in props:
+            if k == "skip":
+                result.skip_kind = str(v)
         result.update(report)
 
-    def pytest_sessionfinish(self, session) -> None:
+    def pytest_collectreport(self, report) -> None:
+        if report.failed:
+            self.collection_errors.append({"nodeid": report.nodeid,
+                                           "message": cut(str(report.longrepr), MAX_MESSAGE)})
+
+    def pytest_keyboard_interrupt(self, excinfo) -> None:
+        self.interrupted = f"interrupted: {excinfo.typename}"
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session, exitstatus) -> None:
+        self.finished = time.time()
+        self.exitstatus = int(exitstatus)
+        if self.interrupted is None and (session.shouldstop or session.shouldfail):
+            self.interrupted = f"stopped early: {session.shouldstop or session.shouldfail}"
+        if self.interrupted is None and int(exitstatus) == int(pytest.ExitCode.INTERRUPTED):
+            self.interrupted = "interrupted"
+        self._verdicts = None
+        judged = self.verdicts()
+        not_pass = {name: v for name, v in judged.items() if v.word != PASS}
+        allow = self.config.getoption("weightsync_allow_partial", False)
+        if not_pass and int(exitstatus) == int(pytest.ExitCode.OK) and not allow:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            self.exitstatus = int(session.exitstatus)
+            self.exit_note = (f"weightsync: exit status {int(session.exitstatus)}: "
+                              + ", ".join(f"{n} {v}" for n, v in sorted(not_pass.items()))
+                              + " (a verdict other than PASS certifies nothing; "
+                                "--weightsync-allow-partial accepts it)")
         path = self.config.getoption("weightsync_report", None)
         if path:  # written even when no tagged test ran: a CI step may read it unconditionally
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        if self.results:
+        if self.results or self.selection().implementations():
             for line in self.matrix_lines():
                 terminalreporter.write_line(line)
+        note = getattr(self, "exit_note", None)
+        if note:
+            terminalreporter.write_line(note)
         path = self.config.getoption("weightsync_report", None)
         if path:
             terminalreporter.write_line(f"weightsync: conformance report written to {path}")
+
+    # -- the selection and the verdicts ------------------------------------------------------
+
+    def _controller(self) -> bool:
+        return self.config.pluginmanager.getplugin("dsession") is not None
+
+    def selection(self) -> Selection:
+        if self._controller():
+            return self.workers.selection() or Selection()
+        return self.recorder.selection
+
+    def selection_known(self) -> bool:
+        return not self._controller() or self.workers.selection() is not None
+
+    def verdicts(self) -> dict:
+        """``{implementation: Verdict}`` of every implementation with tests in this run."""
+        if self._verdicts is not None:
+            return self._verdicts
+        selection = self.selection()
+        known = self.selection_known()
+        impls = sorted({r.tags["implementation"] for r in self.conformance()}
+                       | set(selection.implementations()))
+        out = {}
+        for impl in impls:
+            outcomes = [verdicts.Outcome(r.nodeid, r.outcome, r.skip_kind, r.message,
+                                         counts=r.tags.get("property") != HARDENING)
+                        for r in self.conformance() if r.tags["implementation"] == impl]
+            selected = selection.selected.get(impl, []) if known and impl in selection.roles \
+                else None
+            out[impl] = verdicts.decide(
+                outcomes, selected=selected, deselected=selection.deselected.get(impl, 0),
+                missing_modules=selection.missing_modules(impl) if known else (),
+                interrupted=self.interrupted is not None, selection_known=known)
+        self._verdicts = out
+        return out
+
+    def verdict(self, impl: str, cells: Optional[dict] = None) -> str:
+        """The verdict text of ``impl`` (``PASS``, ``FAIL (...)``, ``PARTIAL (...)``, ...)."""
+        judged = self.verdicts().get(impl)
+        return str(judged) if judged is not None else "NOT RUN (no test)"
 
     # -- aggregation -----------------------------------------------------------------------
 
@@ -209,32 +367,17 @@ class ConformanceReport:
 
     def _axes(self):
         cells = self.cells()
-        impls = sorted({k[0] for k in cells})
+        impls = sorted({k[0] for k in cells} | set(self.selection().implementations()))
         props = sorted({k[1] for k in cells}, key=self._property_order)
         topos = sorted({k[2] for k in cells})
         return cells, impls, props, topos
 
     @staticmethod
     def _property_order(name: str):
-        known = ("bit_exact", "export_bit_exact", "in_place", "no_stale_values",
-                 "fallback_routing", HARDENING)
+        known = tuple(p for p in PROPERTIES if p != HARDENING)
         if name == HARDENING:
             return (2, 0, name)
         return (0, known.index(name), name) if name in known else (1, 0, name)
-
-    def verdict(self, impl: str, cells: Optional[dict] = None) -> str:
-        """``PASS``, ``FAIL`` or ``NOT RUN (properties that ran no case)`` of ``impl``."""
-        cells = self.cells() if cells is None else cells
-        mine = {k: v for k, v in cells.items() if k[0] == impl}
-        if any(t.outcome == "failed" for tests in mine.values() for t in tests):
-            return "FAIL"
-        props = sorted({p for (_, p, _) in mine if p != HARDENING}, key=self._property_order)
-        if not props:
-            return "NOT RUN (no conformance property)"
-        not_run = [p for p in props if not _topology_outcomes(cells, impl, p)["passed"]]
-        if not_run:
-            return f"NOT RUN ({', '.join(not_run)})"
-        return "PASS"
 
     def findings(self) -> dict:
         """``{implementation: {(format, kind): {finding: {"topologies": [...], "detail": the
@@ -270,20 +413,48 @@ class ConformanceReport:
             return f"{text}, {c['failed']} failed" if c["failed"] else text
         if not c["passed"] and not c["failed"]:
             return "not run"
-        return f"{c['passed']}/{c['failed']}/{c['skipped']}"
+        return f"{c['passed']}/{c['failed']}/{c['skipped'] + c['not run']}"
+
+    def rerun_command(self, result: TestResult) -> str:
+        """A shell command that reruns exactly ``result``'s test against its implementation,
+        from the directory pytest was started in."""
+        invocation = self.config.invocation_params
+        path, sep, rest = result.nodeid.partition("::")
+        target = str((self.config.rootpath / path).resolve()) + sep + rest
+        args = ["-p", "weightsync"]
+        given = list(invocation.args)
+        for i, arg in enumerate(given):
+            if arg == "-p" and i + 1 < len(given) and given[i + 1] != "weightsync":
+                args += ["-p", given[i + 1]]
+            elif arg.startswith("-p") and len(arg) > 2 and arg[2:] != "weightsync":
+                args += ["-p", arg[2:]]
+        for option, flag in (("weightsync_loader", "--weightsync-loader"),
+                             ("weightsync_eligibility", "--weightsync-eligibility")):
+            for value in self.config.getoption(option, None) or ():
+                args += [flag, value]
+        for option, flag in (("weightsync_call_timeout", "--weightsync-call-timeout"),
+                             ("weightsync_rank_timeout", "--weightsync-rank-timeout")):
+            value = self.config.getoption(option, None)
+            if value is not None:
+                args += [flag, str(value)]
+        args += ["--weightsync-only", result.tags["implementation"], "--weightsync-allow-partial"]
+        python = shlex.quote(sys.executable)
+        return (f"cd {shlex.quote(str(invocation.dir))} && {python} -m pytest "
+                + " ".join(shlex.quote(a) for a in [*args, target]))
 
     def matrix_lines(self) -> list[str]:
         cells, impls, props, topos = self._axes()
         lines = []
-        if cells:
+        if impls:
             findings = self.findings()
             lines.append("=" * 20 + " weightsync conformance matrix " + "=" * 20)
             lines.append(f"cells: topologies passed / failed / skipped (of {len(topos)} "
                          f"topologies; a topology fails when any of its tests fails; 'not run': "
-                         f"no case ran). The verdict counts every property but {HARDENING}.")
+                         f"no case ran). The verdict counts every property but {HARDENING}, and "
+                         f"only what ran: one of {', '.join(VERDICTS)}.")
             cell_text = {(impl, p): self._cell_text(cells, impl, p, findings)
                          for impl in impls for p in props}
-            verdict = {impl: self.verdict(impl, cells) for impl in impls}
+            verdict = {impl: self.verdict(impl) for impl in impls}
             first = max([len("implementation")] + [len(i) for i in impls])
             widths = [max(len(p), max(len(cell_text[i, p]) for i in impls)) for p in props]
             header = "  ".join([f"{'implementation':<{first}}"]
@@ -293,10 +464,13 @@ class ConformanceReport:
                 row = [f"{impl:<{first}}"] + [f"{cell_text[impl, p]:>{w}}"
                                               for p, w in zip(props, widths)]
                 lines.append("  ".join(row + [verdict[impl]]))
+            if self.interrupted:
+                lines.append(f"the run was {self.interrupted}: tests without a result are not "
+                             f"counted as passed")
             failures = [t for t in self.conformance() if t.outcome == "failed"]
             if failures:
                 lines.append(f"failures ({len(failures)} tests; first per implementation and "
-                             f"property):")
+                             f"property, with the command that reruns it):")
                 shown = set()
                 for t in failures:
                     key = (t.tags["implementation"], t.tags.get("property"))
@@ -304,7 +478,9 @@ class ConformanceReport:
                         continue
                     shown.add(key)
                     head = t.message.strip().splitlines()[0] if t.message.strip() else "(no message)"
-                    lines.append(f"  {key[0]} / {key[1]} / {t.tags.get('topology', '-')}: {head}")
+                    lines.append(f"  {key[0]} / {key[1]} / {t.tags.get('topology', '-')}: "
+                                 f"{cut(head, 300)}")
+                    lines.append(f"    rerun: {self.rerun_command(t)}")
             lines += self.hardening_lines(findings)
         lines += self.footer_lines()
         return lines
@@ -344,6 +520,8 @@ class ConformanceReport:
                 by_impl.setdefault(r.tags["implementation"], Counter())[r.outcome] += 1
             lines.append("weightsync tests per implementation (passed / failed / skipped): "
                          + ", ".join(f"{i} {c['passed']}/{c['failed']}/{c['skipped']}"
+                                     + (f" ({c['not run']} without a result)" if c["not run"]
+                                        else "")
                                      for i, c in sorted(by_impl.items())))
         others = [r for r in self.results.values() if "implementation" not in r.tags]
         if others:
@@ -368,6 +546,26 @@ class ConformanceReport:
                 out.setdefault(r.tags["backend"], Counter())[r.outcome] += 1
         return {b: {o: c[o] for o in ("passed", "failed", "skipped")} for b, c in out.items()}
 
+    def _selection_json(self) -> dict:
+        invocation = self.config.invocation_params
+        option = self.config.option
+        selection = self.selection()
+        return {
+            "args": list(invocation.args),
+            "invocation_dir": str(invocation.dir),
+            "rootdir": str(self.config.rootpath),
+            "keyword": getattr(option, "keyword", "") or None,
+            "markexpr": getattr(option, "markexpr", "") or None,
+            "last_failed": bool(getattr(option, "lf", False) or getattr(option, "failedfirst", False)),
+            "maxfail": getattr(option, "maxfail", 0) or None,
+            "weightsync_only": list(self.config.getoption("weightsync_only", None) or ()),
+            "selected": selection.selected_total,
+            "deselected": selection.deselected_total,
+            "deselected_per_implementation": dict(selection.deselected),
+            "conformance_modules_collected": sorted(selection.modules),
+            "known": self.selection_known(),
+        }
+
     def to_json(self) -> dict:
         cells, impls, props, topos = self._axes()
         try:
@@ -376,6 +574,8 @@ class ConformanceReport:
             known = {}
         optional = optional_names()
         findings = self.findings()
+        judged = self.verdicts()
+        selection = self.selection()
         implementations = []
         for name in impls:
             entry = known.get(name)
@@ -384,13 +584,18 @@ class ConformanceReport:
             elif name in optional:
                 source, roles = f"built-in default (stock {optional[name]})", ["loader"]
             else:
-                source, roles = "conftest fixture or worker-only registration", None
-            verdict = self.verdict(name, cells)
+                source = "conftest fixture or worker-only registration"
+                roles = selection.roles.get(name)
+            v = judged.get(name)
             implementations.append({
                 "name": name,
                 "source": source,
                 "roles": roles,
-                "verdict": verdict,
+                "verdict": str(v) if v is not None else "NOT RUN (no test)",
+                "verdict_word": v.word if v is not None else "NOT RUN",
+                "ran": v.ran if v is not None else 0,
+                "total": v.total if v is not None else 0,
+                "details": list(v.details) if v is not None else [],
                 "outcome": _worst(_worst(t.outcome for t in tests)
                                   for (i, p, _), tests in cells.items()
                                   if i == name and p != HARDENING),
@@ -399,54 +604,83 @@ class ConformanceReport:
                             and not _topology_outcomes(cells, name, p)["passed"]],
                 "hardening": self._hardening_cell(findings.get(name, {})),
             })
-        cell_list = []
+        cell_list, failures = [], []
         for (impl, prop, topo), tests in cells.items():
-            cell_list.append({
+            failed = [t for t in tests if t.outcome == "failed"]
+            cell = {
                 "implementation": impl, "property": prop, "topology": topo,
                 "outcome": _worst(t.outcome for t in tests),
                 "tests": dict(Counter(t.outcome for t in tests)),
+                "duration_s": round(sum(t.duration for t in tests), 6),
                 "failures": [{"nodeid": t.nodeid, "format": t.tags.get("format"),
-                              "message": t.message} for t in tests if t.outcome == "failed"],
+                              "message": t.message} for t in failed],
                 "skip_reasons": sorted({t.message for t in tests if t.outcome == "skipped"}),
-            })
+            }
+            if failed:
+                cell["rerun"] = self.rerun_command(failed[0])
+                failures.append({"implementation": impl, "property": prop, "topology": topo,
+                                 "nodeid": failed[0].nodeid, "message": failed[0].message,
+                                 "rerun": cell["rerun"]})
+            cell_list.append(cell)
         summary = {}
         for impl in impls:
             summary[impl] = {}
             for prop in props:
                 c = _topology_outcomes(cells, impl, prop)
                 if c:
-                    summary[impl][prop] = {o: c[o] for o in ("passed", "failed", "skipped")}
+                    summary[impl][prop] = {o: c[o] for o in ("passed", "failed", "skipped",
+                                                             "not run") if o != "not run" or c[o]}
         return {
-            "format_version": 2,
+            "format_version": FORMAT_VERSION,
+            "started": _utc(self.started),
+            "finished": _utc(self.finished or time.time()),
+            "duration_s": round((self.finished or time.time()) - self.started, 3),
+            "versions": _versions(),
+            "selection": self._selection_json(),
+            "interrupted": self.interrupted,
+            "exitstatus": self.exitstatus,
+            "usage_error": self.config.stash.get(USAGE_ERROR, None),
+            "collection_errors": self.collection_errors,
             "implementations": implementations,
             "properties": props,
             "topologies": topos,
             "summary": summary,
             "cells": cell_list,
+            "failures": failures,
             "backends": self.backends(),
             "hardening": {impl: [{"format": fmt, "kind": kind, "findings": [
                 {"finding": text, **entry} for text, entry in texts.items()]}
                 for (fmt, kind), texts in sorted(by_key.items())]
                 for impl, by_key in sorted(findings.items())},
             "tests": [{"nodeid": r.nodeid, **r.tags, "outcome": r.outcome,
+                       "skip_kind": r.skip_kind, "duration_s": round(r.duration, 6),
                        "message": r.message or None, **r.finding}
                       for r in self.results.values()],
         }
 
 
 _REPORT = pytest.StashKey[ConformanceReport]()
+#: The text of a usage error raised while resolving registrations (written to the JSON).
+USAGE_ERROR = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config, "workerinput"):
-        return  # xdist worker: its reports reach the controller, which builds the matrix
+        # xdist worker: its reports reach the controller, which builds the matrix; it only
+        # records what it selected
+        config.pluginmanager.register(SelectionRecorder(config), "weightsync-selection")
+        return
     report = ConformanceReport(config)
     config.stash[_REPORT] = report
     config.pluginmanager.register(report, "weightsync-conformance-report")
+    config.pluginmanager.register(report.recorder, "weightsync-selection")
+    config.pluginmanager.register(report.workers, "weightsync-worker-selections")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     report = config.stash.get(_REPORT, None)
     if report is not None:
-        config.pluginmanager.unregister(report)
+        for plugin in (report, report.recorder, report.workers):
+            if config.pluginmanager.is_registered(plugin):
+                config.pluginmanager.unregister(plugin)
         del config.stash[_REPORT]

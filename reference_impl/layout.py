@@ -22,15 +22,13 @@ from typing import NamedTuple, Optional
 import torch
 
 from pytest_weightsync.reference_impl.errors import WeightSyncError
+from pytest_weightsync.vocabulary import EXPERT_IMPLS, ORDERS, PAD_MODES
 
 #: Projections of one gated expert, in Hugging Face terms.
 PROJECTIONS = ("gate", "up", "down")
-#: Receiver orders of the two halves of ``w13_weight``.
-GATE_UP_ORDERS = ("gate_up", "up_gate")
-#: How a receiver with padded buffers slices the intermediate dimension (see ``ReceiverTopology``).
-PAD_MODES = ("even", "blocked")
-#: Trainer expert implementations (Megatron-Core class names in parameter naming terms).
-EXPERT_IMPLS = ("sequential", "te_grouped")
+#: Receiver orders of the two halves of ``w13_weight``; how padded buffers slice the
+#: intermediate dimension (see ``ReceiverTopology``); trainer expert modules.
+GATE_UP_ORDERS = ORDERS
 #: The two fused receiver parameters of one layer.
 RECEIVER_PARAMS = ("w13", "w2")
 

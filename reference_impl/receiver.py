@@ -63,6 +63,7 @@ from typing import Iterable, Mapping, Optional
 import torch
 
 from pytest_weightsync.reference_impl import fastcopy
+from pytest_weightsync.vocabulary import LOAD_FORMATS
 from pytest_weightsync.reference_impl.errors import MAX_NAME_CHARS, PayloadError, shown
 from pytest_weightsync.reference_impl.layout import (
     PROJECTIONS,
@@ -78,7 +79,6 @@ from pytest_weightsync.reference_impl.layout import (
     receiver_shard,
 )
 
-LOAD_FORMATS = (None, "direct")
 #: Most missing pieces / entries listed in one message (the count is always given).
 MAX_LISTED = 8
 #: Naming schemes of ``load_format=None``, by ``ParsedName.kind``, as format names.

@@ -17,11 +17,7 @@ from pytest_weightsync.reference_impl.layout import ReceiverTopology, WeightSync
 # ``Capabilities`` is the one class of :mod:`pytest_weightsync.protocols`: path selection
 # reads its ``formats`` (what the receiver accepts), ``orders`` (gate/up orders the fused
 # paths can be produced in) and ``padded`` (whether padded direct buffers can be produced).
-__all__ = ["PATHS", "Capabilities", "NoCompatiblePathError", "PathChoice", "select_path",
-           "why_not"]
-
-#: Sync paths, fastest first; each falls back to the ones after it.
-PATHS = FORMATS
+__all__ = ["Capabilities", "NoCompatiblePathError", "PathChoice", "select_path", "why_not"]
 
 
 class NoCompatiblePathError(WeightSyncError):
@@ -59,11 +55,11 @@ def why_not(path: str, caps: Capabilities, receiver: ReceiverTopology):
 
 
 def select_path(requested: str, caps: Capabilities, receiver: ReceiverTopology) -> PathChoice:
-    """The first possible path from ``requested`` down :data:`PATHS`, with reasons."""
-    if requested not in PATHS:
-        raise WeightSyncError(f"unknown sync path {requested!r}; expected one of {PATHS}")
+    """The first possible path from ``requested`` down :data:`~pytest_weightsync.vocabulary.FORMATS`, with reasons."""
+    if requested not in FORMATS:
+        raise WeightSyncError(f"unknown sync path {requested!r}; expected one of {FORMATS}")
     skipped = []
-    for path in PATHS[PATHS.index(requested):]:
+    for path in FORMATS[FORMATS.index(requested):]:
         reason = why_not(path, caps, receiver)
         if reason is None:
             return PathChoice(path, requested, tuple(skipped))

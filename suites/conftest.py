@@ -1,15 +1,15 @@
-"""Fixtures shared by the expert-sync suites.
+"""Fixtures shared by every suite (shipped conformance suites and the reference's self-tests).
 
-``moe_case`` is parametrized over the topology matrix (``matrix.CASES``) plus the cases
-plugins add through ``pytest_weightsync_extra_topologies``: a test asks for ``moe_case`` and
-runs on every topology, including ones added later.
+``moe_case`` is parametrized over the topology matrix (``suites.harness.cases.CASES``) plus
+the cases plugins add through ``pytest_weightsync_extra_topologies``: a test asks for
+``moe_case`` and runs on every topology, including ones added later.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from . import matrix
+from .harness import cases
 
 
 def _extra_cases(config) -> list:
@@ -19,13 +19,13 @@ def _extra_cases(config) -> list:
     extra = []
     for items in hook(config=config):
         for item in items or ():
-            extra.append(item if isinstance(item, matrix.Case) else matrix.Case(*item))
+            extra.append(item if isinstance(item, cases.Case) else cases.Case(*item))
     return extra
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "moe_case" in metafunc.fixturenames:
-        metafunc.parametrize("moe_case", matrix.case_params(_extra_cases(metafunc.config)))
+        metafunc.parametrize("moe_case", cases.case_params(_extra_cases(metafunc.config)))
 
 
 @pytest.fixture(autouse=True)

@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from suites import conformance_harness as ch
-from suites import distributed_harness as dh
-from suites.test_conformance_distributed import CASES
+from suites.conformance.test_distributed_exporter import CASES
+from suites.harness import distributed as dh
+from suites.harness import judge
+from suites.harness.cases import DistCase
 
 EXAMPLE_SRC = Path(__file__).resolve().parents[1] / "examples" / "weightsync-example-loader" / "src"
 
 
-def _by_topology(fragment: str) -> dh.DistCase:
+def _by_topology(fragment: str) -> DistCase:
     return next(c for c in CASES if fragment in c.id and c.world == 4)
 
 
@@ -76,7 +77,7 @@ def test_example_distributed_exporter_passes(example, rank_pool, dcase):
 def test_unregrouped_twin_passes_without_etp_and_fails_located_with_it(example, rank_pool):
     twin = example.UnregroupedFc1Exporter()
     assert dh.run_and_judge(rank_pool, twin, ETP1_PP2, ["compat"])  # ETP 1: nothing to regroup
-    with pytest.raises(ch.ConformanceError) as info:
+    with pytest.raises(judge.ConformanceError) as info:
         dh.run_and_judge(rank_pool, twin, ETP2_EP2, ["compat"])
     message = str(info.value)
     assert message.startswith("compat payload, distributed delivery, trainer rank 0 (sender)")
@@ -87,7 +88,7 @@ def test_unregrouped_twin_passes_without_etp_and_fails_located_with_it(example, 
 
 def test_exporter_that_modifies_its_inputs_fails_at_that_call(rank_pool):
     dh.require_megatron()
-    with pytest.raises(ch.ConformanceError) as info:
+    with pytest.raises(judge.ConformanceError) as info:
         dh.run_and_judge(rank_pool, InPlaceRegroupExporter(), ETP2_EP2, ["compat", "direct"])
     message = str(info.value)
     assert message.startswith("export call for update 1 (compat, distributed delivery) in "
@@ -127,12 +128,12 @@ class ScribblingExporter:
 
 
 def test_single_process_export_modifying_a_shard_fails_at_that_call():
-    from suites import matrix
-    from suites.conformance_harness import export_and_check
+    from suites.harness import cases as matrix
+    from suites.harness.exporter import export_and_check
 
     case = next(c for c in matrix.CASES if c.trainer.world_size >= 2 and c.receiver.tp >= 3
                 and c.spec.intermediate // c.trainer.etp >= 4)
-    with pytest.raises(ch.ConformanceError) as info:
+    with pytest.raises(judge.ConformanceError) as info:
         export_and_check(ScribblingExporter(calls_before_bug=2), case, "compat", version=1)
     message = str(info.value)
     assert message.startswith("export call for receiver rank 2 (compat) modified trainer rank "

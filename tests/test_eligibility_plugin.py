@@ -17,7 +17,7 @@ from pytest_weightsync.eligibility import (
     recording_namespace,
 )
 
-SUITE = Path(__file__).resolve().parents[1] / "suites" / "test_inline_logprob.py"
+SUITE = Path(__file__).resolve().parents[1] / "suites" / "conformance" / "test_eligibility.py"
 
 # The check as first written: `rl_partial_rollouts` is not a field of the frameworks'
 # Namespace (their flag is --partial-rollout), so getattr's default always applies.

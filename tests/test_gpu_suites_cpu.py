@@ -1,7 +1,7 @@
 """The CPU-checkable parts of the GPU suites, run here on CPU.
 
-The GPU suites (suites/test_gpu_*.py) are written device-generic: their scenario steps
-(suites/gpu_harness.py), their rank bodies and their checks take a device. This file runs that
+The GPU suites (suites/selftest/test_gpu_*.py) are written device-generic: their scenario steps
+(suites/selftest/gpu_harness.py), their rank bodies and their checks take a device. This file runs that
 same code with ``device="cpu"`` (gloo instead of NCCL, shared memory instead of CUDA IPC, no
 graphs), checks the reference MoE forward they rely on against a naive loop, and checks that
 the GPU suites themselves skip cleanly without a GPU.
@@ -25,15 +25,15 @@ from pytest_weightsync.reference_impl import synth
 from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, fused_name
 
 ROOT = Path(__file__).resolve().parents[1]
-SUITES = ROOT / "suites"
+SUITES = ROOT / "suites" / "selftest"
 
 # The suites are a package (relative imports inside): import them as the installed plugin
 # names them, as `pytest --pyargs pytest_weightsync.suites` does.
-h = importlib.import_module("pytest_weightsync.suites.gpu_harness")
+h = importlib.import_module("pytest_weightsync.suites.selftest.gpu_harness")
 
 
 def _suite(name: str):
-    return importlib.import_module(f"pytest_weightsync.suites.{name}")
+    return importlib.import_module(f"pytest_weightsync.suites.selftest.{name}")
 
 
 @pytest.fixture(autouse=True)
@@ -405,8 +405,8 @@ def test_ci_gpu_script_is_valid_bash_and_keeps_nvlink_multicast_off():
 def test_ci_gpu_script_runs_every_gpu_suite_file():
     """Each file with GPU tests has its own bounded pytest run in the one-GPU stage."""
     text = (ROOT / "ci" / "gpu.sh").read_text()
-    listed = set(re.findall(r'^\s+"((?:suites|tests)/test_\w+\.py) \d+"$', text, re.M))
-    with_gpu = {f"suites/{p.name}" for p in SUITES.glob("test_*.py") if "pytest.mark.gpu" in p.read_text()}
+    listed = set(re.findall(r'^\s+"((?:suites/selftest|tests)/test_\w+\.py) \d+"$', text, re.M))
+    with_gpu = {f"suites/selftest/{p.name}" for p in SUITES.glob("test_*.py") if "pytest.mark.gpu" in p.read_text()}
     assert with_gpu <= listed, with_gpu - listed
     assert "tests/test_ranks_gpu.py" in listed
 
@@ -418,15 +418,15 @@ def test_ci_gpu_summary_counts_a_killed_run_from_its_log_and_names_two_gpu_tests
     code = text.split("""cat >"$RESULTS/summarize.py" <<'PY'\n""", 1)[1].split("\nPY\n", 1)[0]
     (tmp_path / "summarize.py").write_text(code)
     log = tmp_path / "run.log"
-    log.write_text("suites/test_gpu_ipc.py::test_a[x] PASSED [ 10%]\n"
-                   "suites/test_gpu_ipc.py::test_b FAILED [ 20%]\n"
+    log.write_text("suites/selftest/test_gpu_ipc.py::test_a[x] PASSED [ 10%]\n"
+                   "suites/selftest/test_gpu_ipc.py::test_b FAILED [ 20%]\n"
                    "[gw1] [ 30%] PASSED tests/test_ranks_gpu.py::test_c\n"
-                   "suites/test_gpu_ipc.py::test_d \n")
+                   "suites/selftest/test_gpu_ipc.py::test_d \n")
     run = subprocess.run([sys.executable, str(tmp_path / "summarize.py"), str(tmp_path / "none.xml"),
-                          str(log), "124", "240.0", "suites/test_gpu_ipc.py"], capture_output=True, text=True)
+                          str(log), "124", "240.0", "suites/selftest/test_gpu_ipc.py"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert re.search(r"passed +2 +failed +1 .* TIMED OUT +\(counts from the log\)", run.stdout), run.stdout
-    assert "FAILED suites/test_gpu_ipc.py::test_b" in run.stdout
+    assert "FAILED suites/selftest/test_gpu_ipc.py::test_b" in run.stdout
     xml = tmp_path / "run.xml"
     xml.write_text('<testsuites><testsuite>'
                    '<testcase classname="suites.test_gpu_ipc" name="test_a"/>'
@@ -436,7 +436,7 @@ def test_ci_gpu_summary_counts_a_killed_run_from_its_log_and_names_two_gpu_tests
                    '<skipped message="megatron-bridge is not installed"/></testcase>'
                    '</testsuite></testsuites>')
     run = subprocess.run([sys.executable, str(tmp_path / "summarize.py"), str(xml), str(log), "0", "3.0",
-                          "suites/test_gpu_ipc.py"], capture_output=True, text=True)
+                          "suites/selftest/test_gpu_ipc.py"], capture_output=True, text=True)
     assert re.search(r"passed +1 +failed +0 +skipped +1 +not run \(needs 2 GPUs\) +1 .* ok$",
                      run.stdout.splitlines()[0]), run.stdout
     assert "not run, needs 2 GPUs: suites.test_gpu_ipc::test_two" in run.stdout

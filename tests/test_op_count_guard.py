@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[1]
-SUITE = ROOT / "suites" / "test_copy_op_counts.py"
+SUITE = ROOT / "suites" / "selftest" / "test_copy_op_counts.py"
 BASELINE = ROOT / "ci" / "baselines" / "cpu.json"
 
 PER_EXPERT_LOOP = """

@@ -77,10 +77,17 @@ def test_select_uses_the_one_capabilities_class():
     from pytest_weightsync.reference_impl import select
 
     assert select.Capabilities is protocols.Capabilities
-    assert select.PATHS == protocols.FORMATS
-    from pytest_weightsync.reference_impl.layout import EXPERT_IMPLS, GATE_UP_ORDERS
+    from pytest_weightsync import vocabulary
+    from pytest_weightsync.reference_impl import layout, receiver
+    from pytest_weightsync.reference_impl.backends import megatron
 
-    assert protocols.ORDERS == GATE_UP_ORDERS and protocols.EXPERT_IMPLS == EXPERT_IMPLS
+    # one home per word: everyone holds the vocabulary's own objects, no copies
+    assert protocols.FORMATS is vocabulary.FORMATS
+    assert protocols.ORDERS is vocabulary.ORDERS is layout.GATE_UP_ORDERS
+    assert protocols.EXPERT_IMPLS is vocabulary.EXPERT_IMPLS is layout.EXPERT_IMPLS
+    assert megatron.EXPERT_TYPES is vocabulary.EXPERT_IMPLS
+    assert receiver.LOAD_FORMATS is vocabulary.LOAD_FORMATS
+    assert layout.PAD_MODES is vocabulary.PAD_MODES
 
 
 def test_trainer_side_claims_skip_with_the_reason():

@@ -8,16 +8,15 @@ from pytest_weightsync.ranks import RankPool, dispatch
 class Config:
     """Just the two lookups the resolvers make, so every precedence case is one line."""
 
-    def __init__(self, ini="180", **options):
+    def __init__(self, ini="180", start_ini="", **options):
         self.options = options
-        self.ini = ini
+        self.ini = {"weightsync_rank_timeout": ini, "weightsync_startup_timeout": start_ini}
 
     def getoption(self, name, default=None):
         return self.options.get(name, default)
 
     def getini(self, name):
-        assert name == "weightsync_rank_timeout"
-        return self.ini
+        return self.ini[name]
 
 
 def test_timeout_precedence_marker_then_option_then_ini():
@@ -27,12 +26,21 @@ def test_timeout_precedence_marker_then_option_then_ini():
     assert dispatch.resolve_timeout(Config(), None) == (180.0, "ini weightsync_rank_timeout")
 
 
-def test_start_timeout_follows_option_then_ini_never_the_marker():
-    assert dispatch.resolve_start_timeout(Config(weightsync_rank_timeout=7.0)) == (7.0, "--weightsync-rank-timeout")
-    assert dispatch.resolve_start_timeout(Config(ini="600")) == (600.0, "ini weightsync_rank_timeout")
-    assert dispatch.resolve_start_timeout(Config(ini="20")) == (20.0, "ini weightsync_rank_timeout")
-    # neither set: the start-up default, longer than a test's (cold starts on busy machines)
+def test_start_timeout_is_its_own_option_and_ini_never_the_rank_timeout():
+    assert dispatch.resolve_start_timeout(Config(weightsync_startup_timeout=40.0)) == (
+        40.0, "--weightsync-startup-timeout")
+    assert dispatch.resolve_start_timeout(Config(start_ini="600")) == (
+        600.0, "ini weightsync_startup_timeout")
+    # a short rank timeout bounds test bodies, not start-up (a cold start can take minutes)
+    assert dispatch.resolve_start_timeout(Config(weightsync_rank_timeout=7.0)) == (
+        300.0, "the default start-up limit")
+    assert dispatch.resolve_start_timeout(Config(ini="20")) == (300.0, "the default start-up limit")
     assert dispatch.resolve_start_timeout(Config()) == (300.0, "the default start-up limit")
+    for bad in ("soon", "0"):
+        with pytest.raises(pytest.UsageError, match="weightsync_startup_timeout"):
+            dispatch.resolve_start_timeout(Config(start_ini=bad))
+    with pytest.raises(pytest.UsageError, match="--weightsync-startup-timeout"):
+        dispatch.resolve_start_timeout(Config(weightsync_startup_timeout=-1.0))
 
 
 @pytest.mark.parametrize("ini", ["soon", "0", "-1"])

@@ -93,21 +93,32 @@ def resolve_timeout(config: pytest.Config, requested: float | None) -> tuple[flo
 
 
 def resolve_start_timeout(config: pytest.Config) -> tuple[float, str]:
-    """(seconds, source) allowed for starting a pool's ranks.
-
-    Follows --weightsync-rank-timeout, else the ini key ``weightsync_rank_timeout`` when it is
-    set to something other than its default; otherwise :data:`~pytest_weightsync.ranks.pool.
-    DEFAULT_START_TIMEOUT` (300 s), since a cold start on a loaded machine can take minutes.
-    Never a marker's ``timeout=``: a marker bounds its test body, while starting ranks (an
-    interpreter importing torch, then a rendezvous) costs the same for every test and is not
-    charged to the body.
+    """(seconds, source) allowed for starting a pool's ranks: ``--weightsync-startup-timeout``,
+    else the ini key ``weightsync_startup_timeout``, else :data:`~pytest_weightsync.ranks.pool.
+    DEFAULT_START_TIMEOUT` (300 s), since a cold start on a loaded machine (an interpreter
+    importing torch, then a rendezvous) can take minutes. It is separate from the rank timeout:
+    a short ``--weightsync-rank-timeout`` bounds test bodies, not start-up, and a marker's
+    ``timeout=`` never bounds start-up either (it costs the same for every test and is not
+    charged to the body).
     """
     from pytest_weightsync.ranks.pool import DEFAULT_START_TIMEOUT
 
-    seconds, source = resolve_timeout(config, None)
-    if source.startswith("ini") and seconds == DEFAULT_TEST_TIMEOUT:
-        return DEFAULT_START_TIMEOUT, "the default start-up limit"
-    return seconds, source
+    option = config.getoption("weightsync_startup_timeout", None)
+    if option is not None:
+        if option <= 0:
+            raise pytest.UsageError(f"--weightsync-startup-timeout must be positive, got {option!r}")
+        return float(option), "--weightsync-startup-timeout"
+    raw = config.getini("weightsync_startup_timeout")
+    if raw not in (None, ""):
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise pytest.UsageError(f"ini weightsync_startup_timeout must be a number of seconds, "
+                                    f"got {raw!r}") from None
+        if value <= 0:
+            raise pytest.UsageError(f"ini weightsync_startup_timeout must be positive, got {raw!r}")
+        return value, "ini weightsync_startup_timeout"
+    return DEFAULT_START_TIMEOUT, "the default start-up limit"
 
 
 def resolve_threads(config: pytest.Config) -> int:

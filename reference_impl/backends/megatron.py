@@ -28,9 +28,11 @@ import re
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
+from pytest_weightsync.vocabulary import EXPERT_IMPLS
+
 #: Expert types this module can build: the TE-free SequentialMLP everywhere, TEGroupedMLP
 #: where Transformer Engine imports (it also needs CUDA).
-EXPERT_TYPES = ("sequential", "te_grouped")
+EXPERT_TYPES = EXPERT_IMPLS
 
 _SEQUENTIAL_NAME = re.compile(r"^(?:.*\.)?experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _TE_GROUPED_NAME = re.compile(r"^(?:.*\.)?experts\.(linear_fc[12])\.weight(\d+)$")

@@ -3,6 +3,7 @@ conformance suites."""
 
 from weightsync_example_loader.exporter import ExampleDistributedExporter, UnregroupedFc1Exporter
 from weightsync_example_loader.loader import ExampleLoader, SwappedGateUpLoader
+from weightsync_example_loader.sync import ExampleSync
 
-__all__ = ["ExampleDistributedExporter", "ExampleLoader", "SwappedGateUpLoader",
+__all__ = ["ExampleDistributedExporter", "ExampleLoader", "ExampleSync", "SwappedGateUpLoader",
            "UnregroupedFc1Exporter"]

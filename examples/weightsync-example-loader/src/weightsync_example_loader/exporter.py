@@ -61,10 +61,11 @@ def _all_gather(tensor, group):
 
 
 class ExampleDistributedExporter:
-    """Distributed exporter of compat and (unpadded) direct payloads, both gate/up orders."""
+    """Distributed exporter of compat, packed and (unpadded) direct payloads, both gate/up
+    orders."""
 
     name = "example-exporter"
-    capabilities = Capabilities(formats={"compat", "direct"}, padded=False)
+    capabilities = Capabilities(formats={"compat", "packed", "direct"}, padded=False)
 
     # -- gathering --------------------------------------------------------------------------
 
@@ -103,6 +104,20 @@ class ExampleDistributedExporter:
                 prefix = f"model.layers.{layer}.mlp.experts.{expert}"
                 out += [(f"{prefix}.gate_proj.weight", gate), (f"{prefix}.up_proj.weight", up),
                         (f"{prefix}.down_proj.weight", fc2[layer, expert])]
+        return out
+
+    @staticmethod
+    def packed(fc1, fc2, receiver):
+        """Unsharded ``w13_weight`` / ``w2_weight`` of every expert, halves in the receiver's
+        gate/up order (for an engine-side loader that takes SGLang's fused names)."""
+        inter = fc2.shape[-1]
+        out = []
+        for layer in range(fc1.shape[0]):
+            gate, up = fc1[layer, :, :inter], fc1[layer, :, inter:]
+            halves = (gate, up) if receiver.order == "gate_up" else (up, gate)
+            out += [(f"model.layers.{layer}.mlp.experts.w13_weight",
+                     torch.cat(halves, dim=1).contiguous()),
+                    (f"model.layers.{layer}.mlp.experts.w2_weight", fc2[layer].contiguous())]
         return out
 
     @staticmethod
@@ -150,6 +165,8 @@ class ExampleDistributedExporter:
         def stream(engine_rank):
             if format == "compat":
                 named = self.compat(fc1, fc2)
+            elif format == "packed":
+                named = self.packed(fc1, fc2, receiver)
             elif format == "direct":
                 named = self.direct(fc1, fc2, receiver, engine_rank)
             else:
@@ -168,7 +185,7 @@ class UnregroupedFc1Exporter(ExampleDistributedExporter):
     """The same exporter with the bug: the ETP shards of ``linear_fc1`` are concatenated as
     they come, as if each rank held a contiguous slice of ``[gate; up]``."""
 
-    name = "example-exporter-unregrouped"
+    name = "example-unregrouped"
 
     def join_fc1(self, shards):
         return torch.cat(list(shards), dim=0)

@@ -1,0 +1,128 @@
+"""An implementation's verdict: what the run proved about it, and nothing it did not run.
+
+Inputs: the outcome of every conformance test that reported (:class:`Outcome`), the run's
+selection (:class:`pytest_weightsync.selection.Selection`: which of the implementation's
+tests were selected, deselected, which conformance modules were collected) and whether the
+run was interrupted. Words (``pytest_weightsync.vocabulary``), worst first:
+
+``FAIL``         some case failed (a conformance property, or a hardening probe that found a
+                 refused bucket half written);
+``INTERRUPTED``  the run stopped (Ctrl-C, ``-x`` / ``--maxfail``, a worker that died) before
+                 every selected case had a result;
+``PARTIAL``      nothing failed, but the run did not cover everything the implementation
+                 claims: tests deselected (``-k``, ``-m``, ``--lf``), a conformance module not
+                 collected (a narrower path, ``--lf`` skipping files), or claimed cases skipped
+                 for a reason outside the claims (a package that is not installed);
+``NOT RUN``      no case ran at all (everything skipped as not claimed);
+``PASS``         every selected case ran to a result, none failed, no claimed case was left out.
+
+A test counts as run only when its call phase reported (or its setup skipped or failed): a
+test whose setup passed and that never reached its call - the Ctrl-C case - did not run.
+Cases the implementation does not claim, and properties with nothing to check on it
+(``vocabulary.SKIP_UNCLAIMED`` / ``SKIP_NOT_APPLICABLE``), neither count for nor against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pytest_weightsync.vocabulary import (
+    FAIL,
+    INTERRUPTED,
+    NOT_RUN,
+    PARTIAL,
+    PASS,
+    SKIP_NOT_APPLICABLE,
+    SKIP_UNCLAIMED,
+)
+
+#: Skip kinds that are outside the implementation's claims.
+OUTSIDE_CLAIMS = (SKIP_UNCLAIMED, SKIP_NOT_APPLICABLE)
+#: Reasons listed in a verdict's detail (the count is always given).
+MAX_REASONS = 3
+
+
+@dataclass
+class Outcome:
+    """What one test of an implementation came to: ``passed``, ``failed``, ``skipped`` or
+    ``not run`` (no result: setup only, or nothing at all), and for a skip its kind."""
+
+    nodeid: str
+    outcome: str
+    skip_kind: Optional[str] = None
+    reason: str = ""
+    #: False for a report-only test (hardening): it must run, but its pass proves no property
+    counts: bool = True
+
+
+@dataclass
+class Verdict:
+    word: str
+    ran: int = 0           # tests with a result (passed, failed, skipped)
+    total: int = 0         # tests selected + deselected
+    details: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        if self.word == PASS:
+            return PASS
+        if self.word == NOT_RUN:
+            return f"{NOT_RUN} ({'; '.join(self.details) or 'no case ran'})"
+        inner = f"{self.ran}/{self.total} ran" + ("; " + "; ".join(self.details)
+                                                  if self.details else "")
+        return f"{self.word} ({inner})"
+
+    def to_dict(self) -> dict:
+        return {"word": self.word, "ran": self.ran, "total": self.total,
+                "details": list(self.details)}
+
+
+def decide(outcomes: list[Outcome], *, selected: Optional[list] = None, deselected: int = 0,
+           missing_modules=(), interrupted: bool = False,
+           selection_known: bool = True) -> Verdict:
+    """The verdict of one implementation (see the module docstring). ``outcomes`` are its
+    reported tests; ``selected`` the node ids the run selected for it (``None``: unknown)."""
+    by_id = {o.nodeid: o for o in outcomes}
+    if selected is None:
+        selected = list(by_id)
+    wanted = list(dict.fromkeys([*selected, *by_id]))
+    results = [by_id.get(n) for n in wanted]
+    done = [o for o in results if o is not None and o.outcome != "not run"]
+    unreached = len(wanted) - len(done)
+    total = len(wanted) + deselected
+    failed = [o for o in done if o.outcome == "failed"]
+    claimed_skips = [o for o in done if o.outcome == "skipped"
+                     and o.skip_kind not in OUTSIDE_CLAIMS]
+    ran_cases = [o for o in done if o.outcome in ("passed", "failed") and o.counts]
+
+    details = []
+    if failed:
+        details.append(f"{len(failed)} failed")
+    if unreached:
+        details.append(f"{unreached} selected but not run")
+    if deselected:
+        details.append(f"{deselected} deselected")
+    if missing_modules:
+        details.append("not collected: " + ", ".join(missing_modules))
+    if claimed_skips:
+        reasons = sorted({o.reason.splitlines()[0] if o.reason else "no reason"
+                          for o in claimed_skips})
+        shown = "; ".join(r[:120] for r in reasons[:MAX_REASONS])
+        more = f" (+{len(reasons) - MAX_REASONS} more reasons)" if len(reasons) > MAX_REASONS else ""
+        details.append(f"{len(claimed_skips)} claimed case(s) skipped: {shown}{more}")
+    if not selection_known:
+        details.append("selection unknown (a worker went down before reporting it)")
+
+    if failed:
+        word = FAIL
+    elif unreached or (interrupted and not selection_known):
+        word = INTERRUPTED  # something stopped the run before these had a result
+    elif deselected or missing_modules or claimed_skips or not selection_known:
+        word = PARTIAL
+    elif not ran_cases:
+        word = NOT_RUN
+        details = ["every case was skipped as not claimed" if done else "no case was selected"]
+    else:
+        word = PASS
+        details = []
+    return Verdict(word, ran=len(done), total=total, details=details)

@@ -1,0 +1,92 @@
+"""The words every part of pytest-weightsync shares, defined once.
+
+Wire formats, receiver orders, trainer expert modules, deliveries, roles, conformance
+properties, verdict words: the protocols, the registry, the reference implementation, the
+suites and the reports all import them from here, so a new value reaches every one of them
+(and a typo anywhere is a ``KeyError`` / ``NameError`` instead of a silently empty loop).
+Nothing here imports torch: the plugin reads it at collection time.
+"""
+
+from __future__ import annotations
+
+#: Payload (wire) formats, fastest first (the order path selection falls back along):
+#:
+#: ``direct``   each receiver rank's own parameter names and exact shapes (SGLang
+#:              ``update_weights_from_tensor(load_format="direct")``);
+#: ``packed``   unsharded ``experts.w13_weight`` / ``experts.w2_weight`` of every expert in the
+#:              receiver's gate/up order: needs an engine-side loader (stock SGLang 0.5.23 has
+#:              no code path for these names);
+#: ``hf_fused`` the fused-experts checkpoint format SGLang's model ``load_weights`` accepts:
+#:              ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows first, always) and
+#:              ``experts.down_proj`` ``[E, H, I]``;
+#: ``compat``   per-expert Hugging Face names ``experts.{e}.{gate,up,down}_proj.weight``.
+FORMATS = ("direct", "packed", "hf_fused", "compat")
+#: SGLang's ``load_format`` each wire format is loaded with (``None``: the model's own
+#: ``load_weights``; ``"direct"``: ``default_weight_loader`` per parameter name).
+LOAD_FORMAT = {"direct": "direct", "packed": None, "hf_fused": None, "compat": None}
+#: The ``load_format`` values the reference receiver accepts.
+LOAD_FORMATS = (None, "direct")
+#: Receiver orders of the two halves of ``w13_weight``: ``gate_up`` is SGLang's default,
+#: ``up_gate`` what runners with ``load_up_proj_weight_first`` (flashinfer_cutlass) store.
+ORDERS = ("gate_up", "up_gate")
+#: How a receiver with padded buffers slices the intermediate dimension: ``even`` (SGLang's
+#: default loader) or ``blocked`` (its padded loader).
+PAD_MODES = ("even", "blocked")
+#: Megatron-Core expert modules a trainer can hold its experts in (parameter spellings):
+#: ``sequential`` = ``SequentialMLP`` (``experts.local_experts.{i}.linear_fc1.weight``),
+#: ``te_grouped`` = ``TEGroupedMLP`` (``experts.linear_fc1.weight{i}``).
+EXPERT_IMPLS = ("sequential", "te_grouped")
+#: Megatron-Core class name of each expert module.
+EXPERT_MODULES = {"sequential": "SequentialMLP", "te_grouped": "TEGroupedMLP"}
+#: Trainer parallel sizes an exporter can bound (``TrainerTopology`` fields).
+TRAINER_AXES = ("tp", "ep", "etp", "pp")
+#: Receiver parallel sizes a loader can bound (``ReceiverTopology`` properties).
+RECEIVER_AXES = ("moe_tp", "moe_ep", "moe_dp")
+#: How a distributed exporter hands its streams over: ``colocated`` (every trainer rank
+#: returns the stream of the engine rank colocated with it) or ``distributed`` (trainer rank
+#: 0 returns every engine rank's stream).
+DELIVERIES = ("colocated", "distributed")
+#: The roles an implementation can play, by the method that provides each.
+ROLES = {"loader": "load_weights", "exporter": "export_weights",
+         "distributed_exporter": "export_weights_distributed"}
+#: Named bucket limits the suites cut streams at (see ``suites/harness/inputs.py``).
+BUCKET_LIMITS = ("tensor", "split_layer", "multi_layer", "whole")
+
+#: Conformance properties, in report order, and the role each one judges. Every one counts
+#: in the verdict except :data:`HARDENING`.
+PROPERTIES = {
+    "bit_exact": "loader",
+    "export_bit_exact": "exporter",
+    "distributed_export_bit_exact": "distributed_exporter",
+    "in_place": "loader",
+    "no_stale_values": "loader",
+    "fallback_routing": None,  # loaders and exporters
+    "hardening": "loader",
+}
+#: The property whose tests record findings (strictness on bad input), never a verdict.
+HARDENING = "hardening"
+
+#: The shipped conformance modules (package ``suites.conformance``, installed as
+#: ``pytest_weightsync.suites.conformance``) and the roles whose implementations each one
+#: runs. A run that did not collect one of them for an implementation of its role cannot
+#: certify that implementation: its verdict is PARTIAL.
+CONFORMANCE_MODULES = {
+    "test_loader": ("loader",),
+    "test_exporter": ("exporter",),
+    "test_distributed_exporter": ("distributed_exporter",),
+    "test_random": ("loader", "exporter"),
+}
+
+#: Verdict words, best first. PASS: every case the implementation claims was selected and
+#: ran to a result, none failed. FAIL: a case failed. PARTIAL: none failed, but some claimed
+#: case was not selected (``-k``, ``--lf``, a path narrower than the suites), not collected,
+#: or skipped for a reason other than the claims (a missing backend). INTERRUPTED: the run
+#: stopped (Ctrl-C, ``-x``, a crashed worker) before every selected case had a result.
+#: NOT RUN: no case ran at all (nothing it claims is tested here).
+PASS, FAIL, PARTIAL, INTERRUPTED, NOT_RUN = "PASS", "FAIL", "PARTIAL", "INTERRUPTED", "NOT RUN"
+VERDICTS = (PASS, FAIL, PARTIAL, INTERRUPTED, NOT_RUN)
+
+#: Skip kinds a conformance test reports (``weightsync_skip`` user property). ``unclaimed``
+#: and ``not_applicable`` are outside what the implementation claims and do not hold the
+#: verdict back; ``not_run`` (anything else, e.g. a missing package) does.
+SKIP_UNCLAIMED, SKIP_NOT_APPLICABLE, SKIP_NOT_RUN = "unclaimed", "not_applicable", "not_run"

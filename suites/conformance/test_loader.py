@@ -1,0 +1,131 @@
+"""Conformance of every registered loader (``load_weights``) to the reference, bit for bit.
+
+Each test runs once per registered implementation with a loader role (``weightsync_loader``,
+the test id carries its name) and states one property:
+
+- ``bit_exact``: every format it claims, on every topology of the matrix it claims, leaves
+  every receiver rank's expert parameters equal to the expected state in every bit. Each
+  update is a bucket stream framed by the loader's optional ``begin_update``/``end_update``;
+  receiver ranks take turns through the bucket limits (one tensor per bucket, a layer's
+  experts split over buckets, several layers in a bucket, the whole update), so every case
+  sees several of them;
+- ``in_place``: a payload of one layer writes that layer at unchanged addresses and leaves
+  every other parameter (other layers, the router weight) bit-identical;
+- ``no_stale_values``: three successive versions into the same buffers, each fully visible,
+  each cut at a different bucket limit;
+- ``hardening`` (a report, not a verdict): each bad kind SGLang users hit (float32, a short
+  ``down_proj``, an unknown name, an out-of-range expert, duplicates within and across buckets,
+  a missing expert) at the end of a valid update; what the loader did is recorded as a finding
+  (``suites/hardening.py``). Only refusing a bucket after writing part of it fails;
+- ``fallback_routing``: with a capability taken away, ``pytest_weightsync.reference_impl.select`` routes the
+  update down a path the loader claims, and that path lands bit-exact too.
+
+What an implementation does not claim is skipped with the reason - never passed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_weightsync import compare
+from pytest_weightsync.reference_impl.layout import fused_name
+from pytest_weightsync.vocabulary import BUCKET_LIMITS, FORMATS
+
+from ..harness import cases, claims, hardening, inputs, judge, loader
+
+ANCHORS = [pytest.param(case, id=case.id) for case in cases.ANCHORS]
+
+
+def _require_claim(impl, case, fmt=None):
+    claims.require_claim(impl, "loader", case, fmt)
+
+
+def _limit(turn: int) -> str:
+    """The bucket limit of a turn (a rank, a version): all of them in rotation."""
+    return BUCKET_LIMITS[turn % len(BUCKET_LIMITS)]
+
+
+@pytest.mark.weightsync_property("bit_exact")
+@pytest.mark.parametrize("payload_format", FORMATS)
+def test_loader_lands_bit_exact_on_every_rank(weightsync_loader, moe_case, payload_format):
+    _require_claim(weightsync_loader, moe_case, payload_format)
+    for rank in range(moe_case.receiver.world_size):
+        params = inputs.receiver_params(moe_case, rank)
+        before = compare.snapshot(params)
+        loader.load(weightsync_loader, params, payload_format, moe_case, rank, version=1,
+                    bucket=_limit(rank))
+        judge.check_rank(params, moe_case, rank, 1, before)
+
+
+@pytest.mark.weightsync_property("in_place")
+@pytest.mark.parametrize("payload_format", FORMATS)
+@pytest.mark.parametrize("case", ANCHORS)
+def test_loader_writes_in_place_and_only_the_payload(weightsync_loader, case, payload_format):
+    _require_claim(weightsync_loader, case, payload_format)
+    layer = case.spec.num_layers - 1
+    for rank in range(case.receiver.world_size):
+        params = inputs.receiver_params(case, rank)
+        before = compare.snapshot(params)
+        loader.load(weightsync_loader, params, payload_format, case, rank, version=2,
+                    layers=[layer])
+        judge.check_rank(params, case, rank, 2, before,
+                      touched=[fused_name(layer, "w13"), fused_name(layer, "w2")])
+
+
+@pytest.mark.weightsync_property("no_stale_values")
+@pytest.mark.parametrize("payload_format", FORMATS)
+@pytest.mark.parametrize("case", ANCHORS)
+def test_loader_repeated_updates_leave_no_stale_value(weightsync_loader, case, payload_format):
+    """Versions differ in every element, so any element a later update misses shows."""
+    _require_claim(weightsync_loader, case, payload_format)
+    for rank in range(case.receiver.world_size):
+        params = inputs.receiver_params(case, rank)
+        before = compare.snapshot(params)
+        for version in (1, 2, 3):
+            loader.load(weightsync_loader, params, payload_format, case, rank, version,
+                        bucket=_limit(rank + version))
+            judge.check_rank(params, case, rank, version, before,
+                          previous_version=version - 1 if version > 1 else None)
+
+
+# --- hardening (bad input: a report, never a verdict) -------------------------------------------
+
+
+@pytest.mark.weightsync_property("hardening")
+@pytest.mark.parametrize("kind", hardening.KINDS)
+@pytest.mark.parametrize("payload_format", FORMATS)
+@pytest.mark.parametrize("topology_class", sorted(hardening.CLASSES))
+def test_loader_hardening_probe(weightsync_loader, topology_class, payload_format, kind,
+                                record_property):
+    """Feed one bad kind at the end of a valid update and record what the loader did (see
+    ``suites/hardening.py``). Leniency never fails this test; refusing a bucket after it had
+    written part of it does (atomicity)."""
+    case, why_not = hardening.case_for(weightsync_loader, topology_class, payload_format)
+    if case is None:
+        claims.skip_unclaimed(why_not)
+    rank = case.receiver.world_size - 1
+    record_property("weightsync_topology", case.id)
+    finding, _ = hardening.probe(weightsync_loader, kind, payload_format, case, rank)
+    record_property("weightsync_bad_kind", kind)
+    record_property("weightsync_finding", finding.key)
+    record_property("weightsync_finding_detail", finding.detail)
+    if finding.outcome in hardening.FAILING:
+        raise judge.ConformanceError(
+            f"{weightsync_loader.name} refused a {kind} {payload_format} bucket on receiver rank "
+            f"{rank} of {case.id} but had already written part of it (a refused bucket must "
+            f"write nothing): {finding.detail}")
+
+
+# --- fallback ----------------------------------------------------------------------------------
+
+
+@pytest.mark.weightsync_property("fallback_routing")
+@pytest.mark.parametrize("restriction", sorted(claims.RESTRICTIONS))
+@pytest.mark.parametrize("case", ANCHORS)
+def test_loader_fallback_path_lands_bit_exact(weightsync_loader, case, restriction):
+    choice = claims.fallback_choice(weightsync_loader, "loader", case, restriction)
+    for rank in range(case.receiver.world_size):
+        params = inputs.receiver_params(case, rank)
+        before = compare.snapshot(params)
+        loader.load(weightsync_loader, params, choice.path, case, rank, version=4)
+        judge.check_rank(params, case, rank, 4, before)

@@ -1,0 +1,242 @@
+"""The cases every suite runs: the topology matrix, distributed cases, Hypothesis strategies.
+
+One place: a topology added here (or returned by a plugin's
+``pytest_weightsync_extra_topologies`` hook) reaches every suite that asks for the
+``moe_case`` fixture.
+
+The full cartesian product of the factors below has tens of thousands of valid members;
+:data:`CASES` is a pairwise cover of it (every value pair of any two factors appears in some
+case), chosen by a seeded greedy search so the list is stable between runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, TrainerTopology
+from pytest_weightsync.vocabulary import EXPERT_IMPLS, ORDERS
+
+#: Factor -> values. Sizes kept small (CPU suites).
+FACTORS = {
+    "t_tp": (1, 2, 4),
+    "t_ep": (1, 2, 4, 8),
+    "t_etp": (1, 2),
+    "t_pp": (1, 2),
+    "impl": EXPERT_IMPLS,
+    "r_moe_tp": (1, 2, 4),
+    "r_moe_ep": (1, 2, 4, 8),
+    "r_moe_dp": (1, 2),
+    "order": ORDERS,
+    "padding": ("none", "even", "blocked"),
+    "shape": ("small", "odd", "one_expert"),
+}
+#: Largest simulated receiver engine (ranks) in the matrix.
+MAX_RECEIVER_RANKS = 16
+
+
+@dataclass(frozen=True)
+class Case:
+    """One trainer -> receiver sync scenario."""
+
+    spec: MoESpec
+    trainer: TrainerTopology
+    receiver: ReceiverTopology
+
+    @property
+    def id(self) -> str:
+        s, t, r = self.spec, self.trainer, self.receiver
+        pad = "" if r.intermediate_padded is None else f"-pad{r.intermediate_padded}{r.pad_mode[0]}"
+        return (f"L{s.num_layers}E{s.num_experts}H{s.hidden}I{s.intermediate}"
+                f"-T.tp{t.tp}ep{t.ep}etp{t.etp}pp{t.pp}{'te' if t.expert_impl == 'te_grouped' else 'seq'}"
+                f"-R.tp{r.moe_tp}ep{r.moe_ep}dp{r.moe_dp}{'gu' if r.order == 'gate_up' else 'ug'}{pad}")
+
+
+def build_case(t_tp, t_ep, t_etp, t_pp, impl, r_moe_tp, r_moe_ep, r_moe_dp, order, padding,
+               shape, hidden=None, scale=1) -> Case:
+    """The case of one factor combination; sizes are derived so that it is valid when it can
+    be (raises :class:`TopologyError` when it cannot, e.g. one expert with EP > 1)."""
+    if shape == "one_expert":
+        experts = 1
+    else:
+        experts = math.lcm(t_ep, r_moe_ep) * (3 if shape == "odd" else 1) * scale
+    tp_unit = math.lcm(t_etp, r_moe_tp)
+    if padding == "blocked":
+        # intermediate divisible by the trainer's ETP but, where possible, not by MoE-TP
+        intermediate = t_etp * (2 * r_moe_tp + 1) if shape == "odd" else t_etp * (r_moe_tp + 1)
+        intermediate = max(intermediate, 1)
+        padded = -(-intermediate // r_moe_tp) + 1
+    else:
+        intermediate = tp_unit * (3 if shape == "odd" else 2)
+        padded = intermediate // r_moe_tp + 2 if padding == "even" else None
+    spec = MoESpec(num_layers=2 * t_pp if shape != "one_expert" else t_pp,
+                   num_experts=experts,
+                   hidden=hidden or (13 if shape == "odd" else 8),
+                   intermediate=intermediate)
+    trainer = TrainerTopology(tp=t_tp, ep=t_ep, etp=t_etp, pp=t_pp, expert_impl=impl)
+    receiver = ReceiverTopology(tp=r_moe_tp * r_moe_ep * r_moe_dp, moe_ep=r_moe_ep,
+                                moe_dp=r_moe_dp, order=order, intermediate_padded=padded,
+                                pad_mode="blocked" if padding == "blocked" else "even")
+    from pytest_weightsync.reference_impl.layout import receiver_shard, trainer_shard
+
+    trainer_shard(spec, trainer, 0)  # validates
+    receiver_shard(spec, receiver, 0)
+    return Case(spec, trainer, receiver)
+
+
+def _valid(combo: dict) -> bool:
+    """Whether :func:`build_case` can realise ``combo`` (cheap: no tensors, no dataclasses).
+    Sizes are derived to fit, so only two constraints remain."""
+    if combo["r_moe_tp"] * combo["r_moe_ep"] * combo["r_moe_dp"] > MAX_RECEIVER_RANKS:
+        return False
+    if combo["shape"] == "one_expert" and (combo["t_ep"] > 1 or combo["r_moe_ep"] > 1):
+        return False  # one expert cannot be split across EP ranks
+    return True
+
+
+def pairwise_cases(seed: int = 20260501, candidates: int = 40, tries: int = 200) -> list[Case]:
+    """A seeded greedy pairwise cover of the valid factor combinations: every value pair of
+    any two factors that some valid combination holds appears in some chosen case."""
+    names = list(FACTORS)
+    rng = random.Random(seed)
+
+    def complete(fixed: dict):
+        for _ in range(tries):
+            combo = {n: fixed[n] if n in fixed else rng.choice(FACTORS[n]) for n in names}
+            if _valid(combo):
+                return combo
+        return None
+
+    def pairs_of(combo):
+        return {(a, combo[a], b, combo[b]) for a, b in itertools.combinations(names, 2)}
+
+    uncovered = set()
+    for a, b in itertools.combinations(names, 2):
+        for va, vb in itertools.product(FACTORS[a], FACTORS[b]):
+            if complete({a: va, b: vb}) is not None:
+                uncovered.add((a, va, b, vb))
+    chosen = []
+    while uncovered:
+        a, va, b, vb = sorted(uncovered, key=repr)[0]
+        pool = [complete({a: va, b: vb}) for _ in range(candidates)]
+        best = max((c for c in pool if c is not None), key=lambda c: len(pairs_of(c) & uncovered))
+        chosen.append(build_case(**best))
+        uncovered -= pairs_of(best)
+    return chosen
+
+
+#: Hand-picked cases that must always run: the recipe-like layout and the edge cases.
+ANCHORS = (
+    # Qwen3.5-35B-A3B-like recipe scaled down: trainer TP2 PP2 EP4 ETP1, receiver TP2 (EP2).
+    build_case(2, 4, 1, 2, "sequential", 1, 2, 1, "gate_up", "none", "small", scale=2),
+    # ETP > 1 with EP == 1 (a known wrong-group bug family); MoE-TP 2.
+    build_case(2, 1, 2, 1, "te_grouped", 2, 1, 1, "gate_up", "none", "small"),
+    # EP-only (DeepEP-style) receiver, up/gate order, padded.
+    build_case(1, 2, 1, 1, "sequential", 1, 4, 1, "up_gate", "even", "small"),
+    # one expert, everything trivial.
+    build_case(1, 1, 1, 1, "sequential", 1, 1, 1, "gate_up", "none", "one_expert"),
+    # uneven MoE-TP split with blocked padding: some ranks get fewer (or zero) real rows.
+    build_case(1, 1, 1, 1, "sequential", 4, 1, 1, "gate_up", "blocked", "odd"),
+    # Square per-rank blocks: hidden == intermediate / moe_tp == intermediate / etp (3 x 3,
+    # odd), so a transposed gate/up/down slice keeps its shape and only the values can tell;
+    # 3 local experts per rank and 4 layers per update, up/gate order.
+    build_case(2, 2, 2, 2, "te_grouped", 2, 2, 1, "up_gate", "none", "odd", hidden=3),
+    # hidden == intermediate (3, odd) at moe_tp 1: whole HF tensors are square; padded buffers,
+    # 6 local experts per rank, MoE-DP 2.
+    build_case(1, 4, 1, 1, "sequential", 1, 2, 2, "gate_up", "even", "odd", hidden=3),
+)
+
+CASES: tuple[Case, ...] = ANCHORS + tuple(pairwise_cases())
+
+
+@dataclass(frozen=True)
+class DistCase:
+    """One distributed-export scenario: a topology case, how the streams are delivered
+    (``pytest_weightsync.vocabulary.DELIVERIES``) and the bucket limit the exporter is given."""
+
+    case: Case
+    delivery: str
+    bucket_bytes: Optional[int]
+
+    @property
+    def spec(self) -> MoESpec:
+        return self.case.spec
+
+    @property
+    def trainer(self) -> TrainerTopology:
+        return self.case.trainer
+
+    @property
+    def receiver(self) -> ReceiverTopology:
+        return self.case.receiver
+
+    @property
+    def world(self) -> int:
+        return self.case.trainer.world_size
+
+    @property
+    def id(self) -> str:
+        b = "all" if self.bucket_bytes is None else self.bucket_bytes
+        return f"{self.case.id}-{self.delivery}-b{b}"
+
+
+def case_params(extra=()) -> list:
+    """``pytest.param`` list of :data:`CASES` plus ``extra`` cases, with readable ids."""
+    import pytest
+
+    seen, out = set(), []
+    for case in (*CASES, *extra):
+        if case.id in seen:
+            continue
+        seen.add(case.id)
+        out.append(pytest.param(case, id=case.id))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Hypothesis strategies
+# --------------------------------------------------------------------------------------------
+
+
+def cases():
+    """Strategy of valid :class:`Case` values: factors drawn freely, sizes drawn within the
+    constraints the factors impose (so no draw is rejected)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def _case(draw):
+        t_ep = draw(st.sampled_from((1, 2, 4)))
+        r_moe_ep = draw(st.sampled_from((1, 2, 4)))
+        t_etp = draw(st.sampled_from((1, 2)))
+        r_moe_tp = draw(st.sampled_from((1, 2, 4)))
+        r_moe_dp = draw(st.sampled_from((1, 2)))
+        t_tp = draw(st.sampled_from((1, 2, 4)))
+        t_pp = draw(st.sampled_from((1, 2)))
+        experts = math.lcm(t_ep, r_moe_ep) * draw(st.integers(1, 3))
+        pad_mode = draw(st.sampled_from(("none", "even", "blocked")))
+        if pad_mode == "blocked":
+            intermediate = t_etp * draw(st.integers(1, 8))
+            padded = -(-intermediate // r_moe_tp) + draw(st.integers(0, 3))
+        else:
+            intermediate = math.lcm(t_etp, r_moe_tp) * draw(st.integers(1, 4))
+            padded = (intermediate // r_moe_tp + draw(st.integers(1, 3))
+                      if pad_mode == "even" else None)
+        # a third of the draws make per-rank blocks square (hidden == rows per MoE-TP rank):
+        # a transposition keeps the shape there, so only the values can show it
+        square = max(1, intermediate // r_moe_tp)
+        hidden = draw(st.one_of(st.just(square), st.integers(1, 17), st.integers(1, 17)))
+        spec = MoESpec(num_layers=t_pp * draw(st.integers(1, 2)), num_experts=experts,
+                       hidden=hidden, intermediate=intermediate)
+        trainer = TrainerTopology(tp=t_tp, ep=t_ep, etp=t_etp, pp=t_pp,
+                                  expert_impl=draw(st.sampled_from(EXPERT_IMPLS)))
+        receiver = ReceiverTopology(tp=r_moe_tp * r_moe_ep * r_moe_dp, moe_ep=r_moe_ep,
+                                    moe_dp=r_moe_dp,
+                                    order=draw(st.sampled_from(ORDERS)),
+                                    intermediate_padded=padded,
+                                    pad_mode="blocked" if pad_mode == "blocked" else "even")
+        return Case(spec, trainer, receiver)
+
+    return _case()

@@ -1,0 +1,120 @@
+"""What an implementation claims, and what the suites do with a case it does not claim.
+
+A case outside an implementation's ``Capabilities`` is skipped with the reason - never passed.
+Such a skip is raised as :class:`NotClaimed` (or :class:`NotApplicable`, for a property that
+has nothing to check on this implementation, e.g. fallback routing when nothing can be routed)
+so the report can tell it from a case the implementation claims but that could not run here (a
+missing package, a GPU test on CPU): only the latter keeps the verdict from PASS.
+
+Fallback routing lives here too: with one capability taken away, path selection
+(``pytest_weightsync.reference_impl.select``) must route a ``direct`` update down a path the
+implementation claims.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_weightsync.reference_impl.select import Capabilities as RoutingCapabilities
+from pytest_weightsync.reference_impl.select import NoCompatiblePathError, select_path
+from pytest_weightsync.vocabulary import SKIP_NOT_APPLICABLE, SKIP_UNCLAIMED
+
+
+class NotClaimed(pytest.skip.Exception):
+    """Skip: the implementation does not claim this case (its capabilities say so)."""
+
+    __module__ = "builtins"  # shown as "NotClaimed: reason", like pytest's own "Skipped"
+    kind = SKIP_UNCLAIMED
+
+
+class NotApplicable(pytest.skip.Exception):
+    """Skip: the property has nothing to check for this implementation on this case."""
+
+    __module__ = "builtins"
+    kind = SKIP_NOT_APPLICABLE
+
+
+def unclaimed(impl, role, case, fmt=None, delivery=None):
+    """Why ``impl`` (in ``role``: ``loader``, ``exporter``, ``distributed_exporter``) is not run
+    on ``case`` (and ``fmt``, ``delivery``), or ``None`` when it claims all of them. Exporters
+    must also claim the case's trainer layout (expert modules, parallel sizes)."""
+    caps = impl.capabilities
+    side = "loader" if role == "loader" else "exporter"
+    reason = caps.topology_refusal(side, case.spec, case.receiver)
+    if reason is None and side == "exporter":
+        reason = caps.trainer_refusal(case.spec, case.trainer)
+    if reason is None and delivery is not None:
+        reason = caps.delivery_refusal(delivery)
+    if reason is None and fmt is not None:
+        reason = caps.format_refusal(side, fmt, case.receiver)
+    return None if reason is None else f"{impl.name} {reason}"
+
+
+def skip_unclaimed(reason: str):
+    """Skip the calling test as not claimed, with ``reason``."""
+    raise NotClaimed(reason, pytrace=False)
+
+
+def skip_not_applicable(reason: str):
+    """Skip the calling test as not applicable, with ``reason``."""
+    raise NotApplicable(reason, pytrace=False)
+
+
+def require_claim(impl, role, case, fmt=None, delivery=None) -> None:
+    """Skip the calling test as not claimed, with the reason, unless ``impl`` claims ``case``
+    (and ``fmt``, ``delivery``)."""
+    reason = unclaimed(impl, role, case, fmt, delivery)
+    if reason is not None:
+        skip_unclaimed(reason)
+
+
+def claimed_formats(impl, role, case, formats):
+    """The formats of ``formats`` that ``impl`` claims on ``case``'s receiver, in that order."""
+    side = "loader" if role == "loader" else "exporter"
+    return [f for f in formats
+            if impl.capabilities.format_refusal(side, f, case.receiver) is None]
+
+
+# --- fallback routing -------------------------------------------------------------------------
+
+
+def _without(caps, **changes):
+    fields = {"formats": caps.formats, "orders": caps.orders, "padded": caps.padded}
+    fields.update(changes)
+    return RoutingCapabilities(**fields)
+
+
+#: A capability taken away from an implementation, as a change to what routing sees.
+#: Each returns ``(routing capabilities, None)`` or ``(None, reason it does not apply)``.
+RESTRICTIONS = {
+    "direct_unsupported": lambda caps, receiver: (
+        _without(caps, formats=caps.formats - {"direct"}), None),
+    "fused_unsupported": lambda caps, receiver: (
+        _without(caps, formats=caps.formats - {"direct", "packed"}), None),
+    "order_unsupported": lambda caps, receiver: (
+        _without(caps, orders=caps.orders - {receiver.order}), None),
+    "padded_direct_unsupported": lambda caps, receiver: (
+        (_without(caps, padded=False), None) if receiver.padded
+        else (None, "the receiver is not padded: padded direct export is not needed")),
+}
+
+
+def fallback_choice(impl, role, case, restriction):
+    """Route a ``direct`` update of ``impl`` with one capability taken away (``restriction``).
+
+    Not applicable (skipped as such) when the restriction does not apply to ``case`` or leaves
+    no claimed path - an implementation that claims one format has nothing to fall back to;
+    otherwise returns the routing choice after asserting it fell back from ``direct`` to a path
+    ``impl`` claims. Shared by the loader and exporter ``fallback_routing`` properties.
+    """
+    require_claim(impl, role, case)
+    caps, why_not = RESTRICTIONS[restriction](impl.capabilities.routing(role), case.receiver)
+    if caps is None:
+        skip_not_applicable(why_not)
+    try:
+        choice = select_path("direct", caps, case.receiver)
+    except NoCompatiblePathError as error:
+        skip_not_applicable(f"{impl.name} claims no path left with {restriction}: {error}")
+    assert choice.fell_back and choice.skipped[0][0] == "direct", choice
+    assert choice.path in caps.formats, f"routed to {choice.path}, not claimed: {choice}"
+    return choice

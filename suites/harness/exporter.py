@@ -1,0 +1,40 @@
+"""Driving an exporter (``export_weights``) and judging its payloads.
+
+The exporter gets every trainer rank's Megatron-Core expert shards of the case; after EVERY
+call the shards are checked bit-identical - before any receiver value is judged, so the
+failure names the call that changed them - and its payload for each receiver rank is loaded
+by the reference receiver (``suites.harness.reference``) and judged bit for bit.
+"""
+
+from __future__ import annotations
+
+from pytest_weightsync.protocols import as_stream
+
+from . import calls, judge, reference
+
+
+def export_and_check(exporter, case, fmt, version, ranks=None):
+    """Export ``version`` for each receiver rank in ``ranks`` (default all; one call per rank),
+    checking the trainer shards after every call, then judge each rank's stream."""
+    from pytest_weightsync import distributed
+    from pytest_weightsync.reference_impl import synth, trainer
+
+    states = trainer.trainer_states(case.spec, case.trainer,
+                                    synth.full_weights(case.spec, version))
+    shards_before = [distributed.snapshot(state) for state in states]
+    for rank in (range(case.receiver.tp) if ranks is None else ranks):
+        result = calls.call(exporter, "export_weights", states, format=fmt, spec=case.spec,
+                            trainer=case.trainer, receiver=case.receiver, rank=rank)
+        for trainer_rank, (shards, state) in enumerate(zip(shards_before, states)):
+            where = distributed.first_modification(shards, state)
+            if where is not None:
+                raise judge.ConformanceError(f"export call for receiver rank {rank} ({fmt}) "
+                                             f"modified trainer rank {trainer_rank}'s shard {where}")
+        try:
+            stream = as_stream(result, source=f"{exporter.name}.export_weights")
+        except TypeError as error:
+            raise judge.ConformanceError(f"export call for receiver rank {rank} ({fmt}): "
+                                         f"{error}") from None
+        reference.judge_stream(case, rank, stream, fmt, version,
+                               f"{fmt} payload of {exporter.name}.export_weights for receiver "
+                               f"rank {rank}")

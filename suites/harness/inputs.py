@@ -1,0 +1,129 @@
+"""What the suites hand implementations: synthetic weights, payloads, bucket streams, buffers.
+
+Every payload is built by the reference sender paths (``pytest_weightsync.reference_impl.
+senders``) from the synthetic value function (``synth``), sliced into trainer shards and
+gathered back the way a trainer would. Receiver buffers are poisoned before every test, so
+nothing passes by luck of a zero-initialized buffer.
+
+An update travels as a stream of buckets cut at a byte limit the way real senders cut it
+(:func:`pytest_weightsync.reference_impl.buckets.split_buckets`). :data:`BUCKET_LIMITS` names
+the limits the suites drive, each derived from the model size so it means the same thing on
+every case: one tensor per bucket, a limit that splits a layer's experts over buckets, one
+that puts several layers in one bucket, and the whole update in one bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from pytest_weightsync.reference_impl import senders, synth, trainer
+from pytest_weightsync.reference_impl.buckets import split_buckets
+from pytest_weightsync.reference_impl.layout import locate_receiver_element, receiver_param_shapes
+from pytest_weightsync.vocabulary import BUCKET_LIMITS
+
+#: The bucket limit a full update is cut at unless a test says otherwise: a layer's experts
+#: straddle buckets, as in real senders' streams.
+DEFAULT_BUCKET = "split_layer"
+#: A parameter every real receiver also holds (the MoE router); loaders must leave it alone.
+SENTINEL = "model.layers.0.mlp.gate.weight"
+
+
+def bucket_bytes(limit, spec):
+    """Byte limit of the named bucket ``limit`` for ``spec`` (an int or ``None`` passes through):
+
+    ``"tensor"``       0: one tensor per bucket;
+    ``"split_layer"``  2.5 experts' worth: a layer's experts straddle buckets (per-expert
+                       payloads), a fused tensor travels alone;
+    ``"multi_layer"``  1.75 layers' worth: one bucket holds all of one layer and part of the
+                       next, in every format;
+    ``"whole"``        ``None``: the whole update in one bucket.
+    """
+    if limit is None or isinstance(limit, int):
+        return limit
+    expert = 3 * spec.intermediate * spec.hidden * spec.dtype.itemsize
+    if limit == "tensor":
+        return 0
+    if limit == "split_layer":
+        return int(2.5 * expert)
+    if limit == "multi_layer":
+        return int(1.75 * spec.num_experts * expert)
+    if limit == "whole":
+        return None
+    raise ValueError(f"unknown bucket limit {limit!r}; expected an int, None or one of "
+                     f"{BUCKET_LIMITS}")
+
+
+def locator(case, rank):
+    """``locate(name, index)`` for compare messages on receiver ``rank``."""
+    return functools.partial(locate_receiver_element, case.spec, case.receiver, rank)
+
+
+def gathered_weights(case, version):
+    """Full HF weights as the sender sees them: synthesized, sliced into every trainer rank's
+    Megatron shards, then gathered back (single-process form)."""
+    full = synth.full_weights(case.spec, version)
+    states = trainer.trainer_states(case.spec, case.trainer, full)
+    return trainer.gather_full_weights(case.spec, case.trainer, states)
+
+
+@functools.lru_cache(maxsize=64)
+def cached_gathered(case, version):
+    """:func:`gathered_weights`, kept for the next test of the same case (read only)."""
+    return gathered_weights(case, version)
+
+
+def expected_uncached(case, rank, version):
+    """The state receiver ``rank`` must hold after a complete update to ``version``, computed
+    from the synthetic value function at layout coordinates."""
+    return synth.expected_receiver_params(case.spec, case.receiver, rank, version)
+
+
+@functools.lru_cache(maxsize=256)
+def expected(case, rank, version):
+    """:func:`expected_uncached`, kept for the next test of the same case (read only)."""
+    return expected_uncached(case, rank, version)
+
+
+def payload(fmt, case, rank, version=None, layers=None, *, full=None):
+    """The ``fmt`` payload of ``version`` (of ``layers``, default all) for receiver ``rank``
+    as one bucket of fresh tensors: an implementation that scribbles on its input cannot
+    corrupt the next test's input. ``full`` (gathered weights) replaces ``version``."""
+    if full is None:
+        if version is None:
+            raise TypeError("payload() needs a version or the full weights")
+        full = cached_gathered(case, version)
+    chunk = senders.export(fmt, case.spec, case.receiver, rank, full, layers)
+    return [(name, tensor.clone()) for name, tensor in chunk]
+
+
+def stream(fmt, case, rank, version=None, layers=None, *, bucket=DEFAULT_BUCKET, full=None):
+    """:func:`payload` cut into buckets at ``bucket`` (a name of :data:`BUCKET_LIMITS`, an
+    int, or ``None`` for one bucket)."""
+    return split_buckets(payload(fmt, case, rank, version, layers, full=full),
+                         bucket_bytes(bucket, case.spec))
+
+
+def receiver_params(case, rank):
+    """Receiver ``rank``'s pre-allocated parameters as an engine holds them: the expert
+    ``w13``/``w2`` of every layer plus a router weight (:data:`SENTINEL`), all poisoned."""
+    import torch
+
+    spec = case.spec
+    params = {name: torch.empty(shape, dtype=spec.dtype)
+              for name, shape in receiver_param_shapes(spec, case.receiver, rank).items()}
+    params[SENTINEL] = torch.empty(spec.num_experts, spec.hidden, dtype=spec.dtype)
+    for tensor in params.values():
+        synth.poison_(tensor)
+    return params
+
+
+def fresh_receivers(case, receiver_cls=None):
+    """One reference receiver per rank, every buffer (padding included) poisoned."""
+    from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
+
+    receiver_cls = ReferenceReceiver if receiver_cls is None else receiver_cls
+    receivers = [receiver_cls(case.spec, case.receiver, r) for r in range(case.receiver.tp)]
+    for rec in receivers:
+        for tensor in rec.params.values():
+            synth.poison_(tensor)
+    return receivers

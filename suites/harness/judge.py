@@ -1,0 +1,119 @@
+"""Judging a receiver rank after an update: the one conformance check every suite applies.
+
+The expected state comes from the synthetic value function at layout coordinates
+(:func:`suites.harness.inputs.expected`) - never from the implementation's own output. Every
+parameter must keep its address; the parameters the update owed must equal the expected state
+in every bit; every other parameter (the router weight included) must be bit-identical to
+what it held before. A mismatch is reported with its first differing (layer, expert,
+projection, row, col) and, when the pattern is a known bug, a first line naming it (gate/up
+halves swapped, stale values, elements never written, padding not zeroed).
+"""
+
+from __future__ import annotations
+
+from pytest_weightsync import compare
+from pytest_weightsync.reference_impl.layout import receiver_shard
+
+from . import inputs
+
+#: Longest implementation message quoted inside a conformance failure (a loader that raises
+#: with megabytes of text must not flood the terminal, the junit file or the JSON report).
+MAX_QUOTED = 2000
+
+
+class ConformanceError(AssertionError):
+    """An implementation's result differs from the reference; the message says where and,
+    when recognizable, which bug it looks like. ``mismatch`` is the located
+    :class:`pytest_weightsync.compare.BitMismatchError` behind it, when there is one."""
+
+    def __init__(self, message: str, mismatch=None):
+        super().__init__(message)
+        self.mismatch = mismatch
+
+    @property
+    def location(self):
+        return getattr(self.mismatch, "location", None)
+
+
+def quoted(error: BaseException, limit: int = MAX_QUOTED) -> str:
+    """``Type: message`` of an implementation's exception, cut to ``limit`` characters."""
+    text = f"{type(error).__name__}: {error}"
+    if len(text) > limit:
+        text = text[:limit] + f"... [{len(text) - limit} more characters]"
+    return text
+
+
+def same_bits(a, b) -> bool:
+    return a.shape == b.shape and bool((compare.raw_bits(a) == compare.raw_bits(b)).all())
+
+
+def diagnose(name, actual, expected, case, rank, before=None, previous=None):
+    """A one-line name for a recognizable wrong result of parameter ``name``, else ``None``."""
+    if before is not None and same_bits(actual, before):
+        return "never written: it still holds the bits it held before the update"
+    if previous is not None and same_bits(actual, previous):
+        return "stale: it still holds the previous version's values, not the new ones"
+    shard = receiver_shard(case.spec, case.receiver, rank)
+    buf, rows = shard.buffer_rows, shard.rows
+    if name.endswith("w13_weight") and rows > 0:
+        first, second = ("gate", "up") if case.receiver.order == "gate_up" else ("up", "gate")
+        a_first, a_second = actual[:, :rows], actual[:, buf:buf + rows]
+        e_first, e_second = expected[:, :rows], expected[:, buf:buf + rows]
+        swapped = [slot for slot in range(actual.shape[0])
+                   if same_bits(a_first[slot], e_second[slot])
+                   and same_bits(a_second[slot], e_first[slot])]
+        if swapped:
+            experts = [shard.experts[s] for s in swapped]
+            return (f"gate/up halves swapped: the {first} rows of w13 hold {second}_proj values "
+                    f"and the {second} rows hold {first}_proj values (receiver order "
+                    f"{case.receiver.order!r}; {len(swapped)} of {actual.shape[0]} local experts, "
+                    f"e.g. expert {experts[0]})")
+    if buf > rows:
+        if name.endswith("w2_weight"):
+            real_ok = same_bits(actual[:, :, :rows], expected[:, :, :rows])
+        else:
+            real_ok = (same_bits(actual[:, :rows], expected[:, :rows])
+                       and same_bits(actual[:, buf:buf + rows], expected[:, buf:buf + rows]))
+        if real_ok:
+            return f"padding not zeroed: the real rows are right, the tail beyond {rows} is not"
+    return None
+
+
+def check_rank(params, case, rank, version, before=None, touched=None, previous_version=None,
+               *, cached=True):
+    """Receiver ``rank`` after loading ``version`` into the parameters in ``touched`` (default
+    every parameter the update owes): every parameter at its old address, the touched ones
+    bit-identical to the expected state, every other one (the router weight included)
+    bit-identical to ``before`` (a :func:`pytest_weightsync.compare.snapshot` taken before the
+    update; without one only the values are judged). ``cached=False`` computes the expected
+    state afresh: self-tests that plant a bug in the value function or the layout model need
+    it computed under the plant."""
+    if before is not None:
+        compare.assert_same_storage(before, params, rank=rank)
+    expected_of = inputs.expected if cached else inputs.expected_uncached
+    expected = expected_of(case, rank, version)
+    touched = list(expected) if touched is None else list(touched)
+    locate = inputs.locator(case, rank)
+    missing = [name for name in touched if name not in params]
+    if missing:
+        raise ConformanceError(f"receiver rank {rank}: parameters {missing[:4]} are missing from "
+                               f"the parameter set ({len(missing)} in all)")
+    for name in touched:
+        try:
+            compare.assert_bitwise_equal(params[name], expected[name], name=name, locate=locate,
+                                         rank=rank)
+        except compare.BitMismatchError as error:
+            previous = (expected_of(case, rank, previous_version)[name]
+                        if previous_version is not None else None)
+            old = before.records[name].copy if before is not None else None
+            hint = diagnose(name, params[name], expected[name], case, rank, old, previous)
+            raise ConformanceError((f"{hint}\n" if hint else "") + str(error), error) from None
+    for name, record in (before.records.items() if before is not None else ()):
+        if name in touched:
+            continue
+        try:
+            compare.assert_bitwise_equal(params[name], record.copy, name=name, locate=locate,
+                                         rank=rank)
+        except compare.BitMismatchError as error:
+            raise ConformanceError(f"wrote outside the payload: {name} was not in it and "
+                                   f"changed\n{error}", error) from None
