@@ -102,6 +102,8 @@ echo "$WORK/torch" > "$VSITE/weightsync-wheel-check-torch.pth"
 "$VPY" -m pip install --quiet --disable-pip-version-check -c "$REPO/ci/constraints.txt" \
     "$WORK"/dist/*.whl 2> >(grep -v "is ignored: it is neither" >&2) \
     || fail "pip install of the wheels into the fresh venv"
+mkdir -p "$WORK/run"
+cd "$WORK/run"  # outside the checkout: nothing may come from the source tree
 "$VPY" - "$WORK/venv" <<'EOF' || fail "the fresh venv does not hold what was installed"
 import sys, importlib.util
 from importlib import metadata
@@ -118,8 +120,6 @@ print("wheel-check: imports come from the fresh venv; torch", metadata.version("
 EOF
 
 # 3. the whole shipped conformance set, run from outside the checkout
-mkdir -p "$WORK/run"
-cd "$WORK/run"
 export WEIGHTSYNC_OPTIONAL_BUILTINS=none  # no SGLang here anyway; be explicit
 suite() { "$VPY" -m pytest -p weightsync --pyargs pytest_weightsync.suites -q -p no:cacheprovider \
           -W ignore "$@"; }

@@ -356,7 +356,11 @@ def registry_for(metafunc: pytest.Metafunc) -> Registry:
     return registry
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize before anything else, so the implementation is always the first part of a
+    test id: the same id whether the suites are collected by path or with ``--pyargs`` (where
+    their conftest registers later), so a printed id can be pasted back."""
     wanted = [name for name in IMPL_FIXTURES if name in metafunc.fixturenames]
     if not wanted:
         return

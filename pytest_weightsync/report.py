@@ -113,9 +113,14 @@ def tags_of(item: pytest.Item) -> dict:
 def pytest_collection_modifyitems(items: list) -> None:
     for item in items:
         present = {key for key, _ in item.user_properties}
-        for key, value in tags_of(item).items():
+        tags = tags_of(item)
+        for key, value in tags.items():
             if PREFIX + key not in present:
                 item.user_properties.append((PREFIX + key, value))
+        if tags.get("implementation") and PREFIX + "file" not in present:
+            # where the test lives, for a rerun command (a --pyargs node id is relative to
+            # the package, not to where pytest runs)
+            item.user_properties.append((PREFIX + "file", str(item.path)))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -158,6 +163,7 @@ class TestResult:
     finding: dict = field(default_factory=dict)
     duration: float = 0.0
     location: Optional[tuple] = None
+    file: Optional[str] = None
 
     def update(self, report) -> None:
         self.phases.add(report.when)
@@ -265,6 +271,8 @@ class ConformanceReport:
         for k, v in props:
             if k == "skip":
                 result.skip_kind = str(v)
+            elif k == "file":
+                result.file = str(v)
         result.update(report)
 
     def pytest_collectreport(self, report) -> None:
@@ -420,7 +428,8 @@ class ConformanceReport:
         from the directory pytest was started in."""
         invocation = self.config.invocation_params
         path, sep, rest = result.nodeid.partition("::")
-        target = str((self.config.rootpath / path).resolve()) + sep + rest
+        file = result.file or str((self.config.rootpath / path).resolve())
+        target = file + sep + rest
         args = ["-p", "weightsync"]
         given = list(invocation.args)
         for i, arg in enumerate(given):

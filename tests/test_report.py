@@ -168,7 +168,9 @@ def test_matrix_json_and_junit_from_one_run(toy: pytest.Pytester):
     cases = ET.parse(toy.path / "junit.xml").getroot().iter("testcase")
     props = {c.get("name"): {p.get("name"): p.get("value") for p in c.iter("property")}
              for c in cases}
-    assert props["test_bit_exact[toy-topoB-compat]"] == {
+    toy_b = props["test_bit_exact[toy-topoB-compat]"]
+    assert toy_b.pop("weightsync_file").endswith("test_loader.py")
+    assert toy_b == {
         "weightsync_implementation": "toy", "weightsync_property": "bit_exact",
         "weightsync_topology": "topoB", "weightsync_format": "compat"}
     assert props["test_backend_two"]["weightsync_backend"] == "sglang"
