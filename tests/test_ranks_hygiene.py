@@ -102,7 +102,7 @@ def hangs_ignoring_sigusr1():
 
 
 def megatron_clean():
-    """The project's own helper: every group Megatron creates is destroyed and forgotten."""
+    """The project's model_parallel(): every group Megatron creates is destroyed and forgotten."""
     from pytest_weightsync.reference_impl.backends.megatron import model_parallel
 
     with model_parallel(tensor_model_parallel_size=2) as ps:
