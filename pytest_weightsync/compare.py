@@ -12,6 +12,7 @@ torch is imported lazily: importing this module is cheap.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
 
@@ -25,11 +26,15 @@ class ComparisonError(AssertionError):
 
 
 class BitMismatchError(ComparisonError):
-    """Two tensors of equal shape and dtype differ in some bits."""
+    """Two tensors of equal shape and dtype differ in some bits. ``kinds`` says how (a
+    :class:`DifferenceKinds`): a loader that canonicalized NaNs or flushed subnormals is told
+    apart from one that put values in the wrong place."""
 
-    def __init__(self, message: str, name: str, count: int, index: tuple, location=None):
+    def __init__(self, message: str, name: str, count: int, index: tuple, location=None,
+                 kinds: "DifferenceKinds | None" = None):
         super().__init__(message)
         self.name, self.count, self.index, self.location = name, count, index, location
+        self.kinds = kinds if kinds is not None else DifferenceKinds(value=count)
 
 
 class MetadataMismatchError(ComparisonError):
@@ -71,36 +76,139 @@ def _describe(name: str, index: tuple, locate: Optional[Locate], rank):
 
 
 def _fmt_value(tensor, index) -> str:
-    """``value (bits 0x....)`` of one element, for messages."""
-    value = tensor[index]
-    bits = int(raw_bits(value.reshape(1))[0]) & ((1 << (8 * tensor.element_size())) - 1)
-    shown = value.item() if not value.is_floating_point() else float(value)
-    return f"{shown!r} (bits 0x{bits:0{2 * tensor.element_size()}x})"
+    """``value (bits 0x....)`` of one element, for messages (only that element leaves its
+    device)."""
+    value = tensor[index].cpu()
+    words = raw_bits(value.reshape(1)).reshape(-1)  # two words for a complex element
+    width = words.element_size()
+    bits = " ".join(f"0x{int(w) & ((1 << (8 * width)) - 1):0{2 * width}x}" for w in words.tolist())
+    shown = float(value) if value.is_floating_point() else value.item()
+    return f"{shown!r} (bits {bits})"
+
+
+@dataclass(frozen=True)
+class DifferenceKinds:
+    """How the differing elements of two tensors differ, counted per kind.
+
+    ``nan_payload``: both are NaN, with other payload bits (a loader that stages BF16 through
+    FP32 is exact for every finite value but canonicalizes NaNs); ``zero_sign``: both are
+    zero, of opposite sign; ``subnormal_flush``: expected a subnormal, got a zero (flush to
+    zero in a conversion or kernel); ``value``: anything else (a wrong value, a wrong place).
+    Bits stay the contract: every kind is a mismatch; the kind only says what to look for."""
+
+    nan_payload: int = 0
+    zero_sign: int = 0
+    subnormal_flush: int = 0
+    value: int = 0
+
+    _WORDS = {"nan_payload": "NaN payload bits", "zero_sign": "sign of zero",
+              "subnormal_flush": "subnormals flushed to zero"}
+    _ONLY = {"nan_payload": "only NaN payload bits differ ({n}): both sides are NaN there",
+             "zero_sign": "sign of zero differs ({n})",
+             "subnormal_flush": "subnormals flushed to zero ({n})"}
+
+    @property
+    def kind(self) -> str:
+        """The one kind every differing element has, or ``"mixed"``."""
+        present = [k for k in ("nan_payload", "zero_sign", "subnormal_flush", "value")
+                   if getattr(self, k)]
+        return present[0] if len(present) == 1 else "mixed"
+
+    def describe(self) -> str:
+        kind = self.kind
+        if kind in self._ONLY:
+            return self._ONLY[kind].format(n=_elements(getattr(self, kind)))
+        special = [f"{self._WORDS[k]} ({_elements(getattr(self, k))})" for k in self._WORDS
+                   if getattr(self, k)]
+        head = f"values differ ({_elements(self.value)})"
+        return head + (f", besides {', '.join(special)}" if special else "")
+
+
+def _elements(n: int) -> str:
+    return f"{n} element{'s' if n != 1 else ''}"
+
+
+#: Floating dtypes whose bits are sign, exponent, mantissa (IEEE-like), by name.
+_IEEE_LIKE = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
+              "float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
+def difference_kinds(actual, expected, diff) -> DifferenceKinds:
+    """Classify the elements where ``diff`` (a bool mask of ``actual``'s shape) is set.
+    Vectorized over the differing elements only; integer, complex and other dtypes count
+    every difference as ``value``."""
+    import torch
+
+    count = int(diff.sum())
+    dtype = actual.dtype
+    if str(dtype).replace("torch.", "") not in _IEEE_LIKE:
+        return DifferenceKinds(value=count)
+    a = actual.detach()[diff.to(actual.device)]
+    e = expected.detach()[diff.to(expected.device)].to(a.device)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    a_nan, e_nan = a.to(wide).isnan(), e.to(wide).isnan()
+    info = torch.finfo(dtype)
+    mantissa = round(-math.log2(info.eps))
+    exponent = info.bits - 1 - mantissa
+    word = torch.int64 if info.bits > 32 else torch.int32
+    ab, eb = raw_bits(a).to(word), raw_bits(e).to(word)
+    magnitude = (1 << (info.bits - 1)) - 1  # sign-extended bits: the sign is masked off
+    a_zero, e_zero = (ab & magnitude) == 0, (eb & magnitude) == 0
+    e_subnormal = ((eb >> mantissa) & ((1 << exponent) - 1) == 0) & ~e_zero
+    nan = a_nan & e_nan
+    ordinary = ~a_nan & ~e_nan  # a NaN of the fnuz types has the bits of a negative zero
+    zero = a_zero & e_zero & ordinary
+    flush = e_subnormal & a_zero & ordinary
+    special = nan | zero | flush
+    return DifferenceKinds(nan_payload=int(nan.sum()), zero_sign=int(zero.sum()),
+                           subnormal_flush=int(flush.sum()), value=int((~special).sum()))
+
+
+def first_difference(actual, expected):
+    """``(count, first index, mask)`` of the elements whose raw bits differ, or ``None`` when
+    all are equal. One ``torch.equal`` pass when they are; no Python loop over elements."""
+    import torch
+
+    a, e = raw_bits(actual.detach()), raw_bits(expected.detach())
+    if a.device != e.device:
+        a, e = a.cpu(), e.cpu()
+    if torch.equal(a, e):
+        return None
+    diff = a != e
+    if actual.is_complex():
+        diff = diff.any(-1)  # the real and imaginary parts of one element
+    count = int(diff.sum())
+    if diff.dim() == 0:
+        return count, (), diff
+    flat = int(torch.argmax(diff.reshape(-1).to(torch.uint8)))  # the first True
+    index = []
+    for size in reversed(diff.shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return count, tuple(reversed(index)), diff
 
 
 def assert_bitwise_equal(actual, expected, *, name: str = "tensor",
                          locate: Optional[Locate] = None, rank=None) -> None:
-    """Raise :class:`BitMismatchError` unless ``actual`` and ``expected`` have identical bits."""
-    import torch
-
+    """Raise :class:`BitMismatchError` unless ``actual`` and ``expected`` have identical bits.
+    The message gives the count, the kind of difference (:class:`DifferenceKinds`) and the
+    first differing element, located."""
     where = f"{name} on receiver rank {rank}" if rank is not None else name
     if tuple(actual.shape) != tuple(expected.shape):
         raise MetadataMismatchError(f"{where}: shape {tuple(actual.shape)}, expected "
                                     f"{tuple(expected.shape)}")
     if actual.dtype != expected.dtype:
         raise MetadataMismatchError(f"{where}: dtype {actual.dtype}, expected {expected.dtype}")
-    a = raw_bits(actual.detach()).cpu()
-    e = raw_bits(expected.detach()).cpu()
-    diff = a != e
-    count = int(diff.sum())
-    if count == 0:
+    found = first_difference(actual, expected)
+    if found is None:
         return
-    index = tuple(int(i) for i in torch.nonzero(diff)[0]) if diff.dim() else ()
+    count, index, diff = found
+    kinds = difference_kinds(actual, expected, diff)
     text, location = _describe(name, index, locate, rank)
-    message = (f"{where}: {count} of {diff.numel()} elements differ bitwise; first at {text}: "
-               f"got {_fmt_value(actual.detach().cpu(), index)}, expected "
-               f"{_fmt_value(expected.detach().cpu(), index)}")
-    raise BitMismatchError(message, name, count, index, location)
+    message = (f"{where}: {count} of {diff.numel()} elements differ bitwise: "
+               f"{kinds.describe()}; first at {text}: got {_fmt_value(actual.detach(), index)}, "
+               f"expected {_fmt_value(expected.detach(), index)}")
+    raise BitMismatchError(message, name, count, index, location, kinds)
 
 
 def assert_state_equal(actual: Mapping, expected: Mapping, *, locate: Optional[Locate] = None,

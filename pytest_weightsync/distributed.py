@@ -11,6 +11,8 @@ there, before anything is pickled back, that
   first changed row/col);
 * the result has the shape the delivery mode promises (a stream per colocated rank; a
   ``{engine_rank: stream}`` map from rank 0 and nothing from the others);
+* every entry carries a plain tensor (a lock, a list or a DTensor is named by bucket and
+  entry, not met later as an ``AttributeError`` of a copy);
 * no bucket exceeds ``bucket_bytes`` unless it holds a single tensor.
 
 Tensors are copied out of the exporter's buffers before they travel (a view would pickle its
@@ -56,9 +58,7 @@ def _index_text(index: tuple) -> str:
 def first_modification(before: Mapping, after: Mapping) -> Optional[str]:
     """``"NAME at row R col C"`` for the first parameter of ``before`` whose bits, shape or
     dtype changed in ``after`` (or that disappeared), else ``None``."""
-    import torch
-
-    from pytest_weightsync.compare import raw_bits
+    from pytest_weightsync.compare import first_difference
 
     for name, old in before.items():
         new = after.get(name)
@@ -67,10 +67,9 @@ def first_modification(before: Mapping, after: Mapping) -> Optional[str]:
         if tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype:
             return (f"{name} (now {tuple(new.shape)} {new.dtype}, was {tuple(old.shape)} "
                     f"{old.dtype})")
-        diff = raw_bits(new.detach()) != raw_bits(old)
-        if bool(diff.any()):
-            index = tuple(int(i) for i in torch.nonzero(diff)[0])
-            return f"{name} at {_index_text(index)}"
+        found = first_difference(new, old)
+        if found is not None:
+            return f"{name} at {_index_text(found[1])}"
     return None
 
 
@@ -81,6 +80,26 @@ def check_inputs_unchanged(before: Mapping, after: Mapping, *, call: str, owner:
     where = first_modification(before, after)
     if where is not None:
         raise DistributedExportError(f"{call} modified {owner}'s shard {where}")
+
+
+def check_tensors(stream, source: str) -> None:
+    """Every entry of ``stream`` carries a plain ``torch.Tensor`` (or ``nn.Parameter``): what
+    an engine's loader reads. A lock, a list, a DTensor or another subclass is named with its
+    bucket and entry here, in the rank, before anything tries to copy or pickle it."""
+    import torch
+
+    plain = (torch.Tensor, torch.nn.Parameter)
+    for index, bucket in enumerate(stream):
+        for j, (name, tensor) in enumerate(bucket):
+            if type(tensor) in plain:
+                continue
+            cls = type(tensor)
+            what = (f"a tensor subclass ({cls.__module__}.{cls.__qualname__}), not a plain "
+                    f"torch.Tensor" if isinstance(tensor, torch.Tensor) else
+                    f"a {cls.__qualname__}, not a torch.Tensor")
+            raise DistributedExportError(f"{source}: bucket {index} entry {j} {name!r:.120} is "
+                                         f"{what}; a stream carries (name, tensor) pairs of "
+                                         f"plain tensors")
 
 
 def _copied(stream) -> list:
@@ -134,6 +153,7 @@ def normalize_result(result, *, delivery: str, rank: int, receiver, bucket_bytes
         except TypeError as error:
             raise DistributedExportError(str(error)) from None
     for engine_rank, stream in streams.items():
+        check_tensors(stream, f"{source} (engine rank {engine_rank})")
         check_bucket_limit(stream, bucket_bytes, f"{source} (engine rank {engine_rank})")
     return {k: _copied(v) for k, v in streams.items()}
 

@@ -7,11 +7,19 @@ yardstick for. Both roles delegate to the reference modules: loading to
 placement, stricter than SGLang on bad input), exporting to the trainer gather and the
 compat / hf_fused / packed / direct sender paths.
 
-Streams: ``begin_update(params, ...)`` opens an update on ``params`` (one receiver kept per
-params dict, keyed by its id, until ``end_update``), every ``load_weights`` call on those
-params in between is one bucket of it, and ``end_update`` checks the update carried every
-(layer, expert, projection) the rank owns. ``load_weights`` outside an update is a one-bucket
-update whose completeness is not checked.
+Streams: ``begin_update(params, ...)`` opens an update on ``params``, every ``load_weights``
+call on that same params dict in between is one bucket of it, and ``end_update`` checks the
+update carried every (layer, expert, projection) the rank owns. ``load_weights`` outside an
+update is a one-bucket update whose completeness is not checked. An open update is bound to
+the ``format``, ``spec``, ``topology`` and ``rank`` it was opened with: a bucket or an
+``end_update`` that names others is refused (:class:`UpdateMismatchError`), since loading
+rank 1's bucket into an update of rank 0 would place the wrong experts without a word.
+
+Between calls only the update's small state is kept (which pieces arrived, the bucket count)
+and weak references to the parameters: no receiver, no tensor. An update that is never ended
+is released by the next ``begin_update`` on those parameters, or as soon as the caller drops
+them, so a trainer that abandons updates (an exception between buckets, a retry) cannot pile
+up models in memory.
 
 Heavy modules are imported inside the methods: discovering implementations (which imports this
 module) must stay cheap.
@@ -19,8 +27,12 @@ module) must stay cheap.
 
 from __future__ import annotations
 
+import itertools
+import weakref
+from dataclasses import dataclass
+
 from pytest_weightsync.protocols import Capabilities
-from pytest_weightsync.reference_impl.errors import shown
+from pytest_weightsync.reference_impl.errors import WeightSyncError, shown
 from pytest_weightsync.reference_impl.senders import PayloadFormatError, check_format
 
 
@@ -29,7 +41,12 @@ _KIND_WORDS = {"compat": "per-expert Hugging Face", "packed": "fused w13/w2",
                "direct": "fused w13/w2", "hf_fused": "fused gate_up_proj/down_proj"}
 
 
-def _check_format(fmt: str, payload) -> None:
+class UpdateMismatchError(WeightSyncError):
+    """``load_weights`` / ``end_update`` on parameters whose open update was begun with another
+    format, spec, topology or rank; the message names both."""
+
+
+def _check_format(fmt: str, payload, where) -> None:
     from pytest_weightsync.reference_impl.layout import parse_receiver_name
 
     check_format(fmt)
@@ -38,8 +55,47 @@ def _check_format(fmt: str, payload) -> None:
             parsed = parse_receiver_name(item[0])
             if parsed is not None and parsed.kind != _NAME_KIND[fmt]:
                 raise PayloadFormatError(
-                    f"payload entry {index} {shown(item[0])} is not a name of the {fmt} format "
+                    f"{where(index, item[0])} is not a name of the {fmt} format "
                     f"(the {fmt} format carries {_KIND_WORDS[fmt]} names)")
+
+
+def _check_payload_type(payload) -> None:
+    from pytest_weightsync.reference_impl.receiver import PayloadTypeError
+
+    if payload is None:
+        raise PayloadTypeError("payload is None; expected a list of (name, tensor) pairs")
+    if isinstance(payload, (str, bytes, dict)) or not hasattr(payload, "__iter__"):
+        raise PayloadTypeError(f"payload is a {type(payload).__name__}; expected a list of "
+                               f"(name, tensor) pairs")
+
+
+#: The begin_update arguments an open update is bound to, in message order.
+_BOUND = ("format", "spec", "topology", "rank")
+
+
+@dataclass
+class _OpenUpdate:
+    """What is kept of an update between calls: the receiver's update state, the arguments it
+    was begun with, and weak references to the parameters (so dropping them frees both)."""
+
+    state: object
+    bound: dict
+    refs: tuple
+    token: int
+
+    def holds(self, params) -> bool:
+        """Whether ``params`` still maps the update's names to the very tensors it began on."""
+        return all(name in params and params[name] is ref() for name, ref in self.refs)
+
+    def mismatch(self, call: str, given: dict) -> str | None:
+        differ = [key for key in _BOUND if given[key] != self.bound[key]]
+        if not differ:
+            return None
+        now = ", ".join(f"{key}={given[key]!r}" for key in differ)
+        then = ", ".join(f"{key}={self.bound[key]!r}" for key in differ)
+        return (f"{call}({now}) on params whose open update was begun with {then}: an update "
+                f"is one receiver rank's stream in one format; end_update() it (or begin_update "
+                f"again) before loading another")
 
 
 class ReferenceImplementation:
@@ -49,48 +105,88 @@ class ReferenceImplementation:
     capabilities = Capabilities()
 
     def __init__(self):
-        self._open: dict[int, tuple] = {}  # id(params) -> (params, receiver)
+        self._open: dict[int, _OpenUpdate] = {}  # id(params) -> the update open on them
+        self._tokens = itertools.count()
 
     def _receiver(self, params, spec, topology, rank):
         from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
 
         return ReferenceReceiver(spec, topology, rank, params=params)
 
+    def _release_with(self, token: int, key: int):
+        """A weakref callback that drops update ``token`` once one of its parameters dies
+        (never a newer update that reused the key)."""
+        owner = weakref.ref(self)
+
+        def release(_ref):
+            impl = owner()
+            if impl is not None and getattr(impl._open.get(key), "token", None) == token:
+                del impl._open[key]
+        return release
+
+    def _find_open(self, params):
+        entry = self._open.get(id(params))
+        if entry is not None and not entry.holds(params):
+            del self._open[id(params)]  # another dict now lives at that id: the old one is gone
+            entry = None
+        return entry
+
     def begin_update(self, params, *, format, spec, topology, rank) -> None:
-        """Open an update (a stream of ``load_weights`` buckets) on ``params``."""
+        """Open an update (a stream of ``load_weights`` buckets) on ``params``; an update still
+        open on any of these parameters is discarded."""
         check_format(format)
         receiver = self._receiver(params, spec, topology, rank)
         receiver.begin_update()
-        self._open[id(params)] = (params, receiver)
+        tensors = {id(t) for t in receiver.params.values()}
+        for key, entry in list(self._open.items()):
+            if any(id(ref()) in tensors for _, ref in entry.refs):
+                del self._open[key]
+        token, key = next(self._tokens), id(params)
+        release = self._release_with(token, key)
+        refs = tuple((name, weakref.ref(tensor, release)) for name, tensor in receiver.params.items())
+        bound = dict(format=format, spec=spec, topology=topology, rank=rank)
+        self._open[key] = _OpenUpdate(receiver.update_state, bound, refs, token)
 
     def end_update(self, params, *, format, spec, topology, rank) -> None:
         """Close the update on ``params``; raises
         :class:`pytest_weightsync.reference_impl.receiver.MissingExpertError` naming every
-        (layer, expert, projection) no bucket carried."""
+        (layer, expert, projection) no bucket carried, :class:`UpdateMismatchError` (the update
+        stays open) when the arguments are not those of its ``begin_update``."""
         from pytest_weightsync.reference_impl.receiver import IncompleteUpdateError
 
-        entry = self._open.pop(id(params), None)
-        if entry is None or entry[0] is not params:
+        entry = self._find_open(params)
+        if entry is None:
             raise IncompleteUpdateError("end_update() on params without begin_update()")
-        entry[1].end_update()
+        problem = entry.mismatch("end_update", dict(format=format, spec=spec,
+                                                    topology=topology, rank=rank))
+        if problem is not None:
+            raise UpdateMismatchError(problem)
+        del self._open[id(params)]
+        receiver = self._receiver(params, spec, topology, rank)
+        receiver.resume_update(entry.state)
+        receiver.end_update()
 
     def load_weights(self, params, payload, *, format, spec, topology, rank) -> None:
         """Validate the whole bucket, then copy it into ``params`` in place. ``params`` that do
-        not fit the topology raise :class:`pytest_weightsync.reference_impl.receiver.ReceiverParamsError`."""
-        from pytest_weightsync.reference_impl.receiver import PayloadTypeError
-
-        if payload is None:
-            raise PayloadTypeError("payload is None; expected a list of (name, tensor) pairs")
-        if isinstance(payload, (str, bytes, dict)) or not hasattr(payload, "__iter__"):
-            raise PayloadTypeError(f"payload is a {type(payload).__name__}; expected a list of "
-                                   f"(name, tensor) pairs")
-        payload = list(payload)
-        _check_format(format, payload)
-        entry = self._open.get(id(params))
-        if entry is not None and entry[0] is params:
-            receiver = entry[1]
-        else:
-            receiver = self._receiver(params, spec, topology, rank)
+        not fit the topology raise :class:`pytest_weightsync.reference_impl.receiver.ReceiverParamsError`;
+        a bucket for an update begun with other arguments :class:`UpdateMismatchError`."""
+        entry = self._find_open(params)
+        if entry is not None:
+            problem = entry.mismatch("load_weights", dict(format=format, spec=spec,
+                                                          topology=topology, rank=rank))
+            if problem is not None:
+                entry.state.count_refused()  # the sender's bucket numbering goes on
+                raise UpdateMismatchError(problem)
+        receiver = self._receiver(params, spec, topology, rank)
+        if entry is not None:
+            receiver.resume_update(entry.state)
+        try:
+            _check_payload_type(payload)
+            payload = list(payload)
+            _check_format(format, payload, receiver.describe_entry)
+        except BaseException:
+            receiver.refuse_bucket()
+            raise
         receiver.load(payload, load_format="direct" if format == "direct" else None)
 
     def export_weights(self, trainer_states, *, format, spec, trainer, receiver, rank):

@@ -43,8 +43,12 @@ Atomicity promise:
 
 * a bucket is validated whole (types, names, ids, dtypes, shapes, devices, contiguity where
   the format needs it, duplicates across the WHOLE update, memory overlap between sources and
-  the parameters the bucket writes) before its first byte is written; a refused bucket raises
-  a :class:`PayloadError` naming the entry index and the reason and writes nothing;
+  the parameters the bucket writes, and that every tensor is a plain dense tensor over
+  readable memory - no DTensor, FakeTensor or other subclass, nested tensor, lazy neg/conj
+  view or freed storage, see :mod:`~pytest_weightsync.reference_impl.tensor_checks`) before
+  its first byte is written; a refused bucket raises a :class:`PayloadError` naming the entry
+  index (and, inside an update, the sender's bucket number) and the reason, and writes
+  nothing;
 * buckets loaded before a refused one stay written (a stream cannot be rolled back without a
   second copy of the model);
 * completeness is a property of the update, not of a bucket: :meth:`ReferenceReceiver.end_update`
@@ -62,7 +66,7 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
-from pytest_weightsync.reference_impl import fastcopy
+from pytest_weightsync.reference_impl import fastcopy, tensor_checks
 from pytest_weightsync.vocabulary import LOAD_FORMATS
 from pytest_weightsync.reference_impl.errors import MAX_NAME_CHARS, PayloadError, shown
 from pytest_weightsync.reference_impl.layout import (
@@ -123,6 +127,23 @@ class MemoryOverlapError(PayloadError):
     would read bytes it has already overwritten."""
 
 
+# Refusals of tensors that are no plain dense tensor over readable memory (subclasses such as
+# DTensor and FakeTensor, nested tensors, lazy neg/conj views, freed storage); re-exported so
+# every payload error of the receiver is reachable from this module.
+UnloadableTensorError = tensor_checks.UnloadableTensorError
+TensorSubclassError = tensor_checks.TensorSubclassError
+NestedTensorError = tensor_checks.NestedTensorError
+LazyViewError = tensor_checks.LazyViewError
+TensorStorageError = tensor_checks.TensorStorageError
+
+
+def _refuse(problem, where: str) -> None:
+    """Raise the payload error of a :mod:`tensor_checks` problem, prefixed by the entry."""
+    if problem is not None:
+        cls, reason = problem
+        raise cls(f"{where}: {reason}")
+
+
 class ReceiverParamsError(WeightSyncError):
     """Existing parameters handed to :class:`ReferenceReceiver` do not match its topology."""
 
@@ -159,11 +180,19 @@ class LoadPlan:
 
 
 @dataclass
-class _Update:
-    """State of an open update: which pieces earlier buckets carried, and where."""
+class UpdateState:
+    """State of an open update: which pieces earlier buckets carried, and where. Buckets are
+    numbered the way the sender numbers them: every bucket offered counts, refused ones
+    included, so after a refused bucket 1 the next one is bucket 2 in every message."""
 
     seen: dict = field(default_factory=dict)  # (layer, expert, projection) -> (bucket, entry, name)
-    buckets: int = 0
+    offered: int = 0  # buckets offered so far; the next one is bucket number `offered`
+    refused: int = 0
+
+    def count_refused(self) -> None:
+        """One more bucket offered, and refused."""
+        self.offered += 1
+        self.refused += 1
 
 
 class ReferenceReceiver:
@@ -193,7 +222,7 @@ class ReferenceReceiver:
         # tensor reports "cuda:0", so compare against the resolved device, not the request.
         first = next(iter(self.params.values()), None)
         self.device = first.device if first is not None else torch.device(device)
-        self._update: Optional[_Update] = None
+        self._update: Optional[UpdateState] = None
 
     # -- the hooks a loader variant would change ----------------------------------------------
 
@@ -227,7 +256,27 @@ class ReferenceReceiver:
 
     def begin_update(self) -> None:
         """Open an update (a stream of buckets); one still open is discarded."""
-        self._update = _Update()
+        self._update = UpdateState()
+
+    @property
+    def update_state(self) -> Optional[UpdateState]:
+        """The open update's state (``None`` outside an update), for :meth:`resume_update`."""
+        return self._update
+
+    def resume_update(self, state: UpdateState) -> None:
+        """Continue an update that another receiver over the same parameters (same spec,
+        topology and rank) opened: a loader that keeps only the update's state between calls,
+        not the receiver and its parameters, hands it back here."""
+        if not isinstance(state, UpdateState):
+            raise IncompleteUpdateError(f"resume_update() needs an UpdateState, got "
+                                        f"{type(state).__name__}")
+        self._update = state
+
+    def refuse_bucket(self) -> None:
+        """Count a bucket refused before it reached :meth:`load` (e.g. by a format check of
+        the caller's), so the next bucket keeps the sender's number."""
+        if self._update is not None:
+            self._update.count_refused()
 
     def end_update(self) -> None:
         """Close the update; raise :class:`MissingExpertError` naming every (layer, expert,
@@ -244,25 +293,36 @@ class ReferenceReceiver:
         if missing:
             listed = ", ".join(f"layer {l} expert {e} {p}_proj" for l, e, p in missing[:MAX_LISTED])
             more = f", ... ({len(missing) - MAX_LISTED} more)" if len(missing) > MAX_LISTED else ""
+            refused = f", {update.refused} refused" if update.refused else ""
             raise MissingExpertError(
-                f"receiver rank {self.rank}: incomplete update ({update.buckets} bucket(s)): "
+                f"receiver rank {self.rank}: incomplete update ({update.offered} bucket(s)"
+                f"{refused}): "
                 f"{len(missing)} expert projection(s) this rank owns were never loaded: "
                 f"{listed}{more}; they still hold the previous version")
 
     def load(self, payload, load_format: Optional[str] = None) -> LoadPlan:
         """Validate the whole bucket, then write it in place. Returns the executed plan."""
-        plan = self.plan(payload, load_format)
+        update = self._update
+        try:
+            plan = self.plan(payload, load_format)
+        except BaseException:
+            self.refuse_bucket()
+            raise
         self._apply(plan)
-        if self._update is not None:
-            self._update.seen.update(plan.units)
-            self._update.buckets += 1
+        if update is not None:
+            update.seen.update(plan.units)
+            update.offered += 1
         return plan
 
     # -- validation and planning ---------------------------------------------------------------
 
-    def _where(self, index: int, name=None) -> str:
-        bucket = f" of bucket {self._update.buckets}" if self._update is not None else ""
+    def describe_entry(self, index: int, name=None) -> str:
+        """``payload entry I of bucket B 'name'``: how messages name an entry of the bucket
+        being offered (the bucket number only inside an update)."""
+        bucket = f" of bucket {self._update.offered}" if self._update is not None else ""
         return f"payload entry {index}{bucket}" + ("" if name is None else f" {shown(name)}")
+
+    _where = describe_entry
 
     def plan(self, payload, load_format: Optional[str] = None) -> LoadPlan:
         """Everything a bucket will write, after every check; raises :class:`PayloadError`."""
@@ -318,6 +378,7 @@ class ReferenceReceiver:
         where = self._where(index, name)
         if not isinstance(tensor, torch.Tensor):
             raise PayloadTypeError(f"{where} is a {type(tensor).__name__}, not a torch.Tensor")
+        _refuse(tensor_checks.kind_problem(tensor), where)
         if tensor.layout != torch.strided:
             raise TensorLayoutError(f"{where}: {tensor.layout} tensor; only dense (strided) "
                                     f"tensors can be loaded")
@@ -339,6 +400,7 @@ class ReferenceReceiver:
         if tensor.device != self.device:
             raise TensorLayoutError(f"{where}: tensor on device {tensor.device}, receiver "
                                     f"rank {self.rank} parameters are on {self.device}")
+        _refuse(tensor_checks.storage_problem(tensor), where)
         shape, what = self._expected_shape(parsed, load_format)
         if tuple(tensor.shape) != tuple(shape):
             raise PayloadShapeError(f"{where}: shape {tuple(tensor.shape)}, expected "
@@ -395,7 +457,7 @@ class ReferenceReceiver:
                         f"{projection}_proj was already carried by {first} in this "
                         f"{'bucket' if bucket is None else 'update'}")
                 units[unit] = (None, index, name)
-        bucket = self._update.buckets if self._update is not None else 0
+        bucket = self._update.offered if self._update is not None else 0
         return {unit: (bucket, index, name) for unit, (_, index, name) in units.items()}
 
     def _write_w13(self, plan: LoadPlan, layer: int, slot: int, projection: str,
@@ -506,6 +568,13 @@ def _checked_params(params: Mapping[str, torch.Tensor], shapes: dict[str, tuple]
         if not isinstance(tensor, torch.Tensor):
             raise ReceiverParamsError(f"receiver rank {rank} parameter {name!r} is a "
                                       f"{type(tensor).__name__}, not a torch.Tensor")
+        problem = tensor_checks.kind_problem(tensor)
+        if problem is None and tensor.layout != torch.strided:
+            problem = (None, f"a {tensor.layout} tensor; parameters must be dense (strided)")
+        if problem is None and tensor.device.type != "meta":
+            problem = tensor_checks.storage_problem(tensor)
+        if problem is not None:
+            raise ReceiverParamsError(f"receiver rank {rank} parameter {name!r}: {problem[1]}")
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
             raise ReceiverParamsError(
                 f"receiver rank {rank} parameter {name!r} is {tuple(tensor.shape)} "

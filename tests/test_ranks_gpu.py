@@ -57,3 +57,36 @@ def test_xdist_worker_ranks_see_their_gpu_block(i):
     # The rank was given its worker's block; the block is non-empty and one GPU per rank fits.
     assert len(visible) >= 1
     print(f"worker gw{worker}/{count} ranks see CUDA_VISIBLE_DEVICES={visible}")
+
+
+def nccl_subgroup(destroy: bool):
+    import torch
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(dist.get_world_size())))
+    t = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(t, group=group)
+    torch.cuda.synchronize()
+    if destroy:
+        dist.destroy_process_group(group)
+    return t[0].item()
+
+
+@pytest.mark.gpu
+def test_nccl_subgroups_left_behind_are_named_and_destroyed_ones_are_not(rank_pool):
+    """NCCL creates threads and communicators lazily; a destroyed subgroup must not read as a
+    leak, one left behind must (see tests/test_ranks_hygiene.py for gloo)."""
+    import warnings
+
+    from pytest_weightsync.ranks import RankLeakWarning
+
+    def leaks(destroy):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert rank_pool.run(nccl_subgroup, 1, destroy) == [1.0]
+        return [str(w.message) for w in caught if issubclass(w.category, RankLeakWarning)]
+
+    for _ in range(3):
+        assert leaks(True) == []
+    found = leaks(False)
+    assert len(found) == 1 and "rank 0: +1 process group" in found[0], found

@@ -5,6 +5,8 @@
 - A rank's ``pytest.skip`` keeps the warm pool.
 - An exception whose ``__str__`` raises, and a segfault, still reach the report with a
   Python stack of the test body.
+- A test that passes but leaves a process group in the warm ranks is named in its own
+  report (a ``RankLeakWarning``); more of that in ``test_ranks_hygiene.py``.
 - SIGTERM to pytest ends the ranks, what a test body started in a new session, and the
   pool's temporary directory.
 
@@ -115,6 +117,12 @@ def test_f_broken_str_in_rank_0_segfault_in_rank_1():
     if dist.get_rank() == 0:
         raise UnprintableError("expert 7 missing")
     ctypes.string_at(0)
+
+@pytest.mark.ranks(2)
+def test_g_passes_but_leaves_a_group():
+    import torch, torch.distributed as dist
+    group = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(1), group=group)  # never destroyed
 '''
 
 
@@ -122,9 +130,13 @@ def test_pool_blames_the_test_that_left_ranks_out_of_step_and_keeps_diagnostics(
     pytester.makepyfile(test_inner=INNER)
     result = pytester.runpytest_subprocess("-p", "weightsync", "-p", "no:cacheprovider", "-rs", "-v", timeout=300)
     out = result.stdout.str()
-    result.assert_outcomes(passed=3, failed=2, skipped=1)
-    outcome = {line.split(" ", 1)[0]: line for line in result.stdout.lines if line.startswith("test_inner.py::")}
-    for name in ("test_a_warm_pool", "test_c_skip_kept_the_warm_pool", "test_e_innocent_next_test"):
+    result.assert_outcomes(passed=4, failed=2, skipped=1, warnings=1)
+    outcome = {}
+    for line in result.stdout.lines:  # the verbose progress lines; the warnings summary repeats ids
+        if line.startswith("test_inner.py::"):
+            outcome.setdefault(line.split(" ", 1)[0], line)
+    for name in ("test_a_warm_pool", "test_c_skip_kept_the_warm_pool", "test_e_innocent_next_test",
+                 "test_g_passes_but_leaves_a_group"):
         assert "PASSED" in outcome[f"test_inner.py::{name}"], out
     for name in ("test_d_leaves_a_collective_pending", "test_f_broken_str_in_rank_0_segfault_in_rank_1"):
         assert "FAILED" in outcome[f"test_inner.py::{name}"], out
@@ -142,6 +154,12 @@ def test_pool_blames_the_test_that_left_ranks_out_of_step_and_keeps_diagnostics(
     # rank 1's segfault: the signal and the Python stack of the test body at the crash
     assert "rank 1: process died without answering (killed by signal 11 (SIGSEGV))" in out
     assert re.search(r'test_inner\.py", line \d+ in test_f_broken_str_in_rank_0_segfault_in_rank_1', out), out
+    # a passing test that leaves a group behind is named in its own report, and the pool rebuilt
+    summary = out[out.index("warnings summary"):]
+    assert re.search(r"test_inner\.py::test_g_passes_but_leaves_a_group\n.*RankLeakWarning: "
+                     r"test_g_passes_but_leaves_a_group left state behind in the warm rank "
+                     r"processes \(world_size=2, backend=gloo\): rank 0: \+1 process group, "
+                     r"\+\d+ threads, \+\d+ fds", summary), summary
 
 
 SIGTERM_INNER = '''

@@ -4,7 +4,8 @@
 - :func:`current` - the :class:`RankContext` (rank, world size, backend, device) of the
   running rank, or None outside one.
 - errors: :class:`RankFailed`, :class:`RankTimeout`, :class:`RankOutOfStep`,
-  :class:`RankStartupError`, :class:`RankSkipped`.
+  :class:`RankStartupError`, :class:`RankSkipped`; :class:`RankLeakWarning` for a call that
+  left something in the warm ranks.
 
 The pytest side (the ``ranks`` marker and the ``rank_pool`` fixture) lives in
 :mod:`pytest_weightsync.ranks.dispatch`. Nothing here imports torch: only the rank processes
@@ -14,6 +15,7 @@ do, so loading the plugin stays cheap.
 from pytest_weightsync.ranks.context import RankContext, current
 from pytest_weightsync.ranks.errors import (
     RankFailed,
+    RankLeakWarning,
     RankOutcome,
     RankOutOfStep,
     RankPoolError,
@@ -26,6 +28,7 @@ from pytest_weightsync.ranks.pool import RankPool
 __all__ = [
     "RankContext",
     "RankFailed",
+    "RankLeakWarning",
     "RankOutOfStep",
     "RankOutcome",
     "RankPool",

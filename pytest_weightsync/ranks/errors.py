@@ -80,3 +80,10 @@ def render(headline: str, outcomes: list[RankOutcome]) -> str:
         if outcome.detail:
             lines.append(outcome.detail.rstrip("\n"))
     return "\n".join(lines)
+
+
+class RankLeakWarning(UserWarning):
+    """A call returned in every rank but left something in the warm rank processes (process
+    groups, threads, descriptors, child processes, changed global torch settings); the ranks
+    were restarted. Emitted while the test that made the call runs, so pytest reports it
+    against that test."""

@@ -20,6 +20,16 @@ that the ranks are still in step; when they are not, that call fails with
 :class:`RankOutOfStep` and the pool is rebuilt, so the blame lands on the test that left the
 mess. A call whose ranks all skipped keeps the warm pool when the check passes.
 
+A call that passed can also leave the *processes* dirty: process groups it never destroyed
+(each gloo group keeps threads and sockets), threads, descriptors, child processes, a changed
+default dtype or thread count. Every later test would inherit them, and leaked groups pile up
+until the fd limit ends the session. So the same check compares each rank with the baseline it
+took once warm (:mod:`pytest_weightsync.ranks.hygiene`), and the pool looks for processes left
+below the ranks; anything found is reported as a :class:`RankLeakWarning` naming the call and
+what it left ("rank 0: +17 process groups, +51 threads, +76 fds"), in the report of the test
+that made the call, and the ranks are restarted. ``-W error::pytest_weightsync.ranks.
+RankLeakWarning`` turns it into a failure of that test.
+
 Teardown ends everything the ranks started: their process groups, and, found by parentage,
 processes a test started in a new session (see :mod:`pytest_weightsync.ranks.reaper`).
 """
@@ -37,6 +47,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -46,6 +57,7 @@ from pytest_weightsync.ranks import reaper as _reaper
 from pytest_weightsync.ranks import target as _target
 from pytest_weightsync.ranks.errors import (
     RankFailed,
+    RankLeakWarning,
     RankOutcome,
     RankOutOfStep,
     RankSkipped,
@@ -128,6 +140,9 @@ class RankPool:
         self._recorded: set = set()
         #: How many times processes were started; tests and benchmarks read it.
         self.starts = 0
+        #: Processes below the ranks once they were ready (none, normally): a call may leave
+        #: no more.
+        self._baseline_children: set = set()
 
     # -- public API -------------------------------------------------------------------------
 
@@ -252,6 +267,7 @@ class RankPool:
         replies, pending = self._collect(self.start_timeout, record=False)
         failures = [self._outcome(r, m) for r, m in sorted(replies.items()) if m[0] != "ready"]
         if not failures and not pending:
+            self._baseline_children = _reaper.descendants(self.pids)
             return
         stalled = self._stalled_outcomes(pending, "hung" if not failures else "stalled")
         if failures:
@@ -345,7 +361,8 @@ class RankPool:
             self._kill()  # the call destroyed the process group; start afresh next time
         else:
             issued = {r: m[-1] for r, m in replies.items()}
-            self._check_in_step(what, where, issued)
+            left = self._check_in_step(what, where, issued)
+            self._report_leftovers(what, where, left)
         if skips:
             rank, reason = skips[0]
             skipped = RankSkipped(reason, rank)
@@ -353,8 +370,9 @@ class RankPool:
             raise skipped
         return [pickle.loads(replies[r][1]) for r in range(self.world_size)]
 
-    def _check_in_step(self, what: str, where: str, issued: dict[int, int | None]) -> None:
-        """Raise :class:`RankOutOfStep` unless a fresh all-reduce gives every rank the exact sum."""
+    def _check_in_step(self, what: str, where: str, issued: dict[int, int | None]) -> dict[int, list[str]]:
+        """Raise :class:`RankOutOfStep` unless a fresh all-reduce gives every rank the exact sum;
+        return what each rank reported left behind (:mod:`~pytest_weightsync.ranks.hygiene`)."""
         self._calls += 1
         token = 1 + self._calls % 1000  # float32 sums stay exact for any world size < 16384
         message = pickle.dumps(("check", token, CHECK_TIMEOUT))
@@ -366,7 +384,7 @@ class RankPool:
         replies, pending = self._collect(CHECK_TIMEOUT + 1.0, good=("checked",), record=False)
         bad = {r: m for r, m in replies.items() if m[0] != "checked"}
         if not bad and not pending:
-            return
+            return {r: list(m[1]) for r, m in replies.items() if len(m) > 1 and m[1]}
         outcomes = []
         for rank, m in sorted(bad.items()):
             outcomes.append(self._outcome(rank, m) if m[0] == "died" else RankOutcome(rank, "out-of-step", m[1]))
@@ -383,6 +401,27 @@ class RankPool:
             f"restarted so the next test starts clean."
         )
         raise RankOutOfStep(headline, outcomes)
+
+    def _report_leftovers(self, what: str, where: str, left: dict[int, list[str]]) -> None:
+        """Warn (:class:`RankLeakWarning`, in the report of the test that made the call) about
+        whatever the call left in the warm ranks, and restart them: the next test must not
+        inherit leaked groups, threads, descriptors, child processes or changed torch settings.
+        """
+        children = _reaper.descendants(self.pids) - self._baseline_children
+        for rank, words in _children_by_rank(children, self.pids).items():
+            left.setdefault(rank, []).append(words)
+        if not left:
+            return
+        per_rank = "; ".join(f"rank {r}: {', '.join(left[r])}" for r in sorted(left))
+        message = (
+            f"{what} left state behind in the warm rank processes {where}: {per_rank}. The "
+            f"ranks were restarted so the next test starts clean; free what the call creates "
+            f"(dist.destroy_process_group(group) for every new group - Megatron's "
+            f"destroy_model_parallel() forgets its groups without destroying them), restore "
+            f"global torch settings, wait for child processes."
+        )
+        self._kill()
+        warnings.warn(RankLeakWarning(message), stacklevel=4)
 
     def _collect(self, timeout: float, *, skip=(), good=("ok", "ready"), record: bool = True) -> tuple[dict, set]:
         """Wait for one reply per rank until the deadline; return (replies, unanswered ranks).
@@ -443,10 +482,34 @@ class RankPool:
                 summary = f"hung; still running after {timeout:g} s" if timeout else "hung"
             else:
                 summary = f"still running {self.grace:g} s after another rank failed; killed"
-            outcomes.append(
-                RankOutcome(rank, kind, summary + "; its Python stack:", stacks.get(rank, "(no stack dumped)"))
-            )
+            if rank in stacks:
+                outcomes.append(RankOutcome(rank, kind, summary + "; its Python stack:", stacks[rank]))
+            else:
+                why = self._why_no_stack(rank)
+                outcomes.append(RankOutcome(rank, kind, f"{summary}; rank {rank} did not answer the "
+                                            f"stack-dump signal (SIGUSR1){why}, so its stack is unknown"))
         return outcomes
+
+    def _why_no_stack(self, rank: int) -> str:
+        """What the kernel says about a rank that wrote no stack for SIGUSR1: ignored or
+        blocked there, or a process that cannot run (stopped, in uninterruptible sleep)."""
+        pid = self._procs[rank].pid
+        status = _proc_status(pid)
+        if not status:
+            return ""
+        bit = 1 << (signal.SIGUSR1 - 1)
+        reasons = []
+        if int(status.get("SigIgn", "0"), 16) & bit:
+            reasons.append("it ignores SIGUSR1 (the code under test set SIG_IGN)")
+        elif int(status.get("SigBlk", "0"), 16) & bit:
+            reasons.append("SIGUSR1 is blocked in its main thread")
+        elif int(status.get("SigCgt", "0"), 16) & bit:
+            reasons.append("a handler caught SIGUSR1 but wrote no stack: the code under test "
+                           "may have replaced faulthandler's")
+        state = status.get("State", "")
+        if state and not state.startswith(("S", "R")):
+            reasons.append(f"process state {state}")
+        return f": {'; '.join(reasons)}" if reasons else ""
 
     def _stack_path(self, rank: int) -> str:
         assert self._tmpdir is not None
@@ -511,9 +574,11 @@ class RankPool:
             try:
                 with open(self._stack_path(rank)) as f:
                     f.seek(offsets[rank])
-                    stacks[rank] = _trim_stack(f.read())
+                    text = f.read()
             except OSError:
-                pass
+                continue
+            if text.strip():  # nothing written: the rank did not answer (see _why_no_stack)
+                stacks[rank] = _trim_stack(text)
         return stacks
 
 
@@ -528,6 +593,41 @@ def _trim_stack(text: str) -> str:
     lines = [line for line in text.splitlines() if not any(p in line for p in plumbing)]
     # A crash dump ends with the list of loaded extension modules: long, and no help here.
     return "\n".join(line for line in lines if not line.startswith("Extension modules:")) + "\n"
+
+
+def _proc_status(pid) -> dict[str, str]:
+    """``/proc/PID/status`` as a dict (empty where there is none)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+    except (OSError, ValueError, TypeError):
+        return {}
+
+
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            words = f.read().split(b"\0")
+    except OSError:
+        return "?"
+    text = " ".join(w.decode(errors="replace") for w in words if w)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _children_by_rank(children, rank_pids: list[int]) -> dict[int, str]:
+    """``{rank: "+N child processes (pid P: CMD, ...)"}`` for processes left below each rank."""
+    if not children:
+        return {}
+    table = _reaper.process_table()
+    out = {}
+    for rank, pid in enumerate(rank_pids):
+        mine = sorted(p for p, _ in _reaper.descendants([pid], table) & children)
+        if mine:
+            shown = ", ".join(f"pid {p}: {_command_line(p)}" for p in mine[:3])
+            more = ", ..." if len(mine) > 3 else ""
+            plural = "es" if len(mine) != 1 else ""
+            out[rank] = f"+{len(mine)} child process{plural} still running ({shown}{more})"
+    return out
 
 
 def _outcome(rank: int, message: tuple) -> RankOutcome:

@@ -16,7 +16,9 @@ report, since a dead process can answer nothing.
 After each call the parent may ask for a check that the ranks are still in step: a fresh
 ``all_reduce`` of a per-call token on the default group. A test that left an extra collective
 pending on one rank shifts the pairing of every later collective; the check catches it so the
-test that left it fails, not the innocent next one.
+test that left it fails, not the innocent next one. The same check reports what the call left
+in the process (process groups, threads, descriptors, global torch settings, compared with
+the warm rank's baseline: :mod:`pytest_weightsync.ranks.hygiene`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import traceback
 from typing import Any
 
 from pytest_weightsync.ranks import context as _context
+from pytest_weightsync.ranks import hygiene as _hygiene
 from pytest_weightsync.ranks import target as _target
 
 #: Frames from these files are launcher plumbing and are cut from rank tracebacks.
@@ -39,6 +42,9 @@ _PLUMBING = {os.path.abspath(__file__), os.path.abspath(_target.__file__)}
 # Kept referenced for the life of the process: faulthandler writes to their descriptors.
 _stack_file = None
 _crash_file = None
+#: What the rank holds once warm (see :mod:`pytest_weightsync.ranks.hygiene`); every call is
+#: compared with it.
+_baseline: dict | None = None
 
 
 def rank_main(
@@ -70,6 +76,13 @@ def rank_main(
         _send(conn, ("error", _summary(exc), _format(exc), None))
         return
     _context._set_current(_context.RankContext(rank, world_size, backend, device, "pool"))
+    global _baseline
+    try:
+        _hygiene.warm_up(device)
+        _baseline = _hygiene.snapshot()
+    except BaseException as exc:
+        _send(conn, ("error", f"warming up the rank failed: {_summary(exc)}", _format(exc), None))
+        return
     _send(conn, ("ready", os.getpid()))
     _serve(conn)
 
@@ -233,7 +246,11 @@ def _check(token: int, timeout: float) -> tuple:
             f"a fresh all_reduce of {_short([float(token)])} on the default group gave {_short(got)} "
             f"instead of {_short(expected)}",
         )
-    return ("checked",)
+    try:
+        left = _hygiene.leaks(_baseline) if _baseline is not None else []
+    except BaseException as exc:  # measuring must never cost the call its verdict
+        left = [f"(its state could not be measured: {_summary(exc)})"]
+    return ("checked", left)
 
 
 def _short(values: list[float]) -> str:

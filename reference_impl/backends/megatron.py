@@ -188,7 +188,11 @@ def model_parallel(**sizes) -> Iterator[object]:
     ``destroy_model_parallel`` only forgets Megatron's groups; the torch.distributed process
     groups stay alive, each gloo group with its own threads and sockets. A warm rank process
     that builds topology after topology would pile up hundreds of threads (and slow every
-    later test), so every group Megatron created in this rank is destroyed here as well."""
+    later test), so every group Megatron created in this rank is destroyed here as well. It
+    does not even forget all of them: megatron-core 0.16.1 leaves
+    ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` (and its ``_GLOO`` twin) set, which keeps
+    two destroyed gloo groups' threads and sockets alive until the next initialization; every
+    module global still naming a destroyed group is cleared too."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -207,6 +211,9 @@ def model_parallel(**sizes) -> Iterator[object]:
                 dist.destroy_process_group(group)
             except ValueError:  # not registered with torch.distributed (e.g. already gone)
                 pass
+        for name, value in list(vars(ps).items()):
+            if name.isupper() and id(value) in created and value is created[id(value)]:
+                setattr(ps, name, None)  # a stale handle keeps a gloo group's threads alive
 
 
 @contextlib.contextmanager

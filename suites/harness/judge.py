@@ -16,6 +16,13 @@ from pytest_weightsync.reference_impl.layout import receiver_shard
 
 from . import inputs
 
+#: Kinds of bit difference (``compare.DifferenceKinds``) that no placement bug produces, and
+#: what does produce them.
+VALUE_CONVERSIONS = {
+    "nan_payload": "e.g. it stages BF16 through FP32 or another dtype, which canonicalizes NaNs",
+    "zero_sign": "e.g. an arithmetic op such as x + 0 or a sum that loses the sign of zero",
+    "subnormal_flush": "e.g. a kernel or dtype round trip that flushes subnormals to zero",
+}
 #: Longest implementation message quoted inside a conformance failure (a loader that raises
 #: with megabytes of text must not flood the terminal, the junit file or the JSON report).
 MAX_QUOTED = 2000
@@ -106,7 +113,12 @@ def check_rank(params, case, rank, version, before=None, touched=None, previous_
             previous = (expected_of(case, rank, previous_version)[name]
                         if previous_version is not None else None)
             old = before.records[name].copy if before is not None else None
-            hint = diagnose(name, params[name], expected[name], case, rank, old, previous)
+            kind = getattr(getattr(error, "kinds", None), "kind", "value")
+            if kind in VALUE_CONVERSIONS:
+                hint = (f"not a placement bug: {error.kinds.describe()} - the loader converts "
+                        f"values on the way ({VALUE_CONVERSIONS[kind]})")
+            else:
+                hint = diagnose(name, params[name], expected[name], case, rank, old, previous)
             raise ConformanceError((f"{hint}\n" if hint else "") + str(error), error) from None
     for name, record in (before.records.items() if before is not None else ()):
         if name in touched:

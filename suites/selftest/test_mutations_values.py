@@ -72,6 +72,22 @@ def test_lossy_loader_fails_bit_exact_with_a_location(conversion, payload_format
         assert word in message, message
 
 
+@pytest.mark.parametrize("payload_format", FORMATS)
+def test_staging_through_fp32_is_named_as_a_value_conversion_not_a_placement_bug(payload_format):
+    """BF16 -> FP32 -> BF16 is exact for every finite value; only NaN payloads change. The
+    failure says so instead of reading like a placement bug."""
+    mutant = LossyLoader(lambda t: t.float().to(t.dtype))
+    params = inputs.receiver_params(CASE, 0)
+    before = compare.snapshot(params)
+    loader.load(mutant, params, payload_format, CASE, 0, version=1)
+    with pytest.raises(judge.ConformanceError) as info:
+        judge.check_rank(params, CASE, 0, 1, before)
+    message = str(info.value)
+    assert message.startswith("not a placement bug: only NaN payload bits differ ("), message
+    assert "stages BF16 through FP32" in message and "gate/up" not in message
+    assert "layer=" in message and "receiver_rank=0" in message
+
+
 def test_the_same_harness_passes_the_unmodified_loader():
     """The control: identity conversion passes, so the failures above are the conversions'."""
     for fmt in FORMATS:

@@ -1,0 +1,181 @@
+"""What a call may not leave behind in a warm rank process.
+
+A warm rank serves test after test, so whatever one call leaves in the process is inherited
+by every later one: an exporter that re-initializes Megatron's ``parallel_state`` without
+destroying the groups leaks about 17 process groups, 51 threads and 76 file descriptors per
+call (each gloo group holds threads and sockets) until the fd limit ends the session; a
+``torch.set_default_dtype`` or ``set_num_threads`` changes what every later test computes.
+
+This module runs in the rank (it imports torch, which every rank has already). Right after
+start-up the rank warms up what torch and the backend create lazily on first use (the
+communicator of the default group, the intra-op thread pool, the autograd engine) and takes
+a :func:`snapshot`; after every call the pool asks for :func:`leaks` against it. Counts are
+re-sampled for a moment (after a garbage collection) before they count: a destroyed gloo
+group's threads may need a few milliseconds to exit.
+
+Child processes are checked by the pool itself, from outside (see
+:mod:`pytest_weightsync.ranks.reaper`).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import threading
+import time
+
+#: Seconds a changed count may take to settle back before it counts as left behind.
+SETTLE = 0.5
+#: Most names (threads, files) listed per kind in a message.
+MAX_LISTED = 3
+
+
+def warm_up(device: str) -> None:
+    """Create what torch and the backend create lazily, so a later call that merely uses them
+    is not blamed: the default group's communicator (one collective), the intra-op thread
+    pool (one parallel op), the autograd engine (one backward)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        probe = torch.zeros(1, device=device)
+        dist.all_reduce(probe)
+        dist.barrier()
+    a = torch.ones(256, 256)
+    (a @ a).sum()
+    (torch.ones(1 << 18) + 1).sum()
+    x = torch.ones(2, requires_grad=True, device=device)
+    (x * 2).sum().backward()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _fds() -> dict[int, str]:
+    """Open descriptor -> what it points at (``socket:[...]``, a path ...)."""
+    found = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except (OSError, ValueError):
+            continue  # the descriptor listdir itself used, already closed
+    return found
+
+
+def _os_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _process_groups() -> int | None:
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return 0
+        return len(dist.distributed_c10d._world.pg_map)
+    except Exception:  # a torch without these internals: not counted
+        return None
+
+
+def _torch_state() -> dict[str, object]:
+    import torch
+
+    state = {
+        "default dtype": torch.get_default_dtype(),
+        "torch threads": torch.get_num_threads(),
+        "grad mode": torch.is_grad_enabled(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "anomaly detection": torch.is_anomaly_enabled(),
+    }
+    get_device = getattr(torch, "get_default_device", None)
+    if get_device is not None:
+        state["default device"] = str(get_device())
+    return state
+
+
+def _stack_dump_handler():
+    """``None`` while faulthandler (a C handler Python cannot see) owns SIGUSR1."""
+    try:
+        return signal.getsignal(signal.SIGUSR1)
+    except (AttributeError, ValueError):
+        return None
+
+
+def snapshot() -> dict:
+    """The rank's countable resources and global torch settings, now."""
+    return {
+        "process groups": _process_groups(),
+        "threads": _os_threads(),
+        "python threads": {t.ident: t.name for t in threading.enumerate()},
+        "fds": _fds(),
+        "torch": _torch_state(),
+        "stack-dump handler": _stack_dump_handler(),
+    }
+
+
+def _fd_kind(target: str) -> str:
+    for prefix, kind in (("socket:", "socket"), ("pipe:", "pipe"), ("anon_inode:", "anon inode")):
+        if target.startswith(prefix):
+            return kind
+    return "file"
+
+
+def _delta(word: str, before: int, after: int, detail: str = "") -> str:
+    """``+17 process groups``, ``-1 fd``: the change of a count, in words."""
+    change = after - before
+    return f"{change:+d} {word}{'s' if abs(change) != 1 else ''}{detail}"
+
+
+def differences(baseline: dict, now: dict) -> list[str]:
+    """What ``now`` has that ``baseline`` had not, in words (empty when nothing)."""
+    out = []
+    groups_then, groups_now = baseline["process groups"], now["process groups"]
+    if groups_then is not None and groups_now is not None and groups_now != groups_then:
+        out.append(_delta("process group", groups_then, groups_now))
+    if now["threads"] != baseline["threads"]:
+        new = [name for ident, name in now["python threads"].items()
+               if ident not in baseline["python threads"]]
+        listed = f" (Python threads {', '.join(map(repr, new[:MAX_LISTED]))}" \
+                 f"{', ...' if len(new) > MAX_LISTED else ''})" if new else ""
+        out.append(_delta("thread", baseline["threads"], now["threads"], listed))
+    if len(now["fds"]) != len(baseline["fds"]):
+        new = [target for fd, target in now["fds"].items() if baseline["fds"].get(fd) != target]
+        kinds: dict[str, int] = {}
+        for target in new:
+            kinds[_fd_kind(target)] = kinds.get(_fd_kind(target), 0) + 1
+        files = [t for t in new if _fd_kind(t) == "file"][:MAX_LISTED]
+        detail = ", ".join(f"{n} {k}{'s' if n != 1 else ''}" for k, n in sorted(kinds.items()))
+        if files:
+            detail += f": {', '.join(files)}"
+        out.append(_delta("fd", len(baseline["fds"]), len(now["fds"]),
+                          f" ({detail})" if detail else ""))
+    for key, was in baseline["torch"].items():
+        value = now["torch"].get(key)
+        if value != was:
+            out.append(f"{key} {was} -> {value}")
+    if now["stack-dump handler"] is not baseline["stack-dump handler"]:
+        out.append(f"the stack-dump signal handler (SIGUSR1, faulthandler's) was replaced by "
+                   f"{now['stack-dump handler']!r}: a hung rank could no longer show its stack")
+    return out
+
+
+def leaks(baseline: dict, settle: float = SETTLE) -> list[str]:
+    """:func:`differences` from ``baseline`` that are still there after ``settle`` seconds
+    (and a garbage collection, which closes what unreachable objects held)."""
+    found = differences(baseline, snapshot())
+    if not found:
+        return []
+    gc.collect()
+    deadline = time.monotonic() + settle
+    while True:
+        found = differences(baseline, snapshot())
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.02)

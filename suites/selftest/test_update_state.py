@@ -1,0 +1,129 @@
+"""Stream state that cannot be misused: an open update is bound to its rank, topology, spec
+and format; updates that are never ended do not pile up; messages number buckets the way the
+sender does, refused buckets included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+
+import pytest
+import torch
+
+from . import tensor_kind_probes as kp
+from pytest_weightsync import compare
+from pytest_weightsync.reference_impl import receiver as rx
+from pytest_weightsync.reference_impl.impl import ReferenceImplementation, UpdateMismatchError
+from pytest_weightsync.reference_impl.layout import ReceiverTopology
+from pytest_weightsync.reference_impl.senders import PayloadFormatError
+
+KWARGS = dict(format="compat", spec=kp.SPEC, topology=kp.TOPOLOGY, rank=kp.RANK)
+OTHER = {
+    "rank": kp.RANK - 1,
+    "topology": ReceiverTopology(tp=4, moe_ep=2),  # the same rank unpadded: same experts
+    "spec": dataclasses.replace(kp.SPEC, num_layers=3),
+    "format": "hf_fused",
+}
+
+
+@pytest.mark.parametrize("argument", sorted(OTHER))
+def test_a_bucket_for_another_rank_topology_spec_or_format_is_refused(argument):
+    """``begin_update(rank=3)`` then ``load_weights(rank=2)`` would place rank 2's experts in
+    rank 3's buffers without a word; every bound argument is checked, and both values named."""
+    impl, params = ReferenceImplementation(), kp.fresh_params()
+    impl.begin_update(params, **KWARGS)
+    other = dict(KWARGS, **{argument: OTHER[argument]})
+    before = compare.snapshot(params)
+    with pytest.raises(UpdateMismatchError) as info:
+        impl.load_weights(params, kp.bucket("compat", [0]), **other)
+    message = str(info.value)
+    assert f"load_weights({argument}={OTHER[argument]!r})" in message, message
+    assert f"begun with {argument}={KWARGS[argument]!r}" in message, message
+    compare.assert_unchanged(before, params)
+    with pytest.raises(UpdateMismatchError, match=rf"end_update\({argument}="):
+        impl.end_update(params, **other)
+    # the update is still open and still the rank's own
+    for layer in range(kp.SPEC.num_layers):
+        impl.load_weights(params, kp.bucket("compat", [layer]), **KWARGS)
+    impl.end_update(params, **KWARGS)
+
+
+def _live(kind) -> int:
+    gc.collect()
+    return sum(1 for obj in gc.get_objects() if type(obj) is kind)
+
+
+def test_updates_never_ended_are_released_when_their_params_are_dropped():
+    impl = ReferenceImplementation()
+    baseline = _live(rx.UpdateState)
+    alive = []
+    for _ in range(200):
+        params = kp.fresh_params()
+        alive.extend(weakref.ref(t) for t in params.values())
+        impl.begin_update(params, **KWARGS)
+        impl.load_weights(params, kp.bucket("compat", [0]), **KWARGS)
+        del params  # the trainer gave up on this update (an exception, a retry)
+    gc.collect()
+    assert sum(ref() is not None for ref in alive) == 0, "abandoned updates keep their params"
+    assert len(impl._open) == 0
+    assert _live(rx.UpdateState) <= baseline
+
+
+def test_an_update_never_ended_is_released_by_the_next_begin():
+    impl, params = ReferenceImplementation(), kp.fresh_params()
+    receiver = rx.ReferenceReceiver(kp.SPEC, kp.TOPOLOGY, kp.RANK)
+    baseline = _live(rx.UpdateState)
+    for _ in range(200):
+        impl.begin_update(params, **KWARGS)
+        impl.load_weights(params, kp.bucket("compat", [0]), **KWARGS)
+        receiver.begin_update()
+        receiver.load(kp.bucket("compat", [0]))
+    assert len(impl._open) == 1
+    assert _live(rx.UpdateState) <= baseline + 2
+    # a fresh dict over the same tensors supersedes the update too (same parameters)
+    impl.begin_update(dict(params), **KWARGS)
+    assert len(impl._open) == 1
+    state = weakref.ref(receiver.update_state)
+    del receiver
+    gc.collect()
+    assert state() is None  # dropping the receiver drops its open update
+
+
+def test_messages_number_buckets_as_the_sender_does():
+    """Bucket 1 is refused (a float32 entry); the sender's next bucket is bucket 2, whatever
+    the receiver accepted so far."""
+    rec = rx.ReferenceReceiver(kp.SPEC, kp.TOPOLOGY, kp.RANK)
+    rec.begin_update()
+    rec.load(kp.bucket("compat", [0]))
+    bad = kp.bucket("compat", [1])
+    bad[0] = (bad[0][0], bad[0][1].float())
+    with pytest.raises(rx.PayloadDtypeError, match="payload entry 0 of bucket 1 "):
+        rec.load(bad)
+    with pytest.raises(rx.UnknownNameError, match="payload entry 0 of bucket 2 'bogus'"):
+        rec.load([("bogus", bad[1][1])])
+    rec.load(kp.bucket("compat", [1]))
+    with pytest.raises(rx.DuplicateEntryError, match=r"of bucket 4 .* already carried by entry "
+                                                     r"\d+ .* of bucket 3 in this update"):
+        rec.load(kp.bucket("compat", [1])[-1:])
+    rec.end_update()
+
+
+def test_buckets_the_implementation_refuses_itself_are_counted_too():
+    impl, params = ReferenceImplementation(), kp.fresh_params()
+    impl.begin_update(params, **KWARGS)
+    impl.load_weights(params, kp.bucket("compat", [0]), **KWARGS)
+    with pytest.raises(PayloadFormatError, match="payload entry 0 of bucket 1 .* not a name of "
+                                                 "the compat format"):
+        impl.load_weights(params, kp.bucket("packed", [1]), **KWARGS)
+    with pytest.raises(UpdateMismatchError):
+        impl.load_weights(params, kp.bucket("compat", [1]), **dict(KWARGS, rank=0))
+    with pytest.raises(rx.PayloadTypeError, match="payload is None"):
+        impl.load_weights(params, None, **KWARGS)
+    bad = kp.bucket("compat", [1])
+    bad[2] = (bad[2][0], torch.zeros(3))
+    with pytest.raises(rx.PayloadError, match="payload entry 2 of bucket 4 "):
+        impl.load_weights(params, bad, **KWARGS)
+    with pytest.raises(rx.MissingExpertError, match=r"incomplete update \(5 bucket\(s\), 4 refused\)"):
+        impl.end_update(params, **KWARGS)
