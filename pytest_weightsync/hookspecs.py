@@ -24,6 +24,6 @@ def pytest_weightsync_register_implementations(config: pytest.Config) -> list:
 def pytest_weightsync_extra_topologies(config: pytest.Config) -> list:
     """Return extra topology cases to add to every conformance matrix.
 
-    Each item is a ``suites/matrix.Case`` or a ``(spec, trainer, receiver)`` tuple of
+    Each item is a ``suites.harness.cases.Case`` or a ``(spec, trainer, receiver)`` tuple of
     ``pytest_weightsync.reference_impl.layout`` objects (``MoESpec``, ``TrainerTopology``, ``ReceiverTopology``).
     """

@@ -64,7 +64,27 @@ Nothing here imports torch: the registry uses these definitions at collection ti
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Protocol, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Mapping,
+    MutableMapping,
+    Optional,
+    Protocol,
+    Sequence,
+    Union,
+    runtime_checkable,
+)
+
+if TYPE_CHECKING:  # annotations only: nothing here may import torch at run time
+    import torch
+
+    from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, TrainerTopology
+
+    #: One bucket: ``(name, tensor)`` pairs; a stream: a list of buckets.
+    Bucket = Sequence[tuple[str, "torch.Tensor"]]
+    Stream = Sequence[Bucket]
 
 from pytest_weightsync.vocabulary import (  # noqa: F401 - re-exported for implementations
     DELIVERIES,
@@ -261,12 +281,15 @@ class Capabilities:
 
 @runtime_checkable
 class WeightLoader(Protocol):
-    """Receiver side; see the module docstring for what each argument holds."""
+    """Receiver side; see the module docstring for what each argument holds. ``begin_update``
+    and ``end_update`` (same keywords, no payload) are optional."""
 
     name: str
     capabilities: Capabilities
 
-    def load_weights(self, params, payload, *, format, spec, topology, rank) -> None: ...
+    def load_weights(self, params: "MutableMapping[str, torch.Tensor]", payload: "Bucket", *,
+                     format: str, spec: "MoESpec", topology: "ReceiverTopology",
+                     rank: int) -> None: ...
 
 
 @runtime_checkable
@@ -276,18 +299,24 @@ class WeightExporter(Protocol):
     name: str
     capabilities: Capabilities
 
-    def export_weights(self, trainer_states, *, format, spec, trainer, receiver, rank): ...
+    def export_weights(self, trainer_states: "Sequence[Mapping[str, torch.Tensor]]", *,
+                       format: str, spec: "MoESpec", trainer: "TrainerTopology",
+                       receiver: "ReceiverTopology", rank: int) -> "Union[Bucket, Stream]": ...
 
 
 @runtime_checkable
 class DistributedWeightExporter(Protocol):
-    """Sender side run in every trainer rank; see the module docstring."""
+    """Sender side run in every trainer rank; see the module docstring. It may also take the
+    optional keyword ``model`` (:data:`SIGNATURES`)."""
 
     name: str
     capabilities: Capabilities
 
-    def export_weights_distributed(self, model_state, *, config, format, spec, trainer,
-                                   receiver, delivery, bucket_bytes): ...
+    def export_weights_distributed(
+            self, model_state: "Mapping[str, torch.nn.Parameter]", *, config: Any, format: str,
+            spec: "MoESpec", trainer: "TrainerTopology", receiver: "ReceiverTopology",
+            delivery: str, bucket_bytes: Optional[int],
+    ) -> "Union[Bucket, Stream, Mapping[int, Stream], None]": ...
 
 
 def as_stream(result, *, source: str = "export") -> list[list]:

@@ -24,7 +24,7 @@ of MoE-TP 2. So the plan picks, per pair list, the fastest bit-exact way it know
 
 Every step moves elements as integers of their width, so the result is bit-identical to
 ``dst.copy_(src)`` (NaN payloads and signed zeros included). ``CopyPlan.steps`` says what a
-plan does; the op-count guard (``suites/test_copy_op_counts.py``) holds those counts fixed.
+plan does; the op-count guard (``suites/selftest/test_copy_op_counts.py``) holds those counts fixed.
 """
 
 from __future__ import annotations

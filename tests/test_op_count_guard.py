@@ -1,6 +1,6 @@
 """The CPU op-count guard fails planted regressions every time, against the committed baseline.
 
-Runs ``suites/test_copy_op_counts.py`` in a subprocess with ``ci/baselines/cpu.json`` (what
+Runs ``suites/selftest/test_copy_op_counts.py`` in a subprocess with ``ci/baselines/cpu.json`` (what
 CI runs), once as committed and once with each planted regression loaded as a plugin module:
 fastcopy no longer batching runs (every layer back to one copy per expert and shard), and a
 sender staging its payload through a temporary copy. The counts are exact,

@@ -26,7 +26,7 @@ class Toy:
 
 
 class ToyCase:
-    """Looks like suites/matrix.Case to the report: spec, receiver and an id."""
+    """Looks like suites.harness.cases.Case to the report: spec, receiver and an id."""
 
     def __init__(self, id):
         self.id, self.spec, self.receiver = id, None, None

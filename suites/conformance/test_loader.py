@@ -16,7 +16,7 @@ the test id carries its name) and states one property:
 - ``hardening`` (a report, not a verdict): each bad kind SGLang users hit (float32, a short
   ``down_proj``, an unknown name, an out-of-range expert, duplicates within and across buckets,
   a missing expert) at the end of a valid update; what the loader did is recorded as a finding
-  (``suites/hardening.py``). Only refusing a bucket after writing part of it fails;
+  (``suites/harness/hardening.py``). Only refusing a bucket after writing part of it fails;
 - ``fallback_routing``: with a capability taken away, ``pytest_weightsync.reference_impl.select`` routes the
   update down a path the loader claims, and that path lands bit-exact too.
 
@@ -98,7 +98,7 @@ def test_loader_repeated_updates_leave_no_stale_value(weightsync_loader, case, p
 def test_loader_hardening_probe(weightsync_loader, topology_class, payload_format, kind,
                                 record_property):
     """Feed one bad kind at the end of a valid update and record what the loader did (see
-    ``suites/hardening.py``). Leniency never fails this test; refusing a bucket after it had
+    ``suites/harness/hardening.py``). Leniency never fails this test; refusing a bucket after it had
     written part of it does (atomicity)."""
     case, why_not = hardening.case_for(weightsync_loader, topology_class, payload_format)
     if case is None:

@@ -8,7 +8,7 @@ evaluated at the layout's coordinates, never sliced from what a sender produced.
 expected parameters and the poison pattern are all built on the target device (the Qwen3.5
 layer is ~800M elements: minutes for a CPU thread, milliseconds on the GPU); the device
 path's bits equal the CPU path's (checked on CPU by tests/test_gpu_suites_cpu.py and on the
-GPU by suites/test_gpu_repeated.py).
+GPU by suites/selftest/test_gpu_repeated.py).
 
 Scenarios that run a forward pass use ``finite=True`` weights (finite normal values: a
 forward over NaN or inf would hide a stale weight behind a NaN output); the IPC updates,
