@@ -80,11 +80,14 @@ from typing import (
 if TYPE_CHECKING:  # annotations only: nothing here may import torch at run time
     import torch
 
-    from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, TrainerTopology
-
     #: One bucket: ``(name, tensor)`` pairs; a stream: a list of buckets.
     Bucket = Sequence[tuple[str, "torch.Tensor"]]
     Stream = Sequence[Bucket]
+
+#: The layout types the suites pass (``pytest_weightsync.reference_impl.layout``: ``MoESpec``,
+#: ``ReceiverTopology``, ``TrainerTopology``). Named here, not imported: the plugin never
+#: imports the reference implementation.
+MoESpec = ReceiverTopology = TrainerTopology = Any
 
 from pytest_weightsync.vocabulary import (  # noqa: F401 - re-exported for implementations
     DELIVERIES,
@@ -288,7 +291,7 @@ class WeightLoader(Protocol):
     capabilities: Capabilities
 
     def load_weights(self, params: "MutableMapping[str, torch.Tensor]", payload: "Bucket", *,
-                     format: str, spec: "MoESpec", topology: "ReceiverTopology",
+                     format: str, spec: MoESpec, topology: ReceiverTopology,
                      rank: int) -> None: ...
 
 
@@ -300,8 +303,8 @@ class WeightExporter(Protocol):
     capabilities: Capabilities
 
     def export_weights(self, trainer_states: "Sequence[Mapping[str, torch.Tensor]]", *,
-                       format: str, spec: "MoESpec", trainer: "TrainerTopology",
-                       receiver: "ReceiverTopology", rank: int) -> "Union[Bucket, Stream]": ...
+                       format: str, spec: MoESpec, trainer: TrainerTopology,
+                       receiver: ReceiverTopology, rank: int) -> "Union[Bucket, Stream]": ...
 
 
 @runtime_checkable
@@ -314,7 +317,7 @@ class DistributedWeightExporter(Protocol):
 
     def export_weights_distributed(
             self, model_state: "Mapping[str, torch.nn.Parameter]", *, config: Any, format: str,
-            spec: "MoESpec", trainer: "TrainerTopology", receiver: "ReceiverTopology",
+            spec: MoESpec, trainer: TrainerTopology, receiver: ReceiverTopology,
             delivery: str, bucket_bytes: Optional[int],
     ) -> "Union[Bucket, Stream, Mapping[int, Stream], None]": ...
 
