@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import pytest
@@ -289,30 +288,15 @@ def disagreement_report(name: str, wrong: Sequence[tuple[Case, Verdict]], total:
 
 
 def load_eligibility_function(spec: str) -> EligibilityImpl:
-    """Import ``module:attr`` (``attr`` may be dotted) as an :class:`EligibilityImpl`."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise pytest.UsageError(
-            f"--weightsync-eligibility {spec!r}: expected MODULE:ATTR, e.g. mypkg.rl:can_inline"
-        )
-    try:
-        obj: object = importlib.import_module(module_name)
-    except Exception as exc:  # not only ImportError: a module may fail while importing
-        raise pytest.UsageError(
-            f"--weightsync-eligibility {spec!r}: cannot import module {module_name!r}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise pytest.UsageError(
-                f"--weightsync-eligibility {spec!r}: {module_name!r} has no attribute {attr!r}"
-            ) from None
+    """Import ``module:attr`` (``attr`` may be dotted) as an :class:`EligibilityImpl`, the
+    same way implementations are imported (:func:`pytest_weightsync.registry.import_target`)."""
+    from pytest_weightsync.registry import import_target
+
+    obj = import_target(spec, f"--weightsync-eligibility {spec!r}")
     if not callable(obj):
         raise pytest.UsageError(
-            f"--weightsync-eligibility {spec!r}: {attr!r} is a {type(obj).__name__}, "
-            "not a function"
+            f"--weightsync-eligibility {spec!r}: {spec.partition(':')[2]!r} is a "
+            f"{type(obj).__name__}, not a function"
         )
     return EligibilityImpl(spec, obj)
 

@@ -171,9 +171,9 @@ def test_a_function_that_raises_is_reported_in_the_table(pytester):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("no_colon", "expected MODULE:ATTR"),
+        ("no_colon", "'no_colon' is not of the form 'module:attr'"),
         ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
-        ("json:no_such_attr", "'json' has no attribute 'no_such_attr'"),
+        ("json:no_such_attr", "module 'json' has no attribute 'no_such_attr'"),
         (
             "json:decoder.JSONDecodeError.__doc__",
             "'decoder.JSONDecodeError.__doc__' is a str, not a function",
