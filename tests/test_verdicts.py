@@ -152,19 +152,19 @@ def test_full_run_passes_and_exits_zero(suites):
     assert data["selection"]["deselected"] > 0 and data["selection"]["keyword"] is None
 
 
-@pytest.mark.parametrize("selector", [("-k", "compat"), ("suites/conformance/test_loader.py",)],
-                         ids=["-k", "one-module"])
-def test_a_narrower_selection_is_partial_and_exits_one(suites, selector):
-    target = [] if selector[0].startswith("suites") else ["suites/"]
-    proc = run(suites, *target, *selector, *_args("tiny"), "-p", "no:cacheprovider")
+def test_a_narrower_selection_is_partial_and_exits_one(suites):
+    """-k leaves tests deselected; one path leaves conformance modules uncollected."""
+    proc = run(suites, "suites/conformance/test_loader.py", "-k", "compat", *_args("tiny"),
+               "-p", "no:cacheprovider")
     out = proc.stdout + proc.stderr
     tiny = verdicts(suites)["tiny"]
     assert tiny["verdict_word"] == "PARTIAL", out
+    assert "deselected" in tiny["verdict"] and "not collected: test_random" in tiny["verdict"]
     assert proc.returncode == 1, out
     assert "tiny" in out and "PARTIAL (" in out and "--weightsync-allow-partial" in out
     # accepted when asked for, and still said
-    proc = run(suites, *target, *selector, *_args("tiny"), "-p", "no:cacheprovider",
-               "--weightsync-allow-partial")
+    proc = run(suites, "suites/conformance/test_loader.py", "-k", "compat", *_args("tiny"),
+               "-p", "no:cacheprovider", "--weightsync-allow-partial")
     assert proc.returncode == 0, proc.stdout
     assert verdicts(suites)["tiny"]["verdict_word"] == "PARTIAL"
 
@@ -241,23 +241,18 @@ def test_a_wrong_method_signature_is_one_usage_error_naming_the_method(suites):
     assert "cannot be called as load_weights" in data["usage_error"]
 
 
-def test_a_huge_message_is_cut_in_the_terminal_junit_and_json(suites):
+def test_a_huge_message_is_cut_and_the_failing_cell_reruns_from_its_command(suites):
     proc = run(suites, "suites/conformance/test_loader.py", "-k", "in_place", *_args("loud"),
                "--junitxml", "junit.xml", "-p", "no:cacheprovider")
     assert proc.returncode == 1
+    # a 2 MB exception message is cut in the terminal, the junit file and the JSON report
     assert len(proc.stdout) < 2_000_000, len(proc.stdout)
     assert "characters cut" in proc.stdout
     assert (suites / "junit.xml").stat().st_size < 2_000_000
     assert (suites / "report.json").stat().st_size < 2_000_000
-
-
-def test_the_rerun_command_of_a_failing_cell_reruns_exactly_it(suites):
-    proc = run(suites, "suites/conformance/test_loader.py", "-k", "in_place", *_args("broken"),
-               "-p", "no:cacheprovider")
-    assert proc.returncode == 1
-    data = json.loads((suites / "report.json").read_text())
-    failure = data["failures"][0]
-    assert failure["rerun"] in proc.stdout  # also shown in the terminal
+    # the failing cell's command (also shown in the terminal) reruns exactly it
+    failure = json.loads((suites / "report.json").read_text())["failures"][0]
+    assert failure["rerun"] in proc.stdout
     again = subprocess.run(failure["rerun"], shell=True, env=_env(suites), capture_output=True,
                            text=True, timeout=300)
     assert again.returncode == 1, again.stdout + again.stderr
