@@ -176,7 +176,7 @@ class ReferenceReceiver:
     replaces ``device``); other entries are ignored."""
 
     def __init__(self, spec: MoESpec, topo: ReceiverTopology, rank: int, device="cpu",
-                 params: Optional[Mapping[str, torch.Tensor]] = None):
+                 params: Optional[Mapping[str, torch.Tensor]] = None, plan_cache: bool = False):
         self.spec = spec
         self.topo = topo
         self.rank = rank
@@ -194,6 +194,13 @@ class ReferenceReceiver:
         first = next(iter(self.params.values()), None)
         self.device = first.device if first is not None else torch.device(device)
         self._update: Optional[_Update] = None
+        #: With ``plan_cache``: buckets validated and planned once, replayed when they come
+        #: again at the same addresses (:mod:`pytest_weightsync.reference_impl.plan_cache`).
+        self.plan_cache = None
+        if plan_cache:
+            from pytest_weightsync.reference_impl.plan_cache import LoadCache
+
+            self.plan_cache = LoadCache()
 
     # -- the hooks a loader variant would change ----------------------------------------------
 
@@ -251,8 +258,14 @@ class ReferenceReceiver:
 
     def load(self, payload, load_format: Optional[str] = None) -> LoadPlan:
         """Validate the whole bucket, then write it in place. Returns the executed plan."""
-        plan = self.plan(payload, load_format)
-        self._apply(plan)
+        if self.plan_cache is not None:
+            update = self._update
+            plan = self.plan_cache.load(self, payload, load_format,
+                                        update.seen if update is not None else {},
+                                        update.buckets if update is not None else 0)
+        else:
+            plan = self.plan(payload, load_format)
+            self._apply(plan)
         if self._update is not None:
             self._update.seen.update(plan.units)
             self._update.buckets += 1
