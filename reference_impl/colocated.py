@@ -76,7 +76,7 @@ class _Arena:
         for size in shape:
             numel *= int(size)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        start = -(-self.offset // ALIGN) * ALIGN
+        start = _aligned(self.offset)
         if start + nbytes > self.buffer.numel():
             raise StagingBudgetError(f"staging arena of {self.buffer.numel()} B exhausted")
         self.offset = start + nbytes
@@ -94,10 +94,15 @@ def _measuring_alloc(sizes: list):
     return alloc
 
 
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
 def _aligned_total(sizes: Iterable[int]) -> int:
+    """Bytes of consecutive arena allocations of ``sizes``, each starting aligned."""
     total = 0
     for n in sizes:
-        total = -(-total // ALIGN) * ALIGN + n
+        total = _aligned(total) + n
     return total
 
 
@@ -137,8 +142,10 @@ class ColocatedSender:
                 pass
         sizes = [0] * count
         for index, group in enumerate(groups):
-            used = _aligned_total([need[l] for l in group]) + ALIGN * len(group)
-            sizes[index % count] = max(sizes[index % count], used if any(need.values()) else 0)
+            used = 0
+            for layer in group:  # the arena's allocations, layer after layer (see _Arena)
+                used = _aligned(used) + need[layer]
+            sizes[index % count] = max(sizes[index % count], used)
         self.arenas = [_Arena(n, device) for n in sizes]
         self.buckets = [self._bucket(group, full, index % count) for index, group in enumerate(groups)]
 
@@ -152,11 +159,12 @@ class ColocatedSender:
                 raise StagingBudgetError(
                     f"layer {layer} needs {need[layer]} B of staging tensors, more than "
                     f"staging_bytes={budget}: raise the budget (a layer is never split)")
-            if current and used + need[layer] + ALIGN > budget:
+            start = _aligned(used)
+            if current and start + need[layer] > budget:
                 groups.append(current)
-                current, used = [], 0
+                current, start = [], 0
             current.append(layer)
-            used += need[layer] + ALIGN
+            used = start + need[layer]
         groups.append(current)
         return groups
 

@@ -40,7 +40,7 @@ from pytest_weightsync.reference_impl.shared_payload import (  # noqa: E402
 )
 from pytest_weightsync.reference_impl.zerocopy import tiled_view  # noqa: E402
 
-SPEC = MoESpec(num_layers=2, num_experts=4, hidden=32, intermediate=16)
+SPEC = MoESpec(num_layers=3, num_experts=4, hidden=32, intermediate=16)
 FORMATS = ("direct", "packed", "hf_fused", "compat")
 LOAD_FORMAT = {"direct": "direct", "packed": None, "hf_fused": None, "compat": None}
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_e2e.py"
@@ -286,12 +286,15 @@ def test_colocated_sender_views_when_it_can_and_buckets_staging_within_its_budge
     layer = 3 * SPEC.num_experts * SPEC.intermediate * SPEC.hidden * 2  # both ranks' halves
     arena = lambda s, b: s.buckets[b].entries[0][0][1].untyped_storage().data_ptr()  # noqa: E731
     one = ColocatedSender("direct", SPEC, ReceiverTopology(tp=2), full, staging_bytes=layer + 4096)
-    assert [b.layers for b in one.buckets] == [[0], [1]]
+    assert [b.layers for b in one.buckets] == [[0], [1], [2]]
     assert one.staged_bytes == SPEC.num_layers * layer
     assert arena(one, 0) == arena(one, 1), "a layer does not fit half the budget: one arena"
+    whole = ColocatedSender("direct", SPEC, ReceiverTopology(tp=2), full, staging_bytes=3 * layer)
+    assert [b.layers for b in whole.buckets] == [[0, 1, 2]], "exactly the budget: one bucket"
     two = ColocatedSender("direct", SPEC, ReceiverTopology(tp=2), full, staging_bytes=2 * layer + 100)
-    assert [b.layers for b in two.buckets] == [[0], [1]] and [b.arena for b in two.buckets] == [0, 1]
-    assert arena(two, 0) != arena(two, 1), "two arenas: one is staged while the other is read"
+    assert [b.layers for b in two.buckets] == [[0], [1], [2]]
+    assert [b.arena for b in two.buckets] == [0, 1, 0]
+    assert arena(two, 0) == arena(two, 2) != arena(two, 1), "two arenas, alternating"
     with pytest.raises(StagingBudgetError, match="layer 0 needs"):
         ColocatedSender("direct", SPEC, ReceiverTopology(tp=2), full, staging_bytes=layer // 2)
 
