@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     if per_update:
         left.bar([i + width / 2 for i in x],
                  [per_update.get((r["format"], r["moe_tp"]), {}).get("ratio", 0) for r in registered],
-                 width, color="#ff7f0e", label="shared every update (SGLang wire format)")
+                 width, color="#ff7f0e", label="shared every update (SGLang wire format, first "
+                 f"{next(iter(per_update.values()))['layers']} layers)")
     for i, r in enumerate(registered):
         left.text(i - (width / 2 if per_update else 0), r["ratio"] + 0.01, f"{r['ratio']:.2f}",
                   ha="center", fontsize=8)

@@ -397,7 +397,8 @@ def _add_triton(plan: CopyPlan, pairs, options: dict[str, Any]) -> None:
 #: A contiguous pair at least this large that forms no run (a direct payload: one tensor per
 #: parameter) is copied as a run of its own two halves, one ``torch.cat``: the batched copy
 #: kernel the runs use, not the Triton kernel (0.85 of a plain copy on whole tensors) nor
-#: ``copy_`` (a memcpy, which read CUDA-IPC-mapped sources at 0.6 of a plain copy on an H200).
+#: ``copy_`` (a memcpy: from CUDA-IPC-mapped sources it took 41 ms where a plain copy of the
+#: same 60 GiB took 30 ms on an H200, 2026-12-01).
 WHOLE_COPY_BYTES = 1 << 24
 
 
