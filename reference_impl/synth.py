@@ -83,6 +83,12 @@ def bf16_bits(seed: int, version: int, layer: int, expert: int, projection: str,
     key = _scalar_key(seed, layer, expert, projection)
     r = rows.to(torch.int64).reshape(-1, 1)
     c = cols.to(torch.int64).reshape(1, -1).to(r.device)
+    return _bits_at(key, version, r, c, finite)
+
+
+def _bits_at(key, version: int, r: torch.Tensor, c: torch.Tensor, finite: bool) -> torch.Tensor:
+    """The hash of :func:`bf16_bits` for int64 coordinates ``r``, ``c`` and ``key`` (a Python
+    int, or an int64 tensor of per-expert keys), all broadcast against each other."""
     x = (key + r * 0x2545F491 + c * 0x9E3779B1) & _M32
     x = _mix32(_mix32(x) ^ (r << 20 & _M32) ^ c)
     sign_mantissa = x & 0x807F  # bits 0-6 and 15: location-derived sign and mantissa
@@ -104,6 +110,17 @@ def bf16_bits(seed: int, version: int, layer: int, expert: int, projection: str,
     return bits
 
 
+def expert_bits(seed: int, version: int, layer: int, experts, projection: str,
+                rows: torch.Tensor, cols: torch.Tensor, finite: bool = False) -> torch.Tensor:
+    """int64 tensor ``[len(experts), len(rows), len(cols)]``: :func:`bf16_bits` of several
+    experts of one layer and projection at once (the same bits, one set of launches)."""
+    keys = torch.tensor([_scalar_key(seed, layer, e, projection) for e in experts],
+                        dtype=torch.int64, device=rows.device).reshape(-1, 1, 1)
+    r = rows.to(torch.int64).reshape(1, -1, 1)
+    c = cols.to(torch.int64).reshape(1, 1, -1).to(r.device)
+    return _bits_at(keys, version, r, c, finite)
+
+
 def _bits_to_dtype(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     signed = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16)
     values = signed.view(torch.bfloat16)
@@ -119,6 +136,26 @@ def expert_block(spec: MoESpec, version: int, layer: int, expert: int, projectio
     finite = finite or spec.dtype not in _HOLDS_EVERY_BF16
     return _bits_to_dtype(bf16_bits(seed, version, layer, expert, projection, rows, cols,
                                     finite), spec.dtype)
+
+
+def expert_blocks(spec: MoESpec, version: int, layer: int, experts, projection: str,
+                  rows: torch.Tensor, cols: torch.Tensor, seed: int = 0,
+                  finite: bool = False) -> torch.Tensor:
+    """:func:`expert_block` of several experts of one layer at once:
+    ``[len(experts), len(rows), len(cols)]``, the same values as stacking them."""
+    finite = finite or spec.dtype not in _HOLDS_EVERY_BF16
+    return _bits_to_dtype(expert_bits(seed, version, layer, experts, projection, rows, cols,
+                                      finite), spec.dtype)
+
+
+#: Elements one batch of :func:`expert_blocks` computes in the grouped builders and checks:
+#: bounds its int64 temporaries (~10 of them) to a few GiB whatever the model's size.
+BATCH_ELEMENTS = 1 << 25
+
+
+def experts_per_batch(elements_per_expert: int) -> int:
+    """How many experts one :func:`expert_blocks` batch takes (at least one)."""
+    return max(1, BATCH_ELEMENTS // max(1, elements_per_expert))
 
 
 # Device handling: every function below takes ``device`` and builds its index tensors there,
@@ -150,6 +187,33 @@ def full_weights(spec: MoESpec, version: int, seed: int = 0,
                                         finite=finite)
                          for e in range(spec.num_experts))
             for layer in layers}
+
+
+def grouped_full_weights(spec: MoESpec, version: int, seed: int = 0, layers=None, *,
+                         device=None, finite: bool = False) -> dict[int, tuple[ExpertWeights, ...]]:
+    """:func:`full_weights` (the same bits) laid out the way a grouped-GEMM trainer holds its
+    experts: per layer one fc1 buffer ``[E, 2I, H]`` (``[gate; up]`` per expert) and one fc2
+    buffer ``[E, H, I]``, every :class:`ExpertWeights` tensor a view into them. Payloads whose
+    tensors keep this layout are shared without a staging copy
+    (:mod:`pytest_weightsync.reference_impl.zerocopy`); built in batches of experts, so a
+    whole model on a GPU takes seconds, not the minutes of one launch group per expert."""
+    layers = range(spec.num_layers) if layers is None else layers
+    size, hidden, n = spec.intermediate, spec.hidden, spec.num_experts
+    rows_i, cols_h = torch.arange(size, device=device), torch.arange(hidden, device=device)
+    out = {}
+    for layer in layers:
+        fc1 = torch.empty((n, 2 * size, hidden), dtype=spec.dtype, device=device)
+        fc2 = torch.empty((n, hidden, size), dtype=spec.dtype, device=device)
+        step = experts_per_batch(size * hidden)
+        for start in range(0, n, step):
+            chosen = range(start, min(n, start + step))
+            for half, projection in enumerate(("gate", "up")):
+                fc1[chosen.start:chosen.stop, half * size:(half + 1) * size] = expert_blocks(
+                    spec, version, layer, chosen, projection, rows_i, cols_h, seed, finite)
+            fc2[chosen.start:chosen.stop] = expert_blocks(
+                spec, version, layer, chosen, "down", cols_h, rows_i, seed, finite)
+        out[layer] = tuple(ExpertWeights(fc1[e, :size], fc1[e, size:], fc2[e]) for e in range(n))
+    return out
 
 
 def expected_receiver_params(spec: MoESpec, topo: ReceiverTopology, rank: int, version: int,
