@@ -52,7 +52,8 @@ class Outcome:
     outcome: str
     skip_kind: Optional[str] = None
     reason: str = ""
-    #: False for a report-only test (hardening): it must run, but its pass proves no property
+    #: False for a report-only test (hardening, speed): its failure fails the verdict, but its
+    #: pass proves no property and its skip leaves nothing claimed out
     counts: bool = True
 
 
@@ -91,7 +92,7 @@ def decide(outcomes: list[Outcome], *, selected: Optional[list] = None, deselect
     unreached = len(wanted) - len(done)
     total = len(wanted) + deselected
     failed = [o for o in done if o.outcome == "failed"]
-    claimed_skips = [o for o in done if o.outcome == "skipped"
+    claimed_skips = [o for o in done if o.outcome == "skipped" and o.counts
                      and o.skip_kind not in OUTSIDE_CLAIMS]
     ran_cases = [o for o in done if o.outcome in ("passed", "failed") and o.counts]
 

@@ -62,9 +62,15 @@ PROPERTIES = {
     "no_stale_values": "loader",
     "fallback_routing": None,  # loaders and exporters
     "hardening": "loader",
+    "speed": "loader",
 }
 #: The property whose tests record findings (strictness on bad input), never a verdict.
 HARDENING = "hardening"
+#: The property whose tests record what an update costs (ops, bytes, ratios), never a verdict.
+SPEED = "speed"
+#: Report-only properties: their failures fail the verdict, nothing else of theirs counts
+#: (a skipped GPU speed probe on a CPU machine does not make a verdict PARTIAL).
+REPORT_PROPERTIES = (HARDENING, SPEED)
 
 #: The shipped conformance modules (package ``suites.conformance``, installed as
 #: ``pytest_weightsync.suites.conformance``) and the roles whose implementations each one
@@ -75,6 +81,7 @@ CONFORMANCE_MODULES = {
     "test_exporter": ("exporter",),
     "test_distributed_exporter": ("distributed_exporter",),
     "test_random": ("loader", "exporter"),
+    "test_speed": ("loader",),
 }
 
 #: Verdict words, best first. PASS: every case the implementation claims was selected and
