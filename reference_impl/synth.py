@@ -260,33 +260,52 @@ def expected_receiver_params(spec: MoESpec, topo: ReceiverTopology, rank: int, v
     return out
 
 
-#: Elements per poison chunk: bounds the int32 temporaries of :func:`bf16_bits` (~10 of them)
-#: to a few hundred MiB whatever the tensor's size.
-POISON_CHUNK = 1 << 24
+#: Period of the poison pattern, in elements: the pattern is one tile of this many hashed
+#: values repeated, so poisoning costs a copy, not a hash per element (a 36 MiB layer in
+#: milliseconds). An element's poison depends only on its flat index.
+POISON_TILE = 1 << 16
+_TILES: dict = {}
 
 
 def poison_values(start: int, stop: int, dtype: torch.dtype, seed: int = 0xBAD,
                   device=None) -> torch.Tensor:
     """Flat elements ``start .. stop - 1`` of the poison pattern, on ``device``."""
-    flat = torch.arange(start, stop, device=device)
-    bits = bf16_bits(seed, 0x55, -1, -1, "gate", flat,
-                     torch.zeros(1, dtype=torch.int64, device=device),
-                     finite=True)  # non-zero, finite: never equal to zero padding
-    return _bits_to_dtype(bits.reshape(-1), dtype)
+    tile = _poison_tile(dtype, seed, device)
+    index = torch.arange(start, stop, device=tile.device) % POISON_TILE
+    return tile[index]
+
+
+def _poison_tile(dtype: torch.dtype, seed: int, device) -> torch.Tensor:
+    key = (dtype, seed, POISON_TILE, str(torch.device(device) if device is not None else "cpu"))
+    tile = _TILES.get(key)
+    if tile is None:
+        flat = torch.arange(POISON_TILE, device=device)
+        bits = bf16_bits(seed, 0x55, -1, -1, "gate", flat,
+                         torch.zeros(1, dtype=torch.int64, device=device),
+                         finite=True)  # non-zero, finite: never equal to zero padding
+        tile = _TILES[key] = _bits_to_dtype(bits.reshape(-1), dtype)
+    return tile
 
 
 def poison_(tensor: torch.Tensor, seed: int = 0xBAD) -> torch.Tensor:
     """Fill ``tensor`` in place with an unrelated non-zero pattern, so an element a loader
     forgot to write (or a padding tail it forgot to zero) does not equal its expected value
-    by luck of a zero-initialised buffer. The pattern is built on the tensor's own device,
-    in bounded chunks, and depends only on each element's flat index."""
+    by luck of a zero-initialised buffer. The pattern is built on the tensor's own device and
+    depends only on each element's flat index (:data:`POISON_TILE`)."""
     with torch.no_grad():
-        flat = tensor.view(-1) if tensor.is_contiguous() else None
         n = tensor.numel()
-        if flat is None:  # strided: build whole, copy once (small tensors in practice)
+        if n == 0:
+            return tensor
+        tile = _poison_tile(tensor.dtype, seed, tensor.device)
+        if not tensor.is_contiguous():  # strided: build whole, copy once (small in practice)
             tensor.copy_(poison_values(0, n, tensor.dtype, seed, tensor.device).view(tensor.shape))
             return tensor
-        for start in range(0, n, POISON_CHUNK):
-            stop = min(n, start + POISON_CHUNK)
-            flat[start:stop].copy_(poison_values(start, stop, tensor.dtype, seed, tensor.device))
+        flat = tensor.view(-1)
+        whole = n // POISON_TILE
+        if whole:
+            flat[:whole * POISON_TILE].view(whole, POISON_TILE).copy_(
+                tile.expand(whole, POISON_TILE))
+        rest = n - whole * POISON_TILE
+        if rest:
+            flat[whole * POISON_TILE:].copy_(tile[:rest])
     return tensor

@@ -33,7 +33,8 @@ from pytest_weightsync.vocabulary import BUCKET_LIMITS, FORMATS
 
 from ..harness import cases, claims, hardening, inputs, judge, loader
 
-ANCHORS = [pytest.param(case, id=case.id) for case in cases.ANCHORS]
+#: The hand-picked cases, plus one of realistic size (``cases.REALISTIC``, 36 MiB an update).
+ANCHORS = [pytest.param(case, id=case.id) for case in (*cases.ANCHORS, cases.REALISTIC)]
 
 
 def _require_claim(impl, case, fmt=None):
@@ -55,6 +56,19 @@ def test_loader_lands_bit_exact_on_every_rank(weightsync_loader, moe_case, paylo
         loader.load(weightsync_loader, params, payload_format, moe_case, rank, version=1,
                     bucket=_limit(rank))
         judge.check_rank(params, moe_case, rank, 1, before)
+
+
+@pytest.mark.weightsync_property("bit_exact")
+@pytest.mark.parametrize("payload_format", FORMATS)
+def test_loader_lands_a_realistic_update_in_one_bucket(weightsync_loader, payload_format):
+    """The whole 36 MiB update in one bucket: what only size shows (a fixed staging buffer
+    that drops the tail, offsets that overflow) cannot hide behind the matrix's small cases."""
+    case = cases.REALISTIC
+    _require_claim(weightsync_loader, case, payload_format)
+    params = inputs.receiver_params(case, 0)
+    before = compare.snapshot(params)
+    loader.load(weightsync_loader, params, payload_format, case, 0, version=1, bucket="whole")
+    judge.check_rank(params, case, 0, 1, before)
 
 
 @pytest.mark.weightsync_property("in_place")

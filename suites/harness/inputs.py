@@ -66,6 +66,21 @@ def gathered_weights(case, version):
     return trainer.gather_full_weights(case.spec, case.trainer, states)
 
 
+@functools.lru_cache(maxsize=16)
+def _clean_trainer_states(case, version):
+    from pytest_weightsync.reference_impl import trainer as trainer_side
+
+    return trainer_side.trainer_states(case.spec, case.trainer, synth.full_weights(case.spec, version))
+
+
+def trainer_states(case, version):
+    """Every trainer rank's Megatron expert shards of ``version``, as fresh tensors (an
+    exporter that modifies its input is caught after its call and cannot corrupt the next
+    test's input)."""
+    return [{name: t.clone() for name, t in state.items()}
+            for state in _clean_trainer_states(case, version)]
+
+
 @functools.lru_cache(maxsize=64)
 def cached_gathered(case, version):
     """:func:`gathered_weights`, kept for the next test of the same case (read only)."""
