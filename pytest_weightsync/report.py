@@ -196,7 +196,7 @@ def _failure_message(report) -> str:
 
 #: The exception name pytest puts before a skip's reason (``Skipped: ...``, or a skip kind's
 #: own class, ``NotClaimed: ...``).
-_SKIP_PREFIX = re.compile(r"^(?:[\w.]+\.)?(?:Skipped|NotClaimed|NotApplicable): ")
+_SKIP_PREFIX = re.compile(r"^(?:[\w.]+\.)?(?:Skipped|NotClaimed|NotApplicable|NoDevice): ")
 
 
 def _skip_reason(report) -> str:

@@ -95,5 +95,9 @@ VERDICTS = (PASS, FAIL, PARTIAL, INTERRUPTED, NOT_RUN)
 
 #: Skip kinds a conformance test reports (``weightsync_skip`` user property). ``unclaimed``
 #: and ``not_applicable`` are outside what the implementation claims and do not hold the
-#: verdict back; ``not_run`` (anything else, e.g. a missing package) does.
+#: verdict back; ``no_device`` is listed but does not either; ``not_run`` (anything else,
+#: e.g. a missing package) does.
 SKIP_UNCLAIMED, SKIP_NOT_APPLICABLE, SKIP_NOT_RUN = "unclaimed", "not_applicable", "not_run"
+#: A skip because the machine lacks the GPUs a case needs (the ``gpu`` marker): listed in the
+#: verdict as not run here, without making it PARTIAL.
+SKIP_NO_DEVICE = "no_device"

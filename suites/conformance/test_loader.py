@@ -71,6 +71,37 @@ def test_loader_lands_a_realistic_update_in_one_bucket(weightsync_loader, payloa
     judge.check_rank(params, case, 0, 1, before)
 
 
+@pytest.mark.gpu
+@pytest.mark.weightsync_property("bit_exact")
+@pytest.mark.parametrize("payload_format", FORMATS)
+def test_loader_lands_a_qwen35_layer_on_the_gpu(weightsync_loader, payload_format):
+    """One real Qwen3.5-35B-A3B layer (1.5 GiB), parameters and payload on the GPU, in one
+    bucket; the expected state is built on the device and compared there."""
+    import torch
+
+    from pytest_weightsync.reference_impl import senders, synth
+
+    case = cases.QWEN35_LAYER
+    _require_claim(weightsync_loader, case, payload_format)
+    spec, receiver = case.spec, case.receiver
+    params = inputs.receiver_params(case, 0, device="cuda")
+    before = compare.snapshot(params)
+    full = synth.full_weights(spec, 1, device="cuda")
+    payload = senders.export(payload_format, spec, receiver, 0, full)
+    del full
+    loader.load_stream(weightsync_loader, params, [payload], payload_format, case, 0)
+    torch.cuda.synchronize()
+    del payload
+    expected = synth.expected_receiver_params(spec, receiver, 0, 1, device="cuda")
+    compare.assert_same_storage(before, params, rank=0)
+    for name, want in expected.items():
+        compare.assert_bitwise_equal(params[name], want, name=name, rank=0,
+                                     locate=inputs.locator(case, 0))
+    for name, record in before.records.items():
+        if name not in expected:
+            compare.assert_bitwise_equal(params[name], record.copy, name=name, rank=0)
+
+
 @pytest.mark.weightsync_property("in_place")
 @pytest.mark.parametrize("payload_format", FORMATS)
 @pytest.mark.parametrize("case", ANCHORS)

@@ -159,6 +159,10 @@ CASES: tuple[Case, ...] = ANCHORS + tuple(pairwise_cases())
 #: TP 2 x EP 2 x ETP 2. Each conformance property runs it once per implementation.
 REALISTIC = Case(MoESpec(num_layers=2, num_experts=16, hidden=512, intermediate=384),
                  TrainerTopology(tp=2, ep=2, etp=2), ReceiverTopology(tp=1))
+#: One real Qwen3.5-35B-A3B MoE layer (256 experts, hidden 2048, moe_ffn 512: 1.5 GiB in
+#: BF16) on one engine rank, trained at EP 4: the GPU suites' size.
+QWEN35_LAYER = Case(MoESpec(num_layers=1, num_experts=256, hidden=2048, intermediate=512),
+                    TrainerTopology(tp=2, ep=4), ReceiverTopology(tp=1))
 
 
 @dataclass(frozen=True)

@@ -118,15 +118,16 @@ def stream(fmt, case, rank, version=None, layers=None, *, bucket=DEFAULT_BUCKET,
                          bucket_bytes(bucket, case.spec))
 
 
-def receiver_params(case, rank):
+def receiver_params(case, rank, device=None):
     """Receiver ``rank``'s pre-allocated parameters as an engine holds them: the expert
-    ``w13``/``w2`` of every layer plus a router weight (:data:`SENTINEL`), all poisoned."""
+    ``w13``/``w2`` of every layer plus a router weight (:data:`SENTINEL`), all poisoned, on
+    ``device`` (default the CPU)."""
     import torch
 
     spec = case.spec
-    params = {name: torch.empty(shape, dtype=spec.dtype)
+    params = {name: torch.empty(shape, dtype=spec.dtype, device=device)
               for name, shape in receiver_param_shapes(spec, case.receiver, rank).items()}
-    params[SENTINEL] = torch.empty(spec.num_experts, spec.hidden, dtype=spec.dtype)
+    params[SENTINEL] = torch.empty(spec.num_experts, spec.hidden, dtype=spec.dtype, device=device)
     for tensor in params.values():
         synth.poison_(tensor)
     return params
