@@ -65,6 +65,11 @@ PROPERTIES = {
 }
 #: The property whose tests record findings (strictness on bad input), never a verdict.
 HARDENING = "hardening"
+#: The report-only column of distributed exporters' bucket sizes: a bucket may exceed
+#: ``bucket_bytes`` by one unit (the tensors converted from one source parameter); each
+#: distributed test records :data:`BUCKET_WITHIN` or :data:`BUCKET_OVER`, never a verdict.
+BUCKET_LIMIT = "bucket_limit"
+BUCKET_WITHIN, BUCKET_OVER = "within", "over"
 
 #: The shipped conformance modules (package ``suites.conformance``, installed as
 #: ``pytest_weightsync.suites.conformance``) and the roles whose implementations each one
