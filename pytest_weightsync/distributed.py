@@ -18,10 +18,9 @@ there, before anything is pickled back, that
 * every entry carries a plain tensor (a lock, a list or a DTensor is named by bucket and
   entry, not met later as an ``AttributeError`` of a copy).
 
-The bucket limit is judged apart (:func:`bucket_limit_findings`): a bucket may exceed
-``bucket_bytes`` only by one *unit*, the tensors converted from one source parameter (one
-fused ``linear_fc1`` becomes ``gate_proj`` + ``up_proj``: one unit); more is a finding that is
-recorded and reported, never a value failure.
+The bucket limit is judged apart, in the pytest process, from the streams that come back
+(:func:`pytest_weightsync.reference_impl.buckets.bucket_limit_findings`): a finding, never a
+value failure.
 
 Tensors are copied out of the exporter's buffers before they travel (a view would pickle its
 whole storage). Nothing here knows the reference implementation: the values are judged in the
@@ -30,7 +29,7 @@ pytest process, by the suite, against an independent oracle. torch is imported l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from pytest_weightsync.protocols import DELIVERIES, as_stream, colocated_engine_rank
@@ -44,13 +43,10 @@ class DistributedExportError(AssertionError):
 @dataclass
 class RankExport:
     """What one trainer rank's exporter call produced: ``streams`` maps an engine rank to the
-    bucket stream this trainer rank sent it (empty for a non-sender in distributed mode);
-    ``bucket_findings`` lists the buckets that exceed ``bucket_bytes`` by more than one unit
-    (:func:`bucket_limit_findings`; empty when every bucket keeps the rule)."""
+    bucket stream this trainer rank sent it (empty for a non-sender in distributed mode)."""
 
     trainer_rank: int
     streams: dict
-    bucket_findings: list = field(default_factory=list)
 
 
 def snapshot(named: Mapping) -> dict:
@@ -166,48 +162,6 @@ def _copied(stream) -> list:
     return [[(name, tensor.detach().clone()) for name, tensor in bucket] for bucket in stream]
 
 
-def _unit_key(name: str, index: int):
-    """The source parameter an entry was converted from, as far as its name tells: a
-    per-expert ``gate_proj`` / ``up_proj`` pair comes from one ``linear_fc1``; every other
-    entry (``down_proj``, a fused tensor) is a unit of its own."""
-    from pytest_weightsync.reference_impl.layout import parse_receiver_name
-
-    parsed = parse_receiver_name(name)
-    if parsed is not None and parsed.kind == "expert" and parsed.projection in ("gate", "up"):
-        return ("linear_fc1", parsed.layer, parsed.expert)
-    return ("entry", index)
-
-
-def bucket_units(bucket) -> dict:
-    """``{unit: bytes}`` of one bucket (see :func:`_unit_key`), in order of appearance."""
-    units: dict = {}
-    for index, (name, tensor) in enumerate(bucket):
-        nbytes = tensor.numel() * tensor.element_size() if hasattr(tensor, "element_size") else 0
-        key = _unit_key(name, index)
-        units[key] = units.get(key, 0) + nbytes
-    return units
-
-
-def bucket_limit_findings(stream, bucket_bytes: Optional[int], source: str) -> list[str]:
-    """The buckets of ``stream`` that break the bucket rule, one line each: a bucket may
-    exceed ``bucket_bytes`` only by one unit - without its largest unit (the tensors converted
-    from one source parameter) it must fit. ``None``: no limit, nothing to find."""
-    if bucket_bytes is None:
-        return []
-    found = []
-    for index, bucket in enumerate(stream):
-        units = bucket_units(bucket)
-        size = sum(units.values())
-        if size <= bucket_bytes or size - max(units.values()) <= bucket_bytes:
-            continue
-        found.append(f"{source}: bucket {index} holds {len(bucket)} tensors in {len(units)} "
-                     f"units, {size} bytes; without its largest unit ({max(units.values())} "
-                     f"bytes) it still exceeds bucket_bytes={bucket_bytes} (a bucket may "
-                     f"exceed the limit by one unit only: the conversion of one source "
-                     f"parameter)")
-    return found
-
-
 def normalize_result(result, *, delivery: str, rank: int, receiver, source: str) -> dict:
     """The exporter's ``result`` in trainer rank ``rank`` as ``{engine_rank: stream}``
     (tensors copied), or :class:`DistributedExportError` naming what is wrong with it."""
@@ -250,8 +204,8 @@ def call_exporter(exporter, model_state: Mapping, *, config, format: str, spec, 
                   update: int, model=None) -> RankExport:
     """One update: call ``exporter.export_weights_distributed`` in this rank (``model``, the
     list of model chunks, reaches exporters that take the optional keyword), check that it
-    left ``model_state`` alone - values and storage - and return its streams and bucket
-    findings. Collective (every rank calls it)."""
+    left ``model_state`` alone - values and storage - and return its streams. Collective
+    (every rank calls it)."""
     from pytest_weightsync.protocols import SIGNATURES, accepts_keyword
 
     call = f"export call for update {update} ({format}, {delivery} delivery) in trainer rank {rank}"
@@ -267,10 +221,6 @@ def call_exporter(exporter, model_state: Mapping, *, config, format: str, spec, 
     result = method(model_state, **kwargs)
     check_storage_unchanged(placed, model_state, model, call=call, owner=owner)
     check_inputs_unchanged(before, model_state, call=call, owner=owner)
-    source = f"{exporter.name}: {call}"
     streams = normalize_result(result, delivery=delivery, rank=rank, receiver=receiver,
-                               source=source)
-    findings = [line for engine_rank, stream in sorted(streams.items())
-                for line in bucket_limit_findings(stream, bucket_bytes,
-                                                  f"{source} (engine rank {engine_rank})")]
-    return RankExport(rank, streams, findings)
+                               source=f"{exporter.name}: {call}")
+    return RankExport(rank, streams)

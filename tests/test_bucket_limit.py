@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from pytest_weightsync.distributed import bucket_limit_findings, bucket_units
+from pytest_weightsync.reference_impl.buckets import bucket_limit_findings, bucket_units
 
 
 def _t(n: int):

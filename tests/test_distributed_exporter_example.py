@@ -103,7 +103,9 @@ def test_te_reading_twin_trusting_fc2s_partition_dim_fails_located(example, rank
     """Without the correction TE's fc2 quirk shows: fc2 is gathered along dim 0."""
     with pytest.raises(judge.ConformanceError) as info:
         dh.run_and_judge(rank_pool, example.TrustingPartitionDimExporter(), ETP2_TE, ["compat"])
-    message = str(info.value)
+    head, _, message = str(info.value).partition("\n")
+    assert head == ("compat payload, colocated delivery, trainer rank 0 -> colocated engine "
+                    "replica 0 rank 0:"), head
     assert message.startswith("ETP shards joined along the wrong dim: model.layers.0.mlp."
                               "experts.0.down_proj.weight is (16, 2), expected (8, 4)"), message
 

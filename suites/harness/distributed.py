@@ -36,6 +36,7 @@ import pytest
 
 from . import claims, judge, loader, reference
 from .cases import DistCase
+from pytest_weightsync.reference_impl.buckets import bucket_limit_findings
 from pytest_weightsync.vocabulary import FORMATS
 
 __all__ = ["DistCase", "DistResult", "FORMATS", "engine_loaders", "export_in_rank",
@@ -303,6 +304,8 @@ def run_and_judge(pool, exporter, dcase: DistCase, formats) -> DistResult:
         previous = updates[i - 1][0] if i else None
         result.checked[i + 1, version, fmt] = judge_streams(dcase, fmt, rank_results, version,
                                                             previous)
-        result.bucket_findings += [line for r in rank_results if not isinstance(r, str)
-                                   for line in r.bucket_findings]
+        result.bucket_findings += [
+            line for who, _, stream in _engine_streams(dcase, rank_results)
+            for line in bucket_limit_findings(stream, dcase.bucket_bytes,
+                                              f"update {i + 1} ({fmt}), {who}")]
     return result
