@@ -121,11 +121,15 @@ def first_rebinding(before: Mapping, model_state: Mapping, model=None) -> Option
             continue
         new = storage_snapshot({name: tensor})[name]
         for what, a, b in zip(fields, old, new):
-            if a != b:
-                shown = (hex(a), hex(b)) if what in ("data_ptr", "base buffer") and \
-                    None not in (a, b) else (a, b)
-                return (f"{name}: {what} {shown[0]} -> {shown[1]} (param.data reassigned: the "
-                        f"optimizer and the model no longer share this storage)")
+            if a == b:
+                continue
+            if what == "object":
+                return (f"{name}: the state now holds another object under this name (the "
+                        f"parameter was replaced)")
+            shown = (hex(a), hex(b)) if what in ("data_ptr", "base buffer") and \
+                None not in (a, b) else (a, b)
+            return (f"{name}: {what} {shown[0]} -> {shown[1]} (param.data reassigned: the "
+                    f"optimizer and the model no longer share this storage)")
     return None
 
 

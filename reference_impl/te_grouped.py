@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import functools
 
+from pytest_weightsync.reference_impl.errors import WeightSyncError
+
 #: Where the modelled Transformer Engine behaviour is read from (NVIDIA/TransformerEngine,
 #: ``transformer_engine/pytorch/module/grouped_linear.py``, ``GroupedLinear.reset_parameters``;
 #: identical at commits 3ea1356190e88a50d8c2cae17e80c4e6ae96d442 and
@@ -55,8 +57,8 @@ def te_weight_attributes(parallel_mode) -> dict:
     ``parallel_mode=None``, so a row-parallel fc2 built under explicit expert comms is marked
     ``partition_dim=0`` although its shards split dim 1."""
     if parallel_mode not in TE_PARALLEL_MODES:
-        raise ValueError(f"parallel_mode {parallel_mode!r} not supported (TE accepts "
-                         f"{TE_PARALLEL_MODES})")
+        raise WeightSyncError(f"parallel_mode {parallel_mode!r} not supported (TE accepts "
+                              f"{TE_PARALLEL_MODES})")
     return {"tensor_model_parallel": True,
             "partition_dim": 1 if parallel_mode == "row" else 0,
             "partition_stride": 1}
@@ -121,7 +123,7 @@ MEGATRON_TE_CLASSES = ("TEGroupedLinear", "TEColumnParallelGroupedLinear",
 MEGATRON_TE_HELPERS = ("_get_extra_te_kwargs",)
 
 
-class MegatronSourceError(RuntimeError):
+class MegatronSourceError(WeightSyncError):
     """The installed megatron-core no longer defines what this module compiles from it."""
 
 
