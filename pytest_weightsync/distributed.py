@@ -9,11 +9,18 @@ there, before anything is pickled back, that
 * the call left every trainer parameter bit-identical (an exporter that regroups fc1 in place
   corrupts the next training step; the message names the call, the rank, the parameter and the
   first changed row/col);
+* the call left every parameter where it was: the same ``nn.Parameter`` objects in the model,
+  each on the same storage (data pointer, strides, offset, base buffer) - an exporter that
+  rebinds ``param.data`` (offload/onload done wrong) leaves the optimizer updating storage the
+  model no longer uses; the message names it "rebound";
 * the result has the shape the delivery mode promises (a stream per colocated rank; a
   ``{engine_rank: stream}`` map from rank 0 and nothing from the others);
 * every entry carries a plain tensor (a lock, a list or a DTensor is named by bucket and
-  entry, not met later as an ``AttributeError`` of a copy);
-* no bucket exceeds ``bucket_bytes`` unless it holds a single tensor.
+  entry, not met later as an ``AttributeError`` of a copy).
+
+The bucket limit is judged apart, in the pytest process, from the streams that come back
+(:func:`pytest_weightsync.reference_impl.buckets.bucket_limit_findings`): a finding, never a
+value failure.
 
 Tensors are copied out of the exporter's buffers before they travel (a view would pickle its
 whole storage). Nothing here knows the reference implementation: the values are judged in the
@@ -82,6 +89,59 @@ def check_inputs_unchanged(before: Mapping, after: Mapping, *, call: str, owner:
         raise DistributedExportError(f"{call} modified {owner}'s shard {where}")
 
 
+def storage_snapshot(named: Mapping) -> dict:
+    """Where each tensor of ``named`` lives: ``{name: (object id, data pointer, strides,
+    storage offset, base buffer pointer)}`` (the base is that of ``.data``: a parameter in a
+    DDP / distributed-optimizer buffer is a view of it)."""
+    out = {}
+    for name, tensor in named.items():
+        data = tensor.data if hasattr(tensor, "data") else tensor
+        base = getattr(data, "_base", None)
+        out[name] = (id(tensor), tensor.data_ptr(), tuple(tensor.stride()),
+                     tensor.storage_offset(), None if base is None else base.data_ptr())
+    return out
+
+
+def first_rebinding(before: Mapping, model_state: Mapping, model=None) -> Optional[str]:
+    """What changed place since ``before`` (a :func:`storage_snapshot` of ``model_state``):
+    ``"NAME: ..."`` for the first parameter that is no longer the same object in ``model``
+    (when given: a list of model chunks) or no longer on the same storage, else ``None``."""
+    if model is not None:
+        now = {}
+        for chunk in model:
+            now.update(chunk.named_parameters())
+        for name, tensor in model_state.items():
+            if name in now and now[name] is not tensor:
+                return (f"{name}: the model now holds another Parameter object under this name "
+                        f"(the module attribute was replaced)")
+    fields = ("object", "data_ptr", "strides", "storage offset", "base buffer")
+    for name, tensor in model_state.items():
+        old = before.get(name)
+        if old is None:
+            continue
+        new = storage_snapshot({name: tensor})[name]
+        for what, a, b in zip(fields, old, new):
+            if a == b:
+                continue
+            if what == "object":
+                return (f"{name}: the state now holds another object under this name (the "
+                        f"parameter was replaced)")
+            shown = (hex(a), hex(b)) if what in ("data_ptr", "base buffer") and \
+                None not in (a, b) else (a, b)
+            return (f"{name}: {what} {shown[0]} -> {shown[1]} (param.data reassigned: the "
+                    f"optimizer and the model no longer share this storage)")
+    return None
+
+
+def check_storage_unchanged(before: Mapping, model_state: Mapping, model=None, *, call: str,
+                            owner: str) -> None:
+    """Raise :class:`DistributedExportError` naming the pattern "rebound" when ``call`` moved
+    one of ``owner``'s parameters to other storage or replaced it in the model."""
+    where = first_rebinding(before, model_state, model)
+    if where is not None:
+        raise DistributedExportError(f"{call} rebound {owner}'s parameter {where}")
+
+
 def check_tensors(stream, source: str) -> None:
     """Every entry of ``stream`` carries a plain ``torch.Tensor`` (or ``nn.Parameter``): what
     an engine's loader reads. A lock, a list, a DTensor or another subclass is named with its
@@ -106,21 +166,7 @@ def _copied(stream) -> list:
     return [[(name, tensor.detach().clone()) for name, tensor in bucket] for bucket in stream]
 
 
-def check_bucket_limit(stream, bucket_bytes: Optional[int], source: str) -> None:
-    """Every bucket of ``stream`` within ``bucket_bytes``, unless it holds one tensor."""
-    if bucket_bytes is None:
-        return
-    for index, bucket in enumerate(stream):
-        size = sum(t.numel() * t.element_size() for _, t in bucket
-                   if hasattr(t, "element_size"))
-        if len(bucket) > 1 and size > bucket_bytes:
-            raise DistributedExportError(
-                f"{source}: bucket {index} holds {len(bucket)} tensors, {size} bytes, over the "
-                f"bucket_bytes={bucket_bytes} limit (only a single tensor may exceed it)")
-
-
-def normalize_result(result, *, delivery: str, rank: int, receiver, bucket_bytes, source: str
-                     ) -> dict:
+def normalize_result(result, *, delivery: str, rank: int, receiver, source: str) -> dict:
     """The exporter's ``result`` in trainer rank ``rank`` as ``{engine_rank: stream}``
     (tensors copied), or :class:`DistributedExportError` naming what is wrong with it."""
     if delivery not in DELIVERIES:
@@ -154,21 +200,31 @@ def normalize_result(result, *, delivery: str, rank: int, receiver, bucket_bytes
             raise DistributedExportError(str(error)) from None
     for engine_rank, stream in streams.items():
         check_tensors(stream, f"{source} (engine rank {engine_rank})")
-        check_bucket_limit(stream, bucket_bytes, f"{source} (engine rank {engine_rank})")
     return {k: _copied(v) for k, v in streams.items()}
 
 
 def call_exporter(exporter, model_state: Mapping, *, config, format: str, spec, trainer,
                   receiver, delivery: str, bucket_bytes: Optional[int], rank: int,
-                  update: int) -> RankExport:
-    """One update: call ``exporter.export_weights_distributed`` in this rank, check that it
-    left ``model_state`` alone, and return its streams. Collective (every rank calls it)."""
+                  update: int, model=None) -> RankExport:
+    """One update: call ``exporter.export_weights_distributed`` in this rank (``model``, the
+    list of model chunks, reaches exporters that take the optional keyword), check that it
+    left ``model_state`` alone - values and storage - and return its streams. Collective
+    (every rank calls it)."""
+    from pytest_weightsync.protocols import SIGNATURES, accepts_keyword
+
     call = f"export call for update {update} ({format}, {delivery} delivery) in trainer rank {rank}"
+    owner = f"trainer rank {rank}"
     before = snapshot(model_state)
-    result = exporter.export_weights_distributed(
-        model_state, config=config, format=format, spec=spec, trainer=trainer,
-        receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes)
-    check_inputs_unchanged(before, model_state, call=call, owner=f"trainer rank {rank}")
+    placed = storage_snapshot(model_state)
+    kwargs = dict(config=config, format=format, spec=spec, trainer=trainer, receiver=receiver,
+                  delivery=delivery, bucket_bytes=bucket_bytes)
+    method = exporter.export_weights_distributed
+    if model is not None and "model" in SIGNATURES["export_weights_distributed"][2] and \
+            accepts_keyword(method, "model"):
+        kwargs["model"] = model
+    result = method(model_state, **kwargs)
+    check_storage_unchanged(placed, model_state, model, call=call, owner=owner)
+    check_inputs_unchanged(before, model_state, call=call, owner=owner)
     streams = normalize_result(result, delivery=delivery, rank=rank, receiver=receiver,
-                               bucket_bytes=bucket_bytes, source=f"{exporter.name}: {call}")
+                               source=f"{exporter.name}: {call}")
     return RankExport(rank, streams)

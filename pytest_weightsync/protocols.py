@@ -35,20 +35,33 @@ spec, topology, rank)`` (optional)
     checks after every call that no trainer shard was modified.
 
 ``export_weights_distributed(model_state, *, config, format, spec, trainer, receiver, delivery,
-bucket_bytes) -> streams``
+bucket_bytes[, model]) -> streams``
     The sender side as a real trainer runs it: called once per update in EVERY rank of a
     ``torch.distributed`` (gloo) job of ``trainer.world_size`` ranks, after the harness ran
     Megatron-Core's ``parallel_state.initialize_model_parallel`` for ``trainer`` (the exporter
-    finds its EP/ETP/PP groups there, as real exporters do). ``model_state`` is this rank's
-    own ``named_parameters()`` as a DDP-wrapped model has them: real ``nn.Parameter`` objects
+    finds its EP/ETP/PP groups there, as real exporters do) and built the rank's model as
+    ``megatron.training.get_model`` builds it. ``model`` (optional keyword: passed only to a
+    method that accepts it) is that model: the list of this rank's model chunks, each a
+    megatron-core ``DistributedDataParallel`` around ``Float16Module`` around a ``GPTModel``
+    of this PP stage, whose ``decoder.layers`` are real ``TransformerLayer`` s with a global
+    ``layer_number`` (1-based, PP offset included), ``chunk.config`` the
+    ``TransformerConfig``; non-expert parameters keep Megatron's initialization.
+    ``model_state`` is the chunk's ``named_parameters()``: real ``nn.Parameter`` objects
     named ``module.module.decoder.layers.{l}.mlp.experts.local_experts.{i}.linear_fc1.weight``
     (SequentialMLP) or ``...mlp.experts.linear_fc1.weight{i}`` (TEGroupedMLP), local layer and
-    expert numbering, carrying Megatron's ``tensor_model_parallel`` / ``partition_dim`` /
-    ``partition_stride`` / ``allreduce`` attributes, plus the router weights; ``config`` is
-    the model's Megatron-Core ``TransformerConfig``. It does its own collectives and returns
-    bucket streams (a stream is a list of buckets, a bucket a list of ``(name, tensor)``, see
-    :func:`as_stream`) in ``format`` for the engine ranks it feeds, split so that a bucket
-    exceeds ``bucket_bytes`` only when it holds a single tensor (``None``: no limit):
+    expert numbering, every one carrying ``tensor_model_parallel`` / ``partition_dim`` /
+    ``partition_stride`` as Megatron sets them (``get_model`` gives the router and norms the
+    defaults ``False`` / ``-1`` / ``1``) and expert weights ``allreduce``; TEGroupedMLP weights
+    carry what Transformer Engine sets: ``tensor_model_parallel=True`` and, under explicit
+    expert comms (ETP > 1 or EP > 1, where Megatron hands TE ``parallel_mode=None``),
+    ``partition_dim=0`` for fc1 AND fc2 (fc2's shards really split dim 1). ``config`` is the
+    model's ``TransformerConfig``. It does its own collectives and returns bucket streams (a
+    stream is a list of buckets, a bucket a list of ``(name, tensor)``, see :func:`as_stream`)
+    in ``format`` for the engine ranks it feeds, each bucket within ``bucket_bytes`` (``None``:
+    no limit) or over it by ONE UNIT only - the tensors converted from one source parameter
+    (one fused ``linear_fc1`` becoming ``gate_proj`` + ``up_proj`` is one unit; every other
+    tensor is a unit of its own): without its largest unit a bucket must fit. A bucket over
+    by more is a finding of the report's ``bucket_limit`` column, not a failure:
 
     * ``delivery="colocated"``: every trainer rank returns one stream, for the engine rank
       colocated with it, :func:`colocated_engine_rank` (``trainer_rank % receiver.tp``; a
@@ -56,7 +69,11 @@ bucket_bytes) -> streams``
     * ``delivery="distributed"``: trainer rank 0 returns ``{engine_rank: stream}`` for every
       engine rank of ``receiver``; every other rank returns ``None``.
 
-    It must leave every parameter of ``model_state`` bit-identical (checked after each call).
+    Between two calls the harness writes the next version of the weights into the same
+    parameters in place (an optimizer step), so every call must read the parameters afresh.
+    It must leave every parameter of ``model_state`` bit-identical and where it was (the same
+    object in the model, the same storage: rebinding ``param.data`` fails, named "rebound"),
+    checked after each call.
 
 Nothing here imports torch: the registry uses these definitions at collection time.
 """

@@ -18,6 +18,10 @@ unless ``--weightsync-allow-partial`` is given. :data:`HARDENING` is a report: i
 record a finding per bad kind (``record_property("weightsync_finding", ...)``) and are listed
 per implementation, never counted in the verdict (a hardening test that fails - a loader that
 refused a bucket after writing part of it - is a conformance failure and does count).
+:data:`BUCKET_LIMIT` is a report-only column too: every distributed-export test with a bucket
+limit records whether its buckets kept the rule (``within``: none exceeds ``bucket_bytes`` by
+more than one unit) or not (``over``, with the first offending bucket); the column shows
+``within k/n`` per implementation and the buckets over are listed below the matrix.
 
 Every message the plugin writes is cut: a failing test's pytest report (terminal, junit) to
 :data:`MAX_LONGREPR` characters, messages in the JSON and the matrix to :data:`MAX_MESSAGE`.
@@ -40,7 +44,16 @@ import pytest
 from pytest_weightsync import verdict as verdicts
 from pytest_weightsync.registry import declared_registry, implementation_of, optional_names
 from pytest_weightsync.selection import Selection, SelectionRecorder, WorkerSelections
-from pytest_weightsync.vocabulary import HARDENING, PASS, PROPERTIES, REPORT_PROPERTIES, SPEED, VERDICTS
+from pytest_weightsync.vocabulary import (
+    BUCKET_LIMIT,
+    BUCKET_WITHIN,
+    HARDENING,
+    PASS,
+    PROPERTIES,
+    REPORT_PROPERTIES,
+    SPEED,
+    VERDICTS,
+)
 
 PREFIX = "weightsync_"
 KEYS = ("implementation", "property", "topology", "format", "backend")
@@ -54,11 +67,13 @@ MAX_MESSAGE = 4000
 MAX_LONGREPR = 20000
 #: user_properties keys the hardening probe records at run time.
 FINDING_KEYS = ("bad_kind", "finding", "finding_detail")
+#: user_properties keys a distributed-export test records for the bucket-limit column.
+BUCKET_KEYS = (BUCKET_LIMIT, f"{BUCKET_LIMIT}_detail")
 MAX_DETAIL = 100
 #: Versions of these distributions go into the JSON report (read from metadata, no import).
 VERSIONED = ("pytest-weightsync", "pytest", "pytest-xdist", "hypothesis", "torch", "sglang",
              "megatron-core", "megatron-bridge", "transformer-engine")
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
 def cut(text: str, limit: int) -> str:
@@ -268,7 +283,7 @@ class ConformanceReport:
         if result is None:
             result = self.results[report.nodeid] = TestResult(report.nodeid, tags)
         result.tags.update(tags)
-        result.finding.update({k: str(v) for k, v in props if k in FINDING_KEYS})
+        result.finding.update({k: str(v) for k, v in props if k in FINDING_KEYS + BUCKET_KEYS})
         for k, v in props:
             if k == "skip":
                 result.skip_kind = str(v)
@@ -441,6 +456,27 @@ class ConformanceReport:
             entry["detail"] = entry["detail"] or r.finding.get("finding_detail", "")
         return out
 
+    def bucket_limits(self) -> dict:
+        """``{implementation: [{"topology", "nodeid", "finding", "detail"}]}`` of the tests
+        that recorded a :data:`BUCKET_LIMIT` finding, in run order."""
+        out: dict = {}
+        for r in self.conformance():
+            if BUCKET_LIMIT not in r.finding:
+                continue
+            out.setdefault(r.tags["implementation"], []).append({
+                "topology": r.tags.get("topology", "-"), "nodeid": r.nodeid,
+                "finding": r.finding[BUCKET_LIMIT],
+                "detail": r.finding.get(f"{BUCKET_LIMIT}_detail", "")})
+        return out
+
+    @staticmethod
+    def _bucket_cell(entries) -> str:
+        """``within k/n``: of the n tests with a bucket limit, k kept the one-unit rule."""
+        if not entries:
+            return "-"
+        within = sum(1 for e in entries if e["finding"] == BUCKET_WITHIN)
+        return f"{BUCKET_WITHIN} {within}/{len(entries)}"
+
     @staticmethod
     def _hardening_cell(by_key: dict) -> str:
         """``refused k/n``: of the (format, kind) probes that ran, how many were refused on
@@ -508,15 +544,21 @@ class ConformanceReport:
             speed = self.speed()
             cell_text = {(impl, p): self._cell_text(cells, impl, p, findings, speed)
                          for impl in impls for p in props}
+            buckets = self.bucket_limits()
+            columns = list(props)
+            if buckets:  # a report-only column, after the properties
+                columns.append(BUCKET_LIMIT)
+                for impl in impls:
+                    cell_text[impl, BUCKET_LIMIT] = self._bucket_cell(buckets.get(impl))
             verdict = {impl: self.verdict(impl) for impl in impls}
             first = max([len("implementation")] + [len(i) for i in impls])
-            widths = [max(len(p), max(len(cell_text[i, p]) for i in impls)) for p in props]
+            widths = [max(len(p), max(len(cell_text[i, p]) for i in impls)) for p in columns]
             header = "  ".join([f"{'implementation':<{first}}"]
-                               + [f"{p:>{w}}" for p, w in zip(props, widths)] + ["verdict"])
+                               + [f"{p:>{w}}" for p, w in zip(columns, widths)] + ["verdict"])
             lines.append(header)
             for impl in impls:
                 row = [f"{impl:<{first}}"] + [f"{cell_text[impl, p]:>{w}}"
-                                              for p, w in zip(props, widths)]
+                                              for p, w in zip(columns, widths)]
                 lines.append("  ".join(row + [verdict[impl]]))
             if self.interrupted:
                 lines.append(f"the run was {self.interrupted}: tests without a result are not "
@@ -536,7 +578,23 @@ class ConformanceReport:
                                  f"{cut(head, 300)}")
                     lines.append(f"    rerun: {self.rerun_command(t)}")
             lines += self.hardening_lines(findings)
+            lines += self.bucket_limit_lines(buckets)
         lines += self.footer_lines()
+        return lines
+
+    @staticmethod
+    def bucket_limit_lines(buckets: dict) -> list[str]:
+        """Per implementation, each test whose buckets exceed the limit by more than a unit."""
+        over = {impl: [e for e in entries if e["finding"] != BUCKET_WITHIN]
+                for impl, entries in buckets.items()}
+        over = {impl: entries for impl, entries in over.items() if entries}
+        if not over:
+            return []
+        lines = [f"{BUCKET_LIMIT} (a bucket may exceed bucket_bytes by one unit, the tensors "
+                 f"converted from one source parameter; findings, not verdicts):"]
+        for impl in sorted(over):
+            for entry in over[impl]:
+                lines.append(f"  {impl} / {entry['topology']}: {cut(entry['detail'], 300)}")
         return lines
 
     def hardening_lines(self, findings: dict) -> list[str]:
@@ -628,6 +686,7 @@ class ConformanceReport:
             known = {}
         optional = optional_names()
         findings = self.findings()
+        buckets = self.bucket_limits()
         judged = self.verdicts()
         selection = self.selection()
         implementations = []
@@ -657,6 +716,7 @@ class ConformanceReport:
                             and (name, p) in {(i, q) for (i, q, _) in cells}
                             and not _topology_outcomes(cells, name, p)["passed"]],
                 "hardening": self._hardening_cell(findings.get(name, {})),
+                BUCKET_LIMIT: self._bucket_cell(buckets.get(name)),
             })
         cell_list, failures = [], []
         for (impl, prop, topo), tests in cells.items():
@@ -707,6 +767,8 @@ class ConformanceReport:
                 {"finding": text, **entry} for text, entry in texts.items()]}
                 for (fmt, kind), texts in sorted(by_key.items())]
                 for impl, by_key in sorted(findings.items())},
+            BUCKET_LIMIT: {impl: [{k: e[k] for k in ("topology", "nodeid", "finding", "detail")}
+                                  for e in entries] for impl, entries in sorted(buckets.items())},
             "tests": [{"nodeid": r.nodeid, **r.tags, "outcome": r.outcome,
                        "skip_kind": r.skip_kind, "duration_s": round(r.duration, 6),
                        "message": r.message or None, **r.finding}

@@ -71,6 +71,11 @@ SPEED = "speed"
 #: Report-only properties: their failures fail the verdict, nothing else of theirs counts
 #: (a skipped GPU speed probe on a CPU machine does not make a verdict PARTIAL).
 REPORT_PROPERTIES = (HARDENING, SPEED)
+#: The report-only column of distributed exporters' bucket sizes: a bucket may exceed
+#: ``bucket_bytes`` by one unit (the tensors converted from one source parameter); each
+#: distributed test records :data:`BUCKET_WITHIN` or :data:`BUCKET_OVER`, never a verdict.
+BUCKET_LIMIT = "bucket_limit"
+BUCKET_WITHIN, BUCKET_OVER = "within", "over"
 
 #: The shipped conformance modules (package ``suites.conformance``, installed as
 #: ``pytest_weightsync.suites.conformance``) and the roles whose implementations each one

@@ -76,14 +76,12 @@ def local_expert_stacks(spec: MoESpec, model_state: Mapping, rows: int):
     return stacks[1], stacks[2]
 
 
-def export_weights_distributed(model_state, *, config, format, spec, trainer, receiver,
-                               delivery, bucket_bytes: Optional[int]):
-    """See the module docstring. Collective over every rank of the trainer world."""
-    import torch.distributed as dist
+def gather_full(spec: MoESpec, model_state: Mapping, *, etp=None, ep=None, pp=None):
+    """Full HF expert weights of every layer (``{layer: (ExpertWeights, ...)}``) from this
+    rank's named parameters, gathered over the ETP / EP / PP groups of Megatron's
+    ``parallel_state`` (or the groups given). Collective over the trainer world."""
     from megatron.core import parallel_state as ps
 
-    from pytest_weightsync.reference_impl import senders
-    from pytest_weightsync.reference_impl.buckets import split_buckets
     from pytest_weightsync.reference_impl.trainer import gather_stacked
 
     etp_size = ps.get_expert_tensor_parallel_world_size()
@@ -91,9 +89,21 @@ def export_weights_distributed(model_state, *, config, format, spec, trainer, re
         raise WeightSyncError(f"intermediate {spec.intermediate} is not divisible by the "
                               f"expert tensor parallel size {etp_size}")
     fc1, fc2 = local_expert_stacks(spec, model_state, spec.intermediate // etp_size)
-    full = gather_stacked(spec, fc1, fc2, etp=ps.get_expert_tensor_parallel_group(),
-                          ep=ps.get_expert_model_parallel_group(),
-                          pp=ps.get_pipeline_model_parallel_group())
+    return gather_stacked(spec, fc1, fc2,
+                          etp=ps.get_expert_tensor_parallel_group() if etp is None else etp,
+                          ep=ps.get_expert_model_parallel_group() if ep is None else ep,
+                          pp=ps.get_pipeline_model_parallel_group() if pp is None else pp)
+
+
+def engine_streams(full, *, format, spec, receiver, delivery, bucket_bytes: Optional[int]):
+    """What this trainer rank returns for ``delivery`` (see the module docstring) from the
+    full weights: one stream for its colocated engine rank, or every engine rank's stream
+    from rank 0 (``None`` elsewhere)."""
+    import torch.distributed as dist
+
+    from pytest_weightsync.reference_impl import senders
+    from pytest_weightsync.reference_impl.buckets import split_buckets
+
     rank = dist.get_rank()
     if delivery == "colocated":
         engine_rank = colocated_engine_rank(rank, receiver.tp)
@@ -104,3 +114,13 @@ def export_weights_distributed(model_state, *, config, format, spec, trainer, re
         return {r: split_buckets(senders.export(format, spec, receiver, r, full), bucket_bytes)
                 for r in range(receiver.tp)}
     raise WeightSyncError(f"unknown delivery {delivery!r}; expected 'colocated' or 'distributed'")
+
+
+def export_weights_distributed(model_state, *, config, format, spec, trainer, receiver,
+                               delivery, bucket_bytes: Optional[int]):
+    """See the module docstring. Collective over every rank of the trainer world."""
+    if delivery not in ("colocated", "distributed"):
+        raise WeightSyncError(f"unknown delivery {delivery!r}; expected 'colocated' or "
+                              f"'distributed'")
+    return engine_streams(gather_full(spec, model_state), format=format, spec=spec,
+                          receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes)

@@ -1,29 +1,41 @@
 """Real Megatron-Core training state of one trainer rank, built inside a torch.distributed rank.
 
-A distributed exporter under test reads what a real trainer hands it: the rank's own
-``named_parameters()`` of a DDP-wrapped model (``module.module.decoder.layers.{l}...``),
-real ``nn.Parameter`` objects carrying Megatron's partition attributes, the model's
-``TransformerConfig``, and the process groups of ``megatron.core.parallel_state``. This
-module builds that state:
+A distributed exporter under test reads what a real trainer hands it, and this module builds
+that as ``megatron.training.get_model`` does (NVIDIA/Megatron-LM ``megatron/training/
+training.py``, ``get_model``, at 001b00c2734d8f0fad096fe48a382fedf755d321):
 
-* :func:`megatron_parallel_state` runs ``parallel_state.initialize_model_parallel`` for a
-  :class:`~pytest_weightsync.reference_impl.layout.TrainerTopology` (TP, PP, EP, ETP) over the
-  current world, checks that Megatron put this rank where the reference layout says it is,
-  and always destroys the parallel state on exit (ranks are reused by warm pools).
-* :func:`megatron_model_state` builds one real ``MoELayer`` (``get_moe_module_spec(use_te=
-  False)``, CPU initialization, ``allgather`` dispatcher) per local layer of this PP stage,
-  wraps the layers the way a DDP-wrapped GPT model nests them, and overwrites the expert
-  weights with this rank's synthetic shard values.
+1. one ``GPTModel`` per model chunk (one chunk: no virtual pipeline stages), built with
+   ``pre_process`` / ``post_process`` of this PP stage from megatron-core's own layer spec
+   (``get_gpt_layer_local_spec(num_experts=..., moe_grouped_gemm=False)``: ``SequentialMLP``
+   experts; for ``expert_impl="te_grouped"`` its MoE submodule is replaced by the
+   ``TEGroupedMLP`` spec of :mod:`pytest_weightsync.reference_impl.te_grouped` - megatron's
+   own TEGroupedMLP code over a modelled Transformer Engine ``GroupedLinear``), CPU
+   initialization, ``allgather`` dispatcher. Its ``decoder.layers`` are real
+   ``TransformerLayer`` s whose ``layer_number`` is global (1-based, the PP offset included);
+2. ``tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes`` on every
+   parameter (``tensor_model_parallel=False``, ``partition_dim=-1``, ``partition_stride=1``
+   where the module set nothing: the router, norms, ...);
+3. ``Float16Module(config, chunk)`` when the model is bf16/fp16;
+4. megatron-core's ``DistributedDataParallel`` around each chunk, with the distributed
+   optimizer's contiguous parameter buffer (``use_distributed_optimizer=True``: every
+   parameter's storage is a view into one buffer per dtype group, as in RL trainers).
 
-TEGroupedMLP needs Transformer Engine (and CUDA), so for ``expert_impl="te_grouped"`` the
-expert parameters are MODELLED, not built: the SequentialMLP values are re-registered under
-TEGroupedMLP's names (``experts.linear_fc1.weight{i}``) with the attributes megatron-core's
-``TEGroupedLinear`` sets (``allreduce = not expert_parallel``; with explicit expert comms -
-ETP or EP > 1 - Megatron hands Transformer Engine ``parallel_mode=None`` so the weights are
-not marked tensor-parallel; otherwise column (fc1, dim 0) / row (fc2, dim 1) parallel).
+So a parameter is named ``module.module.decoder.layers.{l}.mlp.experts...`` (DDP, then
+Float16Module; a float32 model has no Float16Module and one ``module.`` less), ``l`` local
+to the stage, experts local to the EP rank. The expert weights are then overwritten with this
+rank's synthetic shard values (in place: the model's storage is what the exporter sees, update
+after update); every other parameter keeps Megatron's initialization.
 
-Megatron-Core is imported inside the functions; a missing package surfaces as ImportError
-for the caller to turn into a skip naming it.
+Two stand-ins, both named in ``docs/backends.md``: Transformer Engine's ``GroupedLinear`` (see
+``te_grouped``), and megatron-core's DDP allocates its buffers at
+``torch.cuda.current_device()``, so it is constructed with that answering ``"cpu"``
+(:func:`_ddp_buffers_on_cpu`); the DDP code itself is megatron-core's.
+
+:func:`megatron_parallel_state` runs ``parallel_state.initialize_model_parallel`` for a
+:class:`~pytest_weightsync.reference_impl.layout.TrainerTopology`, checks that Megatron put
+this rank where the reference layout says it is, and always destroys the parallel state on
+exit (ranks are reused by warm pools). Megatron-Core is imported inside the functions; a
+missing package surfaces as ImportError for the caller to turn into a skip naming it.
 """
 
 from __future__ import annotations
@@ -39,15 +51,20 @@ from pytest_weightsync.reference_impl.layout import (
     trainer_shard,
 )
 
-#: The prefix a DDP-wrapped (Float16Module inside DistributedDataParallel) GPT model gives
+#: The prefix a DDP-wrapped (DistributedDataParallel around Float16Module) GPT model gives
 #: every parameter name.
 DDP_PREFIX = "module.module."
 #: Megatron partition attributes exporters read.
 PARTITION_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce")
+#: Vocabulary rows per dense TP rank of the (tiny) embedding and output layer.
+VOCAB_PER_TP_RANK = 4
+#: Attention head size: small and independent of the hidden size (which may be odd).
+KV_CHANNELS = 2
 
 
 class MegatronPlacementError(WeightSyncError):
-    """Megatron's parallel_state placed this rank differently from the reference layout."""
+    """Megatron's parallel_state or model placed this rank differently from the reference
+    layout (ranks, layers, experts), or its parameters do not match the reference shards."""
 
 
 def transformer_config(spec: MoESpec, topo: TrainerTopology):
@@ -60,13 +77,14 @@ def transformer_config(spec: MoESpec, topo: TrainerTopology):
         num_layers=spec.num_layers,
         hidden_size=spec.hidden,
         num_attention_heads=topo.tp,
+        kv_channels=KV_CHANNELS,
         ffn_hidden_size=spec.intermediate,
         moe_ffn_hidden_size=spec.intermediate,
         num_moe_experts=spec.num_experts,
         moe_router_topk=min(2, spec.num_experts),
         moe_router_pre_softmax=spec.num_experts == 1,  # Megatron requires it for top-1
         moe_token_dispatcher_type="allgather",
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=topo.expert_impl == "te_grouped",
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -114,82 +132,137 @@ def megatron_parallel_state(spec: MoESpec, topo: TrainerTopology) -> Iterator[ob
         yield ps
 
 
-def _build_moe_layers(spec: MoESpec, config, count: int):
-    import torch
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.spec_utils import build_module
-
-    module_spec = get_moe_module_spec(use_te=False, num_experts=spec.num_experts,
-                                      moe_grouped_gemm=False)
-    layers = torch.nn.ModuleList()
-    for local in range(count):
-        block = torch.nn.Module()
-        block.mlp = build_module(module_spec, config=config, layer_number=local + 1)
-        layers.append(block)
-    return layers
-
-
-def _as_te_grouped(block, num_local: int, etp: int, ep: int) -> None:
-    """Re-register ``block.mlp.experts``' SequentialMLP weights under TEGroupedMLP's names and
-    attributes (modelled: TEGroupedMLP itself needs Transformer Engine)."""
+@contextlib.contextmanager
+def _ddp_buffers_on_cpu():
+    """megatron-core's ``_ParamAndGradBuffer`` allocates at ``torch.cuda.current_device()``;
+    for the constructor's duration that answers ``"cpu"`` (the trainer state lives on CPU)."""
     import torch
 
-    explicit_comm = etp > 1 or ep > 1
-    experts = torch.nn.Module()
-    for fc, dim in (("linear_fc1", 0), ("linear_fc2", 1)):
-        linear = torch.nn.Module()
-        for i in range(num_local):
-            source = getattr(block.mlp.experts.local_experts[i], fc).weight
-            param = torch.nn.Parameter(source.detach().clone(), requires_grad=True)
-            param.allreduce = not ep > 1
-            param.tensor_model_parallel = not explicit_comm
-            param.partition_dim = dim if not explicit_comm else -1
-            param.partition_stride = 1
-            linear.register_parameter(f"weight{i}", param)
-        setattr(experts, fc, linear)
-    block.mlp.experts = experts
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original
 
 
-def megatron_model_state(spec: MoESpec, topo: TrainerTopology, rank: int, shard_values,
-                         config=None) -> tuple[object, dict]:
-    """``(model, named_parameters)`` of trainer rank ``rank``: real MoE layers of this PP
-    stage, nested as in a DDP-wrapped GPT model, expert weights set to ``shard_values``
-    (``{megatron_expert_name: tensor}``, local numbering, as
-    :func:`pytest_weightsync.reference_impl.trainer.trainer_state` builds them).
-    Needs :func:`megatron_parallel_state` to be active."""
-    import torch
+def layer_spec(spec: MoESpec, topo: TrainerTopology):
+    """The ``TransformerLayer`` spec of every decoder layer: megatron-core's local GPT layer
+    spec, with TEGroupedMLP experts for ``expert_impl="te_grouped"``."""
+    import dataclasses
 
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    local = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False)
+    if topo.expert_impl != "te_grouped":
+        return local
+    from pytest_weightsync.reference_impl.te_grouped import te_grouped_mlp_spec
+
+    return dataclasses.replace(local, submodules=dataclasses.replace(
+        local.submodules, mlp=te_grouped_mlp_spec(spec.num_experts)))
+
+
+def build_model(spec: MoESpec, topo: TrainerTopology, config) -> list:
+    """This rank's model chunks as ``get_model`` returns them (see the module docstring): a
+    list of one megatron-core ``DistributedDataParallel``. Needs
+    :func:`megatron_parallel_state` to be active."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    chunk = GPTModel(config=config, transformer_layer_spec=layer_spec(spec, topo),
+                     vocab_size=VOCAB_PER_TP_RANK * topo.tp, max_sequence_length=8,
+                     pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())
+    for param in chunk.parameters():
+        tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    if config.fp16 or config.bf16:
+        chunk = Float16Module(config, chunk)
+    with _ddp_buffers_on_cpu():
+        chunk = DistributedDataParallel(
+            config=config, ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True),
+            module=chunk)
+    return [chunk]
+
+
+def unwrapped(chunk):
+    """The ``GPTModel`` inside a DDP / Float16Module-wrapped chunk (``module.module...``)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def name_prefix(model_state) -> str:
+    """The wrappers' prefix of the names (``module.module.`` for a bf16 DDP model)."""
+    for name in model_state:
+        if "decoder." in name:
+            return name[:name.index("decoder.")]
+    raise MegatronPlacementError("the model has no decoder parameter")
+
+
+def _check_placement(spec: MoESpec, topo: TrainerTopology, rank: int, chunk) -> None:
+    """The model's layers and experts are where the reference layout puts them."""
     shard = trainer_shard(spec, topo, rank)
-    config = transformer_config(spec, topo) if config is None else config
-    decoder = torch.nn.Module()
-    decoder.layers = _build_moe_layers(spec, config, len(shard.layers))
-    if topo.expert_impl == "te_grouped":
-        for block in decoder.layers:
-            _as_te_grouped(block, len(shard.experts), topo.etp, topo.ep)
-    inner = torch.nn.Module()
-    inner.decoder = decoder
-    model = torch.nn.Module()
-    model.module = torch.nn.Module()
-    model.module.module = inner
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in shard_values.items():
-            full_name = DDP_PREFIX + name
-            if full_name not in params:
-                raise MegatronPlacementError(
-                    f"rank {rank}: the Megatron model has no parameter {full_name!r} "
-                    f"(expert parameters: {sorted(n for n in params if '.experts.' in n)[:4]}...)")
-            target = params[full_name]
-            if tuple(target.shape) != tuple(value.shape) or target.dtype != value.dtype:
-                raise MegatronPlacementError(
-                    f"rank {rank}: {full_name} is {tuple(target.shape)} {target.dtype} in the "
-                    f"Megatron model, the reference shard is {tuple(value.shape)} {value.dtype}")
-            target.copy_(value)
-    expected = {DDP_PREFIX + megatron_expert_name(topo.expert_impl, li, ei, fc)
-                for li in range(len(shard.layers)) for ei in range(len(shard.experts))
-                for fc in (1, 2)}
-    unset = sorted(n for n in params if ".experts." in n and n not in expected)
+    layers = list(unwrapped(chunk).decoder.layers)
+    numbers = [layer.layer_number for layer in layers]
+    if numbers != [layer + 1 for layer in shard.layers]:
+        raise MegatronPlacementError(f"rank {rank}: Megatron built layer numbers {numbers}, the "
+                                     f"reference layout gives this stage layers "
+                                     f"{[layer + 1 for layer in shard.layers]} (1-based)")
+    for layer in layers:
+        experts = tuple(int(i) for i in layer.mlp.local_expert_indices)
+        if experts != tuple(shard.experts):
+            raise MegatronPlacementError(f"rank {rank}: Megatron's layer {layer.layer_number} "
+                                         f"holds experts {experts}, the reference layout "
+                                         f"{tuple(shard.experts)}")
+
+
+def write_shards(params: dict, shard_values, rank: int) -> None:
+    """Copy ``shard_values`` (``{megatron_expert_name: tensor}``, local numbering) into the
+    model's expert parameters in place; every expert parameter must get exactly one."""
+    import torch
+
+    prefix = name_prefix(params)
+    targets = {}
+    for name, value in shard_values.items():
+        full_name = prefix + name
+        if full_name not in params:
+            raise MegatronPlacementError(
+                f"rank {rank}: the Megatron model has no parameter {full_name!r} "
+                f"(expert parameters: {sorted(n for n in params if '.experts.' in n)[:4]}...)")
+        target = params[full_name]
+        if tuple(target.shape) != tuple(value.shape) or target.dtype != value.dtype:
+            raise MegatronPlacementError(
+                f"rank {rank}: {full_name} is {tuple(target.shape)} {target.dtype} in the "
+                f"Megatron model, the reference shard is {tuple(value.shape)} {value.dtype}")
+        targets[full_name] = value
+    unset = sorted(n for n in params if ".experts." in n and n not in targets)
     if unset:
         raise MegatronPlacementError(f"rank {rank}: expert parameters with no reference shard: "
                                      f"{unset[:4]}")
+    with torch.no_grad():
+        for full_name, value in targets.items():
+            params[full_name].copy_(value)
+
+
+def megatron_model_state(spec: MoESpec, topo: TrainerTopology, rank: int, shard_values,
+                         config=None) -> tuple[list, dict]:
+    """``(model chunks, named_parameters of the chunk)`` of trainer rank ``rank``: the model
+    :func:`build_model` builds, its placement checked against the reference layout, expert
+    weights set to ``shard_values`` (as
+    :func:`pytest_weightsync.reference_impl.trainer.trainer_state` builds them). Needs
+    :func:`megatron_parallel_state` to be active."""
+    config = transformer_config(spec, topo) if config is None else config
+    model = build_model(spec, topo, config)
+    _check_placement(spec, topo, rank, model[0])
+    params = dict(model[0].named_parameters())
+    expected = {megatron_expert_name(topo.expert_impl, li, ei, fc)
+                for li in range(len(trainer_shard(spec, topo, rank).layers))
+                for ei in range(len(trainer_shard(spec, topo, rank).experts)) for fc in (1, 2)}
+    if set(shard_values) != expected:
+        raise MegatronPlacementError(f"rank {rank}: shard values for {sorted(shard_values)[:4]}"
+                                     f"..., the layout expects {sorted(expected)[:4]}...")
+    write_shards(params, shard_values, rank)
     return model, params

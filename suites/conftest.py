@@ -2,7 +2,9 @@
 
 ``moe_case`` is parametrized over the topology matrix (``suites.harness.cases.CASES``) plus
 the cases plugins add through ``pytest_weightsync_extra_topologies``: a test asks for
-``moe_case`` and runs on every topology, including ones added later.
+``moe_case`` and runs on every topology, including ones added later. ``dcase`` is the same for
+distributed exporters: ``suites.harness.cases.DIST_CASES`` plus every extra topology, as
+given (a ``DistCase``) or in both deliveries (a ``Case``).
 """
 
 from __future__ import annotations
@@ -19,13 +21,18 @@ def _extra_cases(config) -> list:
     extra = []
     for items in hook(config=config):
         for item in items or ():
-            extra.append(item if isinstance(item, cases.Case) else cases.Case(*item))
+            extra.append(item if isinstance(item, (cases.Case, cases.DistCase))
+                         else cases.Case(*item))
     return extra
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "moe_case" in metafunc.fixturenames:
-        metafunc.parametrize("moe_case", cases.case_params(_extra_cases(metafunc.config)))
+        extra = [c if isinstance(c, cases.Case) else c.case
+                 for c in _extra_cases(metafunc.config)]
+        metafunc.parametrize("moe_case", cases.case_params(extra))
+    if "dcase" in metafunc.fixturenames:
+        metafunc.parametrize("dcase", cases.dist_case_params(_extra_cases(metafunc.config)))
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,11 @@
 """The distributed-export conformance check tells a correct exporter from broken ones.
 
 The example package's distributed exporter must pass on real Megatron trainer layouts in gloo
-ranks; its twin that forgets to regroup fc1 after the ETP gather must fail with the first
-wrong (layer, expert, projection, row, col); an exporter that modifies its trainer state must
-fail at that call, naming the rank and the shard, before any receiver value is compared.
+ranks; its TEGroupedMLP twin, which reads the model object and the partition attributes TE
+sets, must pass every case it claims; the twin that forgets to regroup fc1 after the ETP
+gather must fail with the first wrong (layer, expert, projection, row, col); an exporter that
+modifies its trainer state must fail at that call, naming the rank and the shard, before any
+receiver value is compared.
 """
 
 from __future__ import annotations
@@ -12,21 +14,21 @@ from pathlib import Path
 
 import pytest
 
-from suites.conformance.test_distributed_exporter import CASES
 from suites.harness import distributed as dh
 from suites.harness import judge
-from suites.harness.cases import DistCase
+from suites.harness.cases import DIST_CASES, DistCase
 
 EXAMPLE_SRC = Path(__file__).resolve().parents[1] / "examples" / "weightsync-example-loader" / "src"
 
 
 def _by_topology(fragment: str) -> DistCase:
-    return next(c for c in CASES if fragment in c.id and c.world == 4)
+    return next(c for c in DIST_CASES if fragment in c.id)
 
 
-ETP2_PP2 = _by_topology("T.tp2ep1etp2pp2te")  # colocated, padded receiver: compat only
-ETP2_EP2 = _by_topology("T.tp1ep2etp2pp1seq")  # distributed delivery, up/gate receiver
-ETP1_PP2 = _by_topology("T.tp1ep2etp1pp2te")
+ETP2_TE = _by_topology("T.tp2ep2etp2pp1te")  # colocated, up/gate receiver, buckets
+ETP2_EP2 = _by_topology("T.tp4ep2etp2pp1seq")  # distributed delivery, dense TP 4 != ETP 2
+ETP1_PP2 = _by_topology("T.tp1ep2etp1pp2seq")
+TE_CASES = [c for c in DIST_CASES if c.trainer.expert_impl == "te_grouped"]
 
 
 @pytest.fixture
@@ -61,17 +63,51 @@ class InPlaceRegroupExporter:
         if dist.get_rank() == 1:
             name = next(n for n in model_state if n.endswith("linear_fc1.weight"))
             with torch.no_grad():
-                model_state[name][3, 0] += 1
+                value = model_state[name][3, 0]
+                model_state[name][3, 0] = -value if value else 1.0
         return result
 
 
-@pytest.mark.parametrize("dcase", [ETP2_PP2, ETP2_EP2], ids=lambda c: c.id)
+def _claimed(impl, dcase):
+    return [f for f in ("compat", "packed", "direct")
+            if impl.capabilities.format_refusal("exporter", f, dcase.case.receiver) is None]
+
+
+@pytest.mark.parametrize("dcase", [ETP2_TE, ETP2_EP2], ids=lambda c: c.id)
 def test_example_distributed_exporter_passes(example, rank_pool, dcase):
     impl = example.ExampleDistributedExporter()
     dh.require_claim(impl, dcase)
-    formats = [f for f in ("compat", "direct")
-               if impl.capabilities.format_refusal("exporter", f, dcase.case.receiver) is None]
-    assert dh.run_and_judge(rank_pool, impl, dcase, formats)
+    formats = _claimed(impl, dcase)
+    result = dh.run_and_judge(rank_pool, impl, dcase, formats)
+    assert result.formats == set(formats) and not result.bucket_findings
+    assert len({version for _, version, _ in result.checked}) >= 2  # two versions at least
+
+
+def test_te_reading_twin_passes_every_case_it_claims(example, rank_pool):
+    """It decides its gathers from the attributes TE sets (fc2's partition_dim corrected) and
+    places layers by TransformerLayer.layer_number: right on every TEGroupedMLP layout."""
+    impl = example.TEGroupedExporter()
+    ran = []
+    for dcase in DIST_CASES:
+        if impl.capabilities.trainer_refusal(dcase.spec, dcase.trainer) is not None:
+            continue  # SequentialMLP: not claimed
+        formats = _claimed(impl, dcase)
+        if not formats:
+            continue
+        assert dh.run_and_judge(rank_pool, impl, dcase, formats).formats == set(formats)
+        ran.append(dcase.id)
+    assert len(ran) == len(TE_CASES), (ran, [c.id for c in TE_CASES])
+
+
+def test_te_reading_twin_trusting_fc2s_partition_dim_fails_located(example, rank_pool):
+    """Without the correction TE's fc2 quirk shows: fc2 is gathered along dim 0."""
+    with pytest.raises(judge.ConformanceError) as info:
+        dh.run_and_judge(rank_pool, example.TrustingPartitionDimExporter(), ETP2_TE, ["compat"])
+    head, _, message = str(info.value).partition("\n")
+    assert head == ("compat payload, colocated delivery, trainer rank 0 -> colocated engine "
+                    "replica 0 rank 0:"), head
+    assert message.startswith("ETP shards joined along the wrong dim: model.layers.0.mlp."
+                              "experts.0.down_proj.weight is (16, 2), expected (8, 4)"), message
 
 
 def test_unregrouped_twin_passes_without_etp_and_fails_located_with_it(example, rank_pool):
@@ -82,7 +118,7 @@ def test_unregrouped_twin_passes_without_etp_and_fails_located_with_it(example, 
     message = str(info.value)
     assert message.startswith("compat payload, distributed delivery, trainer rank 0 (sender)")
     # fc1 concatenated as [gate_0; up_0; gate_1; up_1] and split in half: "up" starts with
-    # gate_1. The receiver is up/gate ordered, so up row 0 is the first element of w13.
+    # gate_1. Engine rank 0 (MoE-TP 4) holds gate rows 0-1, right, then up rows 0-1.
     assert "first at layer=0 expert=0 projection=up row=0 col=0" in message, message
 
 

@@ -12,7 +12,9 @@ the test id carries its name) and states one property:
 - ``in_place``: a payload of one layer writes that layer at unchanged addresses and leaves
   every other parameter (other layers, the router weight) bit-identical;
 - ``no_stale_values``: three successive versions into the same buffers, each fully visible,
-  each cut at a different bucket limit;
+  each cut at a different bucket limit, each bucket's tensors refilled by the harness as soon
+  as ``load_weights`` returns (as real senders reuse their buffer): a loader that keeps
+  references and copies later fails, named "deferred copy";
 - ``hardening`` (a report, not a verdict): each bad kind SGLang users hit (float32, a short
   ``down_proj``, an unknown name, an out-of-range expert, duplicates within and across buckets,
   a missing expert) at the end of a valid update; what the loader did is recorded as a finding
@@ -121,16 +123,16 @@ def test_loader_writes_in_place_and_only_the_payload(weightsync_loader, case, pa
 @pytest.mark.parametrize("payload_format", FORMATS)
 @pytest.mark.parametrize("case", ANCHORS)
 def test_loader_repeated_updates_leave_no_stale_value(weightsync_loader, case, payload_format):
-    """Versions differ in every element, so any element a later update misses shows."""
+    """Versions differ in every element, so any element a later update misses shows; the
+    buckets are refilled after each load returns, so a deferred copy shows too."""
     _require_claim(weightsync_loader, case, payload_format)
     for rank in range(case.receiver.world_size):
         params = inputs.receiver_params(case, rank)
         before = compare.snapshot(params)
         for version in (1, 2, 3):
-            loader.load(weightsync_loader, params, payload_format, case, rank, version,
-                        bucket=_limit(rank + version))
-            judge.check_rank(params, case, rank, version, before,
-                          previous_version=version - 1 if version > 1 else None)
+            loader.load_and_check(weightsync_loader, params, payload_format, case, rank, version,
+                                  before=before, bucket=_limit(rank + version),
+                                  previous_version=version - 1 if version > 1 else None)
 
 
 # --- hardening (bad input: a report, never a verdict) -------------------------------------------

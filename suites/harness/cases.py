@@ -2,7 +2,8 @@
 
 One place: a topology added here (or returned by a plugin's
 ``pytest_weightsync_extra_topologies`` hook) reaches every suite that asks for the
-``moe_case`` fixture.
+``moe_case`` fixture, and - as distributed cases, see :func:`dist_cases_of` - every suite
+that asks for ``dcase``.
 
 The full cartesian product of the factors below has tens of thousands of valid members;
 :data:`CASES` is a pairwise cover of it (every value pair of any two factors appears in some
@@ -206,6 +207,88 @@ def case_params(extra=()) -> list:
             continue
         seen.add(case.id)
         out.append(pytest.param(case, id=case.id))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Distributed-export cases (real trainer ranks)
+# --------------------------------------------------------------------------------------------
+
+#: Trainer world size of every built-in distributed case: one warm pool serves them all.
+DIST_WORLD = 4
+
+
+def dist_case(tp, ep, etp, pp, impl, r_tp, r_ep, *, experts, order="gate_up", padded=False,
+              delivery="colocated", bucket="whole", layers_per_stage=1, hidden=8,
+              world=DIST_WORLD) -> DistCase:
+    """A distributed case of ``world`` trainer ranks; ``bucket`` is a name of
+    ``vocabulary.BUCKET_LIMITS`` (derived from the model size) or an int."""
+    from .inputs import bucket_bytes
+
+    stage = world // pp
+    trainer = TrainerTopology(tp=tp, ep=ep, etp=etp, pp=pp, dp=stage // tp, expert_impl=impl)
+    moe_tp = r_tp // r_ep
+    intermediate = math.lcm(etp, moe_tp) * 2
+    receiver = ReceiverTopology(tp=r_tp, moe_ep=r_ep, order=order,
+                                intermediate_padded=intermediate // moe_tp + 2 if padded else None)
+    spec = MoESpec(num_layers=pp * layers_per_stage, num_experts=experts, hidden=hidden,
+                   intermediate=intermediate)
+    from pytest_weightsync.reference_impl.layout import receiver_shard, trainer_shard
+
+    trainer_shard(spec, trainer, 0)  # validates
+    receiver_shard(spec, receiver, 0)
+    return DistCase(Case(spec, trainer, receiver), delivery, bucket_bytes(bucket, spec))
+
+
+#: The built-in distributed cases, all in :data:`DIST_WORLD` ranks. Chosen so that placement
+#: bugs show: every trainer EP rank and every engine EP rank holds >= 2 experts (so blocked
+#: and round-robin / interleaved expert numbering disagree wherever EP > 1); ETP 2 for every
+#: (expert module, delivery) pair, with the dense TP size both equal to and different from the
+#: ETP size (a gather over the dense-TP group then shows, also with EP 1 - the verl bug);
+#: trainer and engine EP sizes that differ, an expert count (6) that is not a power of two,
+#: TP 1-4, PP 1-2, both gate/up orders, padded receivers, every named bucket limit.
+DIST_CASES = (
+    dist_case(1, 2, 2, 1, "sequential", 4, 4, experts=8),
+    dist_case(2, 2, 2, 1, "te_grouped", 2, 2, experts=4, order="up_gate", bucket="split_layer"),
+    dist_case(4, 2, 2, 1, "sequential", 4, 1, experts=4, delivery="distributed", bucket="tensor"),
+    dist_case(1, 1, 2, 2, "te_grouped", 2, 2, experts=4, padded=True, delivery="distributed",
+              bucket="multi_layer", layers_per_stage=2),
+    dist_case(4, 1, 2, 1, "te_grouped", 2, 1, experts=4, order="up_gate", bucket="split_layer"),
+    dist_case(1, 4, 1, 1, "sequential", 2, 2, experts=8, padded=True),
+    dist_case(2, 4, 1, 1, "te_grouped", 4, 4, experts=8, delivery="distributed", bucket="tensor"),
+    dist_case(1, 2, 1, 2, "sequential", 4, 2, experts=4, order="up_gate", delivery="distributed",
+              bucket="split_layer", layers_per_stage=2),
+    dist_case(2, 1, 1, 2, "te_grouped", 1, 1, experts=4, bucket="multi_layer"),
+    dist_case(2, 2, 1, 2, "sequential", 2, 1, experts=4, padded=True),
+    dist_case(1, 2, 2, 1, "te_grouped", 3, 3, experts=6, delivery="distributed",
+              bucket="split_layer", hidden=6),
+)
+
+
+def dist_cases_of(case: Case) -> tuple:
+    """The distributed cases an extra topology stands for: both deliveries, the bucket limit
+    that splits a layer's experts over buckets."""
+    from pytest_weightsync.vocabulary import DELIVERIES
+
+    from .inputs import bucket_bytes
+
+    return tuple(DistCase(case, delivery, bucket_bytes("split_layer", case.spec))
+                 for delivery in DELIVERIES)
+
+
+def dist_case_params(extra=()) -> list:
+    """``pytest.param`` list of :data:`DIST_CASES` plus the distributed cases of ``extra``
+    (:class:`DistCase` items as they are, :class:`Case` items through :func:`dist_cases_of`)."""
+    import pytest
+
+    seen, out = set(), []
+    expanded = [d for item in extra
+                for d in ((item,) if isinstance(item, DistCase) else dist_cases_of(item))]
+    for dcase in (*DIST_CASES, *expanded):
+        if dcase.id in seen:
+            continue
+        seen.add(dcase.id)
+        out.append(pytest.param(dcase, id=dcase.id))
     return out
 
 

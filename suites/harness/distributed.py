@@ -1,35 +1,47 @@
 """Driving a distributed exporter in real trainer ranks, and the receivers with its streams.
 
 In every rank (:func:`export_in_rank`, run through a warm rank pool): Megatron-Core's
-``parallel_state`` is initialized for the case's trainer topology, the rank's real MoE layers
-are built and filled with its synthetic shard values (only its own: the full weights are
-dropped before the exporter runs), and the exporter is called once per update - one update
-per payload format - with its inputs checked after each call
+``parallel_state`` is initialized for the case's trainer topology, the rank's model is built
+as ``megatron.training.get_model`` builds it (:mod:`pytest_weightsync.reference_impl.
+megatron_state`: DDP-wrapped ``GPTModel`` chunks, real ``TransformerLayer`` s) and its expert
+weights are filled with the rank's synthetic shard values (only its own: the full weights are
+dropped before the exporter runs). Then the exporter is called once per update
+(:func:`plan_updates`): every claimed format, each update a new version written IN PLACE into
+the same parameters between calls (as an optimizer step does), and the first format once more
+at the end - so an exporter that caches its first call's tensors returns stale values. After
+each call its inputs are checked: values and storage
 (:func:`pytest_weightsync.distributed.call_exporter`).
 
-In the pytest process (:func:`judge`): the streams come back pickled; each one is loaded,
+In the pytest process (:func:`judge_streams`): the streams come back pickled; each one is loaded,
 bucket by bucket between ``begin_update()`` and ``end_update()``, into a fresh reference
 receiver of the engine rank it was sent to, and that rank is judged bit for bit against the
-state computed independently from the synthetic value function. Colocated delivery feeds
-``world // receiver.tp`` engine replicas; each is judged. Where SGLang imports, every stream
-is also loaded, bucket by bucket (one ``load_weights`` call each, as
-``update_weights_from_tensor`` does), by each stock SGLang row that claims its format and
-receiver (:mod:`pytest_weightsync.reference_impl.backends.sglang_models`) and judged the same
-way: a stream only the reference accepts is not one a real engine loads.
+state computed independently from the synthetic value function (a result equal to the
+previous update's values is named "stale"; a gathered tensor of the wrong intermediate size
+names the group it was gathered over). Colocated delivery feeds ``world // receiver.tp``
+engine replicas; each is judged. Where SGLang imports, every stream is also loaded, bucket by
+bucket (one ``load_weights`` call each, as ``update_weights_from_tensor`` does), by each stock
+SGLang row that claims its format and receiver
+(:mod:`pytest_weightsync.reference_impl.backends.sglang_models`) and judged the same way: a
+stream only the reference accepts is not one a real engine loads. Buckets that exceed
+``bucket_bytes`` by more than one unit come back as findings (:class:`DistResult`), recorded
+by the suite, never a value failure.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass, field
 
 import pytest
 
 from . import claims, judge, loader, reference
 from .cases import DistCase
+from pytest_weightsync.reference_impl.buckets import bucket_limit_findings
 from pytest_weightsync.vocabulary import FORMATS
 
-__all__ = ["DistCase", "FORMATS", "engine_loaders", "export_in_rank", "judge_streams",
-           "require_megatron", "run_and_judge"]
+__all__ = ["DistCase", "DistResult", "FORMATS", "engine_loaders", "export_in_rank",
+           "gather_group_diagnosis", "judge_streams", "plan_updates", "require_megatron",
+           "run_and_judge"]
 
 
 def require_megatron() -> None:
@@ -51,9 +63,19 @@ def require_claim(impl, dcase: DistCase, fmt=None) -> None:
             f"the engine size ({dcase.case.receiver.tp})")
 
 
-def export_in_rank(exporter, dcase: DistCase, formats, version: int):
-    """Rank body: real Megatron state for this rank, one exporter call per format. Returns
-    one :class:`pytest_weightsync.distributed.RankExport` (or an error string) per format."""
+def plan_updates(formats) -> tuple:
+    """``((version, format), ...)``: version 1, 2, ... one per claimed format, then the first
+    format again - at least two versions per case, and the parameters change between any two
+    consecutive calls."""
+    formats = tuple(formats)
+    return tuple((i + 1, fmt) for i, fmt in enumerate(formats + formats[:1]))
+
+
+def export_in_rank(exporter, dcase: DistCase, updates):
+    """Rank body: real Megatron model for this rank, one exporter call per ``(version,
+    format)`` of ``updates``, the shard values of each version written in place before its
+    call. Returns one :class:`pytest_weightsync.distributed.RankExport` (or an error string)
+    per update."""
     import torch.distributed as dist
 
     from pytest_weightsync import distributed
@@ -62,26 +84,37 @@ def export_in_rank(exporter, dcase: DistCase, formats, version: int):
         megatron_model_state,
         megatron_parallel_state,
         transformer_config,
+        write_shards,
     )
 
     case = dcase.case
     rank = dist.get_rank()
-    with megatron_parallel_state(case.spec, case.trainer):
+
+    def shard_values(version):
         full = synth.full_weights(case.spec, version)
-        values = trainer.trainer_state(case.spec, case.trainer, rank, full)
-        del full  # the trainer rank keeps only its own shards
+        return trainer.trainer_state(case.spec, case.trainer, rank, full)  # only its own
+
+    with megatron_parallel_state(case.spec, case.trainer):
         config = transformer_config(case.spec, case.trainer)
-        _, params = megatron_model_state(case.spec, case.trainer, rank, values, config)
-        out = []
-        for update, fmt in enumerate(formats, start=1):
-            try:
-                out.append(distributed.call_exporter(
-                    exporter, params, config=config, format=fmt, spec=case.spec,
-                    trainer=case.trainer, receiver=case.receiver, delivery=dcase.delivery,
-                    bucket_bytes=dcase.bucket_bytes, rank=rank, update=update))
-            except distributed.DistributedExportError as error:
-                out.append(str(error))  # reported by the pytest process, at this call
-        return out
+        current = updates[0][0]
+        model, params = megatron_model_state(case.spec, case.trainer, rank,
+                                             shard_values(current), config)
+        try:
+            out = []
+            for update, (version, fmt) in enumerate(updates, start=1):
+                if version != current:
+                    write_shards(params, shard_values(version), rank)  # an optimizer step
+                    current = version
+                try:
+                    out.append(distributed.call_exporter(
+                        exporter, params, config=config, format=fmt, spec=case.spec,
+                        trainer=case.trainer, receiver=case.receiver, delivery=dcase.delivery,
+                        bucket_bytes=dcase.bucket_bytes, rank=rank, update=update, model=model))
+                except distributed.DistributedExportError as error:
+                    out.append(str(error))  # reported by the pytest process, at this call
+            return out
+        finally:
+            del model, params  # before the parallel state (and its groups) goes
 
 
 def _engine_streams(dcase: DistCase, rank_results: list) -> list:
@@ -112,7 +145,8 @@ def engine_loaders() -> list:
     return _ENGINE_LOADERS
 
 
-def _judge_with_engines(case, fmt: str, engine_rank: int, stream, version: int, head: str) -> None:
+def _judge_with_engines(case, fmt: str, engine_rank: int, stream, version: int, head: str,
+                        previous_version=None) -> None:
     """Load ``stream`` into every claiming stock SGLang row over fresh harness buffers and
     judge the result like the reference receiver's: a stream only the reference accepts is
     not one a real engine loads."""
@@ -127,7 +161,8 @@ def _judge_with_engines(case, fmt: str, engine_rank: int, stream, version: int, 
         before = compare.snapshot(params)
         try:
             loader.load_stream(engine, params, stream, fmt, case, engine_rank, framed=False)
-            judge.check_rank(params, case, engine_rank, version, before)
+            judge.check_rank(params, case, engine_rank, version, before,
+                             previous_version=previous_version)
         except AssertionError as error:
             raise judge.ConformanceError(f"{head}, loaded by {engine.name}:\n{error}") from None
         except Exception as error:
@@ -135,7 +170,71 @@ def _judge_with_engines(case, fmt: str, engine_rank: int, stream, version: int, 
                                          f"{judge.quoted(error)}") from None
 
 
-def judge_streams(dcase: DistCase, fmt: str, rank_results: list, version: int) -> int:
+#: Where the intermediate (ETP-sharded) size sits in each entry of each format, by projection.
+_INTERMEDIATE_DIM = {"gate": 0, "up": 0, "down": 1, "w13": 1, "w2": 2, "gate_up": 1}
+
+
+def _expected_shape(case, fmt: str, engine_rank: int, parsed):
+    from pytest_weightsync.reference_impl.layout import packed_shape, receiver_param_shapes
+
+    spec = case.spec
+    if parsed.kind == "expert":
+        return spec.hf_shape(parsed.projection)
+    if parsed.kind == "hf_fused":
+        return packed_shape(spec, "w13" if parsed.projection == "gate_up" else "w2")
+    if fmt == "direct":
+        return receiver_param_shapes(spec, case.receiver, engine_rank).get(
+            f"model.layers.{parsed.layer}.mlp.experts.{parsed.projection}_weight")
+    return packed_shape(spec, parsed.projection)
+
+
+def gather_group_diagnosis(case, fmt: str, engine_rank: int, stream):
+    """A one-line name for a stream whose expert tensors have the wrong intermediate size by
+    the factor of a wrong gather group (the dense TP group instead of the expert TP group, or
+    no ETP gather at all), else ``None``."""
+    from fractions import Fraction
+
+    from pytest_weightsync.reference_impl.layout import parse_receiver_name
+
+    trainer = case.trainer
+    for bucket in stream:
+        for name, tensor in bucket:
+            parsed = parse_receiver_name(name)
+            shape = tuple(getattr(tensor, "shape", ()))
+            if parsed is None or parsed.projection not in _INTERMEDIATE_DIM:
+                continue
+            expected = _expected_shape(case, fmt, engine_rank, parsed)
+            dim = _INTERMEDIATE_DIM[parsed.projection]
+            if expected is None or len(shape) != len(expected) or shape == tuple(expected):
+                continue
+            what = f"{name} is {shape}, expected {tuple(expected)}"
+            others = [i for i, (a, b) in enumerate(zip(shape, expected)) if i != dim and a != b]
+            if len(others) == 1 and trainer.etp > 1 and \
+                    shape[others[0]] == expected[others[0]] * trainer.etp and \
+                    shape[dim] * trainer.etp == expected[dim]:
+                return (f"ETP shards joined along the wrong dim: {what} - the {trainer.etp} "
+                        f"shards of the intermediate dim ({dim}) were concatenated along dim "
+                        f"{others[0]} (e.g. trusting partition_dim=0 that Transformer Engine "
+                        f"reports for linear_fc2 under explicit expert comms)")
+            if others:
+                continue
+            group = Fraction(shape[dim], expected[dim]) * trainer.etp
+            if group.denominator != 1:
+                continue
+            if group == 1:
+                return (f"not gathered over the expert tensor-parallel group: {what} - one "
+                        f"rank's ETP shard (ETP size {trainer.etp})")
+            if group == trainer.tp:
+                return (f"gathered over the dense tensor-parallel group (size {trainer.tp}) "
+                        f"instead of the expert tensor-parallel group (size {trainer.etp}): "
+                        f"{what}")
+            return (f"gathered over a group of {int(group)} ranks instead of the expert "
+                    f"tensor-parallel group (size {trainer.etp}): {what}")
+    return None
+
+
+def judge_streams(dcase: DistCase, fmt: str, rank_results: list, version: int,
+                  previous_version=None) -> int:
     """Load every stream into a fresh reference receiver (and every claiming stock SGLang row)
     and check it bit for bit; raise :class:`suites.harness.judge.ConformanceError` naming the
     format, delivery, sender and engine rank. Returns the number of engine ranks checked."""
@@ -151,13 +250,62 @@ def judge_streams(dcase: DistCase, fmt: str, rank_results: list, version: int) -
                                      f"back, expected {wanted}")
     for who, engine_rank, stream in streams:
         head = f"{fmt} payload, {dcase.delivery} delivery, {who}"
-        reference.judge_stream(case, engine_rank, stream, fmt, version, head)
-        _judge_with_engines(case, fmt, engine_rank, stream, version, head)
+        try:
+            reference.judge_stream(case, engine_rank, stream, fmt, version, head,
+                                   previous_version=previous_version)
+        except judge.ConformanceError as error:
+            hint = gather_group_diagnosis(case, fmt, engine_rank, stream)
+            if hint is None:
+                raise
+            text = str(error)
+            if text.startswith(head):
+                text = text[len(head):].lstrip(":").lstrip()
+            raise judge.ConformanceError(f"{head}:\n{hint}\n{text}", error.mismatch) from None
+        _judge_with_engines(case, fmt, engine_rank, stream, version, head, previous_version)
     return len(streams)
 
 
-def run_and_judge(pool, exporter, dcase: DistCase, formats, version: int = 1) -> dict:
-    """Export ``formats`` in the case's ranks and judge each; ``{format: engine ranks checked}``."""
-    per_rank = pool.run(export_in_rank, dcase.world, exporter, dcase, tuple(formats), version)
-    return {fmt: judge_streams(dcase, fmt, [r[i] for r in per_rank], version)
-            for i, fmt in enumerate(formats)}
+@dataclass
+class DistResult:
+    """What one distributed case produced: ``checked`` maps each ``(update, version, format)``
+    to the engine ranks judged; ``bucket_findings`` lists every bucket (any update, any rank)
+    that exceeds ``bucket_bytes`` by more than one unit."""
+
+    checked: dict = field(default_factory=dict)
+    bucket_findings: list = field(default_factory=list)
+
+    @property
+    def formats(self) -> set:
+        return {fmt for _, _, fmt in self.checked}
+
+
+def record_bucket_limit(record_property, dcase: DistCase, result: DistResult) -> None:
+    """Record the case's bucket-limit finding (``weightsync_bucket_limit``: ``within`` or
+    ``over``, ``weightsync_bucket_limit_detail``: the first offending bucket); nothing when
+    the case sets no limit."""
+    from pytest_weightsync.vocabulary import BUCKET_OVER, BUCKET_WITHIN
+
+    if dcase.bucket_bytes is None:
+        return
+    over = result.bucket_findings
+    record_property("weightsync_bucket_limit", BUCKET_OVER if over else BUCKET_WITHIN)
+    record_property("weightsync_bucket_limit_detail",
+                    f"{len(over)} buckets over; first: {over[0]}" if over else "")
+
+
+def run_and_judge(pool, exporter, dcase: DistCase, formats) -> DistResult:
+    """Export every update of :func:`plan_updates` in the case's ranks and judge each, in
+    order (the first wrong update fails)."""
+    updates = plan_updates(formats)
+    per_rank = pool.run(export_in_rank, dcase.world, exporter, dcase, updates)
+    result = DistResult()
+    for i, (version, fmt) in enumerate(updates):
+        rank_results = [r[i] for r in per_rank]
+        previous = updates[i - 1][0] if i else None
+        result.checked[i + 1, version, fmt] = judge_streams(dcase, fmt, rank_results, version,
+                                                            previous)
+        result.bucket_findings += [
+            line for who, _, stream in _engine_streams(dcase, rank_results)
+            for line in bucket_limit_findings(stream, dcase.bucket_bytes,
+                                              f"update {i + 1} ({fmt}), {who}")]
+    return result

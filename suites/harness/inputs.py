@@ -118,6 +118,21 @@ def stream(fmt, case, rank, version=None, layers=None, *, bucket=DEFAULT_BUCKET,
                          bucket_bytes(bucket, case.spec))
 
 
+#: Seed of the pattern bucket tensors are refilled with after ``load_weights`` returns (not
+#: the receiver buffers' poison, so a deferred copy is told from a buffer never written).
+REFILL_SEED = 0x5E7
+
+
+def refill_(bucket) -> None:
+    """Overwrite every tensor of ``bucket`` in place, as a sender that reuses its staging
+    buffer for the next bucket does."""
+    import torch
+
+    for _, tensor in bucket:
+        if isinstance(tensor, torch.Tensor) and tensor.numel():
+            synth.poison_(tensor, seed=REFILL_SEED)
+
+
 def receiver_params(case, rank, device=None):
     """Receiver ``rank``'s pre-allocated parameters as an engine holds them: the expert
     ``w13``/``w2`` of every layer plus a router weight (:data:`SENTINEL`), all poisoned, on

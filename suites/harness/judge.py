@@ -54,7 +54,58 @@ def same_bits(a, b) -> bool:
     return a.shape == b.shape and bool((compare.raw_bits(a) == compare.raw_bits(b)).all())
 
 
-def diagnose(name, actual, expected, case, rank, before=None, previous=None):
+def _interleave(p: int, experts: int):
+    """``g -> (g % p) * (experts // p) + g // p``: where blocked numbering over ``p`` groups
+    puts what round-robin numbering calls ``g`` (and the reverse for ``experts // p``)."""
+    return lambda g: (g % p) * (experts // p) + g // p
+
+
+def expert_placement(name, actual, case, rank, version):
+    """A one-line name when the local expert slots of ``name`` on receiver ``rank`` hold the
+    right values of the WRONG experts, else ``None``: which expert each slot holds is read off
+    every expert's expected values (a twin topology that holds all experts in the same rows),
+    and a permutation that is interleaved (round-robin) instead of blocked numbering is named
+    - on the trainer side (global id = local * EP + ep_rank instead of ep_rank * local_experts
+    + local) or on the engine side (engine EP rank r given experts r, r + EP, ... instead of
+    its block)."""
+    import dataclasses
+
+    from pytest_weightsync.reference_impl import synth
+
+    spec, receiver = case.spec, case.receiver
+    if spec.num_experts < 2 or not name.endswith(("w13_weight", "w2_weight")):
+        return None
+    shard = receiver_shard(spec, receiver, rank)
+    twin = dataclasses.replace(receiver, tp=receiver.moe_tp, moe_ep=1, moe_dp=1)
+    every = synth.expected_receiver_params(spec, twin, shard.moe_tp_rank, version).get(name)
+    if every is None or tuple(every.shape[1:]) != tuple(actual.shape[1:]):
+        return None
+    holds = {}
+    for slot, expert in enumerate(shard.experts):
+        found = [e for e in range(spec.num_experts) if same_bits(actual[slot], every[e])]
+        if len(found) != 1:
+            return None  # not (only) a misplacement
+        holds[expert] = found[0]
+    wrong = {g: h for g, h in holds.items() if g != h}
+    if not wrong:
+        return None
+    g, h = next(iter(wrong.items()))
+    trainer, experts = case.trainer, spec.num_experts
+    names = []
+    if trainer.ep > 1 and all(holds[e] == _interleave(trainer.ep, experts)(e) for e in holds):
+        names.append(f"interleaved trainer expert numbering (global id = local * EP + ep_rank "
+                     f"over trainer EP {trainer.ep}, instead of ep_rank * local_experts + local)")
+    if receiver.moe_ep > 1 and all(
+            holds[e] == _interleave(experts // receiver.moe_ep, experts)(e) for e in holds):
+        names.append(f"round-robin engine expert routing (engine EP rank r given experts r, "
+                     f"r + {receiver.moe_ep}, ... instead of its block of "
+                     f"{experts // receiver.moe_ep})")
+    pattern = " or ".join(names) if names else "a permutation of the experts"
+    return (f"experts misplaced: receiver rank {rank}'s slot for expert {g} holds expert {h}'s "
+            f"values ({len(wrong)} of {len(holds)} local experts) - {pattern}")
+
+
+def diagnose(name, actual, expected, case, rank, before=None, previous=None, version=None):
     """A one-line name for a recognizable wrong result of parameter ``name``, else ``None``."""
     if before is not None and same_bits(actual, before):
         return "never written: it still holds the bits it held before the update"
@@ -83,6 +134,8 @@ def diagnose(name, actual, expected, case, rank, before=None, previous=None):
                        and same_bits(actual[:, buf:buf + rows], expected[:, buf:buf + rows]))
         if real_ok:
             return f"padding not zeroed: the real rows are right, the tail beyond {rows} is not"
+    if version is not None:
+        return expert_placement(name, actual, case, rank, version)
     return None
 
 
@@ -118,7 +171,8 @@ def check_rank(params, case, rank, version, before=None, touched=None, previous_
                 hint = (f"not a placement bug: {error.kinds.describe()} - the loader converts "
                         f"values on the way ({VALUE_CONVERSIONS[kind]})")
             else:
-                hint = diagnose(name, params[name], expected[name], case, rank, old, previous)
+                hint = diagnose(name, params[name], expected[name], case, rank, old, previous,
+                                version)
             raise ConformanceError((f"{hint}\n" if hint else "") + str(error), error) from None
     for name, record in (before.records.items() if before is not None else ()):
         if name in touched:

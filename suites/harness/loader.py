@@ -3,26 +3,66 @@
 An update is a bucket stream, one ``load_weights`` call per bucket, framed by the loader's
 optional ``begin_update`` / ``end_update`` hooks (``pytest_weightsync.protocols``). A partial
 update (``layers`` given) is not an update of the whole model, so it is sent unframed.
+
+Real senders reuse their buffers: the flattened bucket or IPC buffer of one bucket is refilled
+with the next bucket's bytes as soon as the engine's ``load`` returns. With ``refill=True``
+each bucket's tensors are overwritten (:func:`suites.harness.inputs.refill_`) right after
+``load_weights`` returns, so a loader that keeps references and copies later (at
+``end_update``) copies garbage; :func:`load_and_check` names that pattern.
 """
 
 from __future__ import annotations
 
+from pytest_weightsync import compare
+
 from . import calls, inputs
 
 
-def load_stream(impl, params, stream, fmt, case, rank, *, framed=True) -> None:
-    """Load ``stream`` (a list of buckets) into ``params`` through ``impl``."""
+def load_stream(impl, params, stream, fmt, case, rank, *, framed=True, refill=False) -> None:
+    """Load ``stream`` (a list of buckets) into ``params`` through ``impl``; with ``refill``,
+    each bucket's tensors are overwritten as soon as its ``load_weights`` call returns."""
     kwargs = dict(format=fmt, spec=case.spec, topology=case.receiver, rank=rank)
     if framed:
         calls.call_optional(impl, "begin_update", params, **kwargs)
     for bucket in stream:
-        calls.call(impl, "load_weights", params, list(bucket), **kwargs)
+        bucket = list(bucket)
+        calls.call(impl, "load_weights", params, bucket, **kwargs)
+        if refill:
+            inputs.refill_(bucket)
     if framed:
         calls.call_optional(impl, "end_update", params, **kwargs)
 
 
-def load(impl, params, fmt, case, rank, version, layers=None, *, bucket=inputs.DEFAULT_BUCKET):
+def load(impl, params, fmt, case, rank, version, layers=None, *, bucket=inputs.DEFAULT_BUCKET,
+         refill=False):
     """Send ``version`` (of ``layers``, default all) to ``impl`` as a bucket stream cut at
     ``bucket``; a full update is framed by the loader's hooks."""
     stream = inputs.stream(fmt, case, rank, version, layers, bucket=bucket)
-    load_stream(impl, params, stream, fmt, case, rank, framed=layers is None)
+    load_stream(impl, params, stream, fmt, case, rank, framed=layers is None, refill=refill)
+
+
+def load_and_check(impl, params, fmt, case, rank, version, *, before, bucket,
+                   previous_version=None) -> None:
+    """One full update of ``version`` whose buckets are refilled after each ``load_weights``
+    returns, then judged (:func:`suites.harness.judge.check_rank`). When that fails and the
+    same update, not refilled, into fresh buffers passes, the loader read a bucket's tensors
+    after its ``load_weights`` call returned: the failure is named "deferred copy"."""
+    from . import judge
+
+    load(impl, params, fmt, case, rank, version, bucket=bucket, refill=True)
+    try:
+        judge.check_rank(params, case, rank, version, before, previous_version=previous_version)
+    except judge.ConformanceError as error:
+        fresh = inputs.receiver_params(case, rank)
+        fresh_before = compare.snapshot(fresh)
+        try:
+            load(impl, fresh, fmt, case, rank, version, bucket=bucket)
+            judge.check_rank(fresh, case, rank, version, fresh_before)
+        except AssertionError:
+            raise error from None
+        raise judge.ConformanceError(
+            f"deferred copy: {impl.name} read bucket tensors after its load_weights call "
+            f"returned (it kept references and copied later without cloning); the same update "
+            f"lands when the buckets are left alone, but a real sender refills its buffer for "
+            f"the next bucket as soon as load returns (ms-swift#10204)\n{error}",
+            error.mismatch) from None

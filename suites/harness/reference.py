@@ -34,10 +34,11 @@ def load_update(receiver, stream, fmt) -> None:
     receiver.end_update()
 
 
-def judge_stream(case, rank, stream, fmt, version, head: str):
+def judge_stream(case, rank, stream, fmt, version, head: str, previous_version=None):
     """Load ``stream`` into a fresh reference receiver of ``rank`` and judge it against
     ``version``; raise :class:`~suites.harness.judge.ConformanceError` starting with ``head``
-    when the receiver refuses it or the result differs. Returns the receiver."""
+    when the receiver refuses it or the result differs (a result equal to
+    ``previous_version``'s values is named stale). Returns the receiver."""
     from pytest_weightsync.reference_impl.layout import WeightSyncError
 
     receiver = fresh_receiver(case, rank)
@@ -48,9 +49,11 @@ def judge_stream(case, rank, stream, fmt, version, head: str):
         raise judge.ConformanceError(f"{head}: the reference receiver refused the stream: "
                                      f"{judge.quoted(error)}") from None
     try:
-        judge.check_rank(receiver.params, case, rank, version, before)
+        judge.check_rank(receiver.params, case, rank, version, before,
+                         previous_version=previous_version)
     except AssertionError as error:
-        raise judge.ConformanceError(f"{head}:\n{error}") from None
+        raise judge.ConformanceError(f"{head}:\n{error}", getattr(error, "mismatch", None)) \
+            from None
     return receiver
 
 

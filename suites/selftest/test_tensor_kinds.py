@@ -175,12 +175,12 @@ def test_a_lock_in_a_distributed_exporters_bucket_is_named():
                        match=r"bucket 1 entry 1 'model\.layers\.0\.mlp\.experts\.1\.up_proj"
                              r"\.weight' is a lock, not a torch\.Tensor"):
         distributed.normalize_result(result, delivery="colocated", rank=0,
-                                     receiver=ReceiverTopology(), bucket_bytes=None, source="x")
+                                     receiver=ReceiverTopology(), source="x")
     with pytest.raises(distributed.DistributedExportError,
                        match=r"bucket 0 entry 0 .* tensor subclass \(.*_Subclass\)"):
         distributed.normalize_result([[(good[0][0], good[0][1].as_subclass(kp._Subclass))]],
                                      delivery="colocated", rank=0, receiver=ReceiverTopology(),
-                                     bucket_bytes=8, source="x")
+                                     source="x")
 
 
 def test_a_lock_in_a_stream_to_split_is_named():

@@ -18,6 +18,15 @@ Then it names the weights for SGLang (per-expert ``compat`` names, or each engin
 ``UnregroupedFc1Exporter`` concatenates the ETP shards of ``linear_fc1`` as if ``[gate; up]``
 were split contiguously - right when ETP is 1, wrong for every ETP > 1 layout. The
 conformance suite names the first wrong (layer, expert, projection, row, col).
+
+``TEGroupedExporter`` is written the way slime's exporter is: it walks the model object it is
+handed (``model=``: the DDP-wrapped chunks), finds its experts in ``TEGroupedMLP`` modules by
+Transformer Engine's names (``linear_fc1.weight{i}``), takes global layer ids from
+``TransformerLayer.layer_number`` and global expert ids from the module's own
+``num_local_experts``, and decides its ETP gathers from each parameter's
+``tensor_model_parallel`` / ``partition_dim`` - correcting TE's quirk: under explicit expert
+communication Megatron hands TE ``parallel_mode=None``, so ``linear_fc2`` reports
+``partition_dim=0`` although its shards split dim 1.
 """
 
 from __future__ import annotations
@@ -158,9 +167,13 @@ class ExampleDistributedExporter:
 
     def export_weights_distributed(self, model_state, *, config, format, spec, trainer,
                                    receiver, delivery, bucket_bytes):
-        import torch.distributed as dist
-
         fc1, fc2 = self.gather(model_state)
+        return self.streams(fc1, fc2, format=format, receiver=receiver, delivery=delivery,
+                            bucket_bytes=bucket_bytes)
+
+    def streams(self, fc1, fc2, *, format, receiver, delivery, bucket_bytes):
+        """What this rank returns for ``delivery``, from the full ``fc1`` / ``fc2`` stacks."""
+        import torch.distributed as dist
 
         def stream(engine_rank):
             if format == "compat":
@@ -189,3 +202,79 @@ class UnregroupedFc1Exporter(ExampleDistributedExporter):
 
     def join_fc1(self, shards):
         return torch.cat(list(shards), dim=0)
+
+
+class TEGroupedExporter(ExampleDistributedExporter):
+    """A TEGroupedMLP-only exporter that reads the model object (see the module docstring)."""
+
+    name = "example-te-exporter"
+    capabilities = Capabilities(formats={"compat", "packed", "direct"}, padded=False,
+                                expert_impls={"te_grouped"})
+
+    @staticmethod
+    def partition_dim(name, param):
+        """The dim this TP-sharded weight is split along: its own ``partition_dim``, except
+        TE's row-parallel ``linear_fc2``, marked 0 under explicit expert comms."""
+        return 1 if name == "linear_fc2" else param.partition_dim
+
+    def gather_weight(self, name, param, group, world):
+        if world == 1 or not getattr(param, "tensor_model_parallel", False):
+            return param.detach()
+        shards = _all_gather(param.detach(), group)
+        if name == "linear_fc1":  # gated: every shard is [gate_r; up_r]
+            return self.join_fc1(shards)
+        return torch.cat(shards, dim=self.partition_dim(name, param))
+
+    def gather_model(self, model):
+        """``(fc1 [L, E, 2I, H], fc2 [L, E, H, I])`` from the model's TEGroupedMLP modules."""
+        from megatron.core import parallel_state as mpu
+
+        etp_group = mpu.get_expert_tensor_parallel_group()
+        etp = mpu.get_expert_tensor_parallel_world_size()
+        layers, fc1, fc2 = [], [], []
+        for chunk in model:
+            for module in chunk.modules():
+                if type(module).__name__ != "TransformerLayer":
+                    continue
+                experts = module.mlp.experts
+                if type(experts).__name__ != "TEGroupedMLP":
+                    raise ValueError(f"{self.name} reads TEGroupedMLP experts, layer "
+                                     f"{module.layer_number} holds {type(experts).__name__}")
+                layers.append(module.layer_number - 1)
+                stacks = {}
+                for fc in ("linear_fc1", "linear_fc2"):
+                    linear = getattr(experts, fc)
+                    stacks[fc] = torch.stack([
+                        self.gather_weight(fc, getattr(linear, f"weight{i}"), etp_group, etp)
+                        for i in range(experts.num_local_experts)])
+                fc1.append(stacks["linear_fc1"])
+                fc2.append(stacks["linear_fc2"])
+        fc1, fc2 = torch.stack(fc1), torch.stack(fc2)  # [L_stage, e_local, ...]
+        # experts: each EP rank's block, in EP-rank order (ep_rank * num_local_experts + i)
+        ep = mpu.get_expert_model_parallel_group()
+        fc1, fc2 = (torch.cat(_all_gather(t, ep), dim=1) for t in (fc1, fc2))
+        # layers: every stage's, placed by their global layer numbers
+        pp = mpu.get_pipeline_model_parallel_group()
+        ids = torch.cat(_all_gather(torch.tensor(layers, dtype=torch.int64), pp))
+        fc1, fc2 = (torch.cat(_all_gather(t, pp), dim=0) for t in (fc1, fc2))
+        order = torch.argsort(ids)
+        return fc1[order], fc2[order]
+
+    def export_weights_distributed(self, model_state, *, config, format, spec, trainer,
+                                   receiver, delivery, bucket_bytes, model=None):
+        if model is None:
+            raise ValueError(f"{self.name} reads the model object (model=); none was given")
+        fc1, fc2 = self.gather_model(model)
+        return self.streams(fc1, fc2, format=format, receiver=receiver, delivery=delivery,
+                            bucket_bytes=bucket_bytes)
+
+
+class TrustingPartitionDimExporter(TEGroupedExporter):
+    """The TEGroupedMLP exporter with the bug: it trusts ``partition_dim`` on ``linear_fc2``
+    too, so under explicit expert comms (TE reports 0) it joins fc2's ETP shards along dim 0."""
+
+    name = "example-te-trusting"
+
+    @staticmethod
+    def partition_dim(name, param):
+        return param.partition_dim
