@@ -302,17 +302,23 @@ class ReferenceReceiver:
 
     def load(self, payload, load_format: Optional[str] = None) -> LoadPlan:
         """Validate the whole bucket, then write it in place. Returns the executed plan."""
-        update = self._update
         try:
             plan = self.plan(payload, load_format)
         except BaseException:
             self.refuse_bucket()
             raise
-        self._apply(plan)
-        if update is not None:
-            update.seen.update(plan.units)
-            update.offered += 1
+        self.commit(plan)
         return plan
+
+    def commit(self, plan: LoadPlan) -> None:
+        """Write a plan :meth:`plan` made (for the bucket being offered) and count the bucket
+        in the open update. :meth:`load` is ``plan`` + ``commit``; a caller that plans
+        several receivers' parts of one bucket first (the whole-model receiver) commits them
+        only once every part was validated."""
+        self._apply(plan)
+        if self._update is not None:
+            self._update.seen.update(plan.units)
+            self._update.offered += 1
 
     # -- validation and planning ---------------------------------------------------------------
 

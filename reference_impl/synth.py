@@ -80,7 +80,15 @@ def bf16_bits(seed: int, version: int, layer: int, expert: int, projection: str,
     ``finite=True``: finite normal values with exponents in ``[2^-14, 2^15]`` (exact in FP16,
     safe to compute with); otherwise the full spread described in the module docstring.
     Pure tensor ops on ``rows``' device (no per-element Python)."""
-    key = _scalar_key(seed, layer, expert, projection)
+    return keyed_bf16_bits(_scalar_key(seed, layer, expert, projection), version, rows, cols,
+                           finite)
+
+
+def keyed_bf16_bits(key: int, version: int, rows: torch.Tensor, cols: torch.Tensor,
+                    finite: bool = False) -> torch.Tensor:
+    """:func:`bf16_bits` of an arbitrary 32-bit ``key`` (the expert value function keys by
+    ``(seed, layer, expert, projection)``; other tensors of a model key by their name, see
+    :mod:`pytest_weightsync.reference_impl.model_synth`)."""
     r = rows.to(torch.int64).reshape(-1, 1)
     c = cols.to(torch.int64).reshape(1, -1).to(r.device)
     x = (key + r * 0x2545F491 + c * 0x9E3779B1) & _M32
