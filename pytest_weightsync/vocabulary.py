@@ -70,6 +70,10 @@ MODEL_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
 #: ``tied_embeddings``  ``lm_head`` tied to ``embed_tokens``: one source, both views.
 MODEL_PARTS = ("experts", "attention", "gdn", "router", "router_fp32", "expert_bias",
                "shared_expert", "norms", "embeddings", "tied_embeddings")
+#: Wire formats the whole-model suites drive: the checkpoint's per-expert and fused-expert
+#: names, and every engine parameter direct (``packed`` names only experts, for an engine-side
+#: loader, and is covered by the expert suites).
+MODEL_FORMATS = ("direct", "hf_fused", "compat")
 #: The engine models an update can reach (SGLang's update ``selector``): the served model and
 #: its speculative (MTP) draft.
 TARGETS = ("target", "draft")

@@ -40,8 +40,10 @@ are refused.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from types import MappingProxyType
+from typing import Mapping, NamedTuple, Optional
 
 import torch
 
@@ -250,8 +252,10 @@ def _expert_params(spec: ModelSpec, topo: ReceiverTopology, rank: int, target: s
             for name, shape in receiver_param_shapes(experts, topo, rank).items()]
 
 
-def engine_params(spec: ModelSpec, topo: ReceiverTopology, rank: int) -> dict[str, EngineParam]:
-    """Every parameter of engine rank ``rank`` (served model and draft), by engine name."""
+@functools.lru_cache(maxsize=256)
+def engine_params(spec: ModelSpec, topo: ReceiverTopology, rank: int) -> Mapping[str, EngineParam]:
+    """Every parameter of engine rank ``rank`` (served model and draft), by engine name, in
+    the model's order. A read-only mapping, computed once per (spec, topology, rank)."""
     validate_engine(spec, topo)
     _require(0 <= rank < topo.tp, "engine rank must be in range(tp)", rank=rank, tp=topo.tp)
     tp, H = topo.tp, spec.hidden
@@ -275,7 +279,7 @@ def engine_params(spec: ModelSpec, topo: ReceiverTopology, rank: int) -> dict[st
         out += _expert_params(spec, topo, rank, "draft")
         out.append(EngineParam(d + "model.norm.weight", (H,), spec.dtype, 0,
                                _whole("mtp.norm.weight", (H,)), "mtp", "draft", None))
-    return {p.name: p for p in out}
+    return MappingProxyType({p.name: p for p in out})
 
 
 class SourceUse(NamedTuple):
@@ -289,9 +293,10 @@ class SourceUse(NamedTuple):
     size: int
 
 
-def source_uses(spec: ModelSpec, topo: ReceiverTopology, rank: int) -> dict[str, list[SourceUse]]:
-    """Checkpoint name -> every run of it that engine rank ``rank`` holds (a tensor this rank
-    holds nothing of, e.g. another rank's only KV head, still maps to its replicated runs)."""
+@functools.lru_cache(maxsize=256)
+def source_uses(spec: ModelSpec, topo: ReceiverTopology, rank: int) -> Mapping[str, tuple]:
+    """Checkpoint name -> every run of it (:class:`SourceUse`) that engine rank ``rank``
+    holds; read only, computed once."""
     out: dict[str, list[SourceUse]] = {}
     for p in engine_params(spec, topo, rank).values():
         offset = 0
@@ -300,7 +305,7 @@ def source_uses(spec: ModelSpec, topo: ReceiverTopology, rank: int) -> dict[str,
                 out.setdefault(seg.source, []).append(
                     SourceUse(p.name, p.axis, offset, seg.start, seg.size))
             offset += seg.size
-    return out
+    return MappingProxyType({name: tuple(uses) for name, uses in out.items()})
 
 
 def padding_of(param: EngineParam) -> list[tuple[int, int]]:

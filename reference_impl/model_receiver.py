@@ -89,6 +89,13 @@ class ModelUpdateState:
     load_format: object = "unset"
     experts: dict = field(default_factory=dict)  # target -> receiver.UpdateState
 
+    def count_refused(self) -> None:
+        """One more bucket offered, and refused (in every expert receiver too)."""
+        self.offered += 1
+        self.refused += 1
+        for sub in self.experts.values():
+            sub.count_refused()
+
 
 def _expert_name(name: str, load_format) -> tuple[Optional[str], Optional[str]]:
     """``(target, name as the expert receiver reads it)`` of an expert tensor name, else
@@ -163,11 +170,9 @@ class ModelReceiver:
             self.experts[target].resume_update(sub)
 
     def refuse_bucket(self) -> None:
+        """Count a bucket refused before it reached :meth:`load`."""
         if self._update is not None:
-            self._update.offered += 1
-            self._update.refused += 1
-            for target in self._update.targets:
-                self.experts[target].refuse_bucket()
+            self._update.count_refused()
 
     def owed(self, load_format) -> list[str]:
         """The dense units an update of :attr:`targets` in ``load_format`` must carry."""

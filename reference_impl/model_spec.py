@@ -32,8 +32,10 @@ how an engine or a trainer shards them: that is :mod:`~pytest_weightsync.referen
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from types import MappingProxyType
+from typing import Mapping, NamedTuple, Optional
 
 import torch
 
@@ -253,10 +255,11 @@ def _layer_params(spec: ModelSpec, target: str, layer: int, kind: str) -> list[H
     return out
 
 
-def hf_params(spec: ModelSpec) -> dict[str, HFParam]:
+@functools.lru_cache(maxsize=64)
+def hf_params(spec: ModelSpec) -> Mapping[str, HFParam]:
     """Every checkpoint tensor of ``spec`` except the routed experts, by name, in checkpoint
     order: embeddings, the served layers, the final norm, ``lm_head`` (untied only), then the
-    draft's tensors."""
+    draft's tensors. A read-only mapping, computed once per spec."""
     H, bf = spec.hidden, spec.dtype
     out = [HFParam("model.embed_tokens.weight", (spec.vocab, H), bf, "embeddings", "target", None)]
     for layer in range(spec.num_layers):
@@ -270,7 +273,7 @@ def hf_params(spec: ModelSpec) -> dict[str, HFParam]:
         out.append(HFParam("mtp.pre_fc_norm_hidden.weight", (H,), bf, "mtp", "draft", None))
         out += _layer_params(spec, "draft", layer, "attention")
         out.append(HFParam("mtp.norm.weight", (H,), bf, "mtp", "draft", None))
-    return {p.name: p for p in out}
+    return MappingProxyType({p.name: p for p in out})
 
 
 def expert_spec_of(spec: ModelSpec, target: str) -> MoESpec:
