@@ -136,7 +136,11 @@ def hf_config(spec):
                 linear_num_value_heads=spec.linear_v_heads,
                 linear_key_head_dim=spec.linear_k_dim, linear_value_head_dim=spec.linear_v_dim,
                 linear_conv_kernel_dim=spec.conv_kernel, mtp_num_hidden_layers=spec.mtp_layers)
-    config = Qwen3_5MoeConfig(text_config=text, tie_word_embeddings=spec.tied)
+    import warnings
+
+    with warnings.catch_warnings():  # SGLang's text config passes the deprecated rope_scaling
+        warnings.filterwarnings("ignore", message=".*rope_scaling.*", category=FutureWarning)
+        config = Qwen3_5MoeConfig(text_config=text, tie_word_embeddings=spec.tied)
     config.language_model_only = True
     config.encoder_only = False
     return config
