@@ -297,6 +297,27 @@ def _layer_of(name: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def _where(name: str, index: tuple) -> str:
+    """``layer=L parameter=NAME row=R col=C`` of element ``index`` of payload tensor ``name``
+    (a fused expert tensor's leading index is the expert)."""
+    index = tuple(int(i) for i in index)
+    layer = _layer_of(name)
+    head = f"layer={layer} " if layer is not None else ""
+    if len(index) == 3:
+        head += f"expert={index[0]} "
+        index = index[1:]
+    row = index[0] if index else 0
+    col = index[1] if len(index) > 1 else 0
+    return f"{head}parameter={name} row={row} col={col}"
+
+
+def _first_difference(got, want) -> Optional[str]:
+    if tuple(got.shape) != tuple(want.shape):
+        return None
+    diff = _bits(got.to(want.dtype)) != _bits(want)
+    return _first(diff) if bool(diff.any()) else None
+
+
 def stream_findings(case, rank, stream, fmt, version) -> list[str]:
     """What an exporter's ``stream`` for engine ``rank`` gets wrong against the whole-model
     payload it owes: tensors carried twice, never carried, unknown, or in another dtype /
@@ -312,20 +333,25 @@ def stream_findings(case, rank, stream, fmt, version) -> list[str]:
     missing = [u for u in owed if u not in seen]
     unknown = [u for u in seen if u not in owed]
     if twice:
-        sample = next(iter(twice.values()))
-        name, tensor = owed.get(_unit(sample[0][2], fmt), (sample[0][2], None))
-        wrong = [f"bucket {b} entry {e}" for b, e, _, t in sample
-                 if tensor is not None and not _same(t, tensor)]
+        unit, sample = next(iter(twice.items()))
+        name, tensor = owed.get(unit, (sample[0][2], None))
+        wrong = []
+        for b, e, got_name, t in sample:
+            index = _first_difference(t, tensor) if tensor is not None else None
+            if index is not None:
+                wrong.append(f"bucket {b} entry {e} holds other values, first at "
+                             f"{_where(got_name, index)}")
         layers = sorted({_layer_of(v[0][2]) for v in twice.values()} - {None})
         problems.append(f"written twice: {len(twice)} tensor(s), e.g. {sample[0][2]} (by "
                         + " and ".join(f"bucket {b} entry {e}" for b, e, _, _ in sample)
-                        + (f"; {', '.join(wrong)} holds other values" if wrong else "")
+                        + (f"; {'; '.join(wrong)}" if wrong else "")
                         + ")" + (f", layers {layers}" if layers else ""))
     if missing:
         names = [owed[u][0] for u in missing]
         layers = sorted({_layer_of(n) for n in names} - {None})
         problems.append(f"never written: {len(missing)} tensor(s), e.g. {names[:4]}"
-                        + (f", layers {layers}" if layers else ""))
+                        + (f", layers {layers}" if layers else "")
+                        + f"; first at {_where(names[0], (0, 0))}")
         if twice:
             dup_layers = sorted({_layer_of(v[0][2]) for v in twice.values()} - {None})
             per_stage = case.spec.num_layers // case.trainer.pp
@@ -343,16 +369,13 @@ def stream_findings(case, rank, stream, fmt, version) -> list[str]:
         name, want = owed[unit]
         for b, e, got_name, got in entries[:1]:
             if got.dtype != want.dtype:
-                where = ""
-                if got.shape == want.shape:
-                    diff = _bits(got.to(want.dtype)) != _bits(want)
-                    if bool(diff.any()):
-                        index = _first(diff)
-                        where = f", first differing element after casting back at {index}"
-                problems.append(f"{got_name} (bucket {b} entry {e}, layer {_layer_of(got_name)}) "
-                                f"arrives as {got.dtype}; the engine holds {want.dtype}"
-                                f" ({'a float32 tensor cut to bf16' if want.dtype == torch.float32 else 'dtype changed'}"
-                                f"{where})")
+                index = _first_difference(got, want)
+                where = (f", first wrong after casting back at {_where(got_name, index)}"
+                         if index is not None else "")
+                what = ("a float32 tensor cut to bf16" if want.dtype == torch.float32
+                        and got.dtype == torch.bfloat16 else "its dtype changed")
+                problems.append(f"{got_name} (bucket {b} entry {e}) arrives as {got.dtype}; the "
+                                f"engine holds {want.dtype} ({what}{where})")
             elif tuple(got.shape) != tuple(want.shape):
                 problems.append(f"{got_name} (bucket {b} entry {e}) has shape {tuple(got.shape)}, "
                                 f"expected {tuple(want.shape)}")
