@@ -139,7 +139,8 @@ report = json.load(open(sys.argv[1]))
 assert impl["name"] == "example" and impl["verdict"] == "PASS", impl
 assert set(impl["roles"]) == {"loader", "distributed_exporter"}, impl
 props = set(report["properties"])
-for prop in ("bit_exact", "in_place", "no_stale_values", "distributed_export_bit_exact"):
+for prop in ("bit_exact", "in_place", "no_stale_values", "distributed_export_bit_exact",
+             "coverage", "model_bit_exact", "tied_embeddings", "targets"):
     assert prop in props, (prop, props)
 assert not any("selftest" in t["nodeid"] for t in report["tests"])
 print(f"wheel-check: example PASS ({impl['ran']} tests, properties {sorted(props)})")
