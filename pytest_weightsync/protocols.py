@@ -58,6 +58,16 @@ bucket_bytes) -> streams``
 
     It must leave every parameter of ``model_state`` bit-identical (checked after each call).
 
+Whole models (``suites/conformance/test_model.py``, for implementations whose
+:class:`Capabilities` claim ``model_parts``): ``spec`` is a
+``pytest_weightsync.reference_impl.model_spec.ModelSpec``; a loader's ``params`` is the
+engine rank's whole parameter tree (``reference_impl.model_layout.engine_params``: SGLang's
+names and TP shapes, the MTP draft's under ``draft.``), ``payload`` carries every checkpoint
+tensor (``compat``, ``hf_fused``) or every engine parameter (``direct``), and the optional
+keyword ``targets`` names the models the update reaches (``("target", "draft")`` or
+``("target",)``: a frozen draft); an exporter's ``trainer_states`` are whole Megatron state
+dicts (``reference_impl.megatron_model``). See ``docs/validate-your-loader.md``.
+
 Nothing here imports torch: the registry uses these definitions at collection time.
 """
 

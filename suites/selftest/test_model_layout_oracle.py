@@ -207,3 +207,23 @@ def test_trainer_shards_follow_megatron_layouts():
     assert_bitwise_equal(embed[:spec.vocab], full["model.embed_tokens.weight"][:spec.vocab],
                          name="embedding rows")
     assert "output_layer.weight" in states[stage1] and "output_layer.weight" not in states[0]
+
+
+def test_qwen3_5_35b_a3b_engine_shapes():
+    """The GPU shapes (docs/layout.md, DOMAIN): at TP 1 ``in_proj_qkvz`` [12288, 2048] and
+    ``in_proj_ba`` [64, 2048]; one layer's experts ``w13`` [256, 1024, 2048], ``w2`` [256,
+    2048, 512]; at TP 2 (the recipe's engine) each rank holds half of every GDN component."""
+    from pytest_weightsync.reference_impl.model_layout import engine_params
+    from pytest_weightsync.reference_impl.model_spec import qwen3_5_35b_a3b
+
+    spec = qwen3_5_35b_a3b(num_layers=4)
+    tp1 = engine_params(spec, ReceiverTopology(tp=1), 0)
+    assert tp1["model.layers.0.linear_attn.in_proj_qkvz.weight"].shape == (12288, 2048)
+    assert tp1["model.layers.0.linear_attn.in_proj_ba.weight"].shape == (64, 2048)
+    assert tp1["model.layers.0.mlp.experts.w13_weight"].shape == (256, 1024, 2048)
+    assert tp1["model.layers.0.mlp.experts.w2_weight"].shape == (256, 2048, 512)
+    assert [spec.layer_kind(layer) for layer in range(4)] == ["gdn", "gdn", "gdn", "attention"]
+    tp2 = engine_params(spec, ReceiverTopology(tp=2, moe_ep=2), 1)
+    assert tp2["model.layers.0.linear_attn.in_proj_qkvz.weight"].shape == (6144, 2048)
+    assert tp2["model.layers.0.linear_attn.in_proj_ba.weight"].shape == (32, 2048)
+    assert tp2["model.layers.0.mlp.experts.w13_weight"].shape == (128, 1024, 2048)
