@@ -31,6 +31,7 @@ as above.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import NamedTuple, Optional
 
@@ -120,7 +121,7 @@ def _even_split(case, rank, p, version) -> Optional[torch.Tensor]:
         if offset < 0 or offset + seg.size * tp > catalogue[seg.source].shape[0]:
             return None  # a replicated KV head: not a 1/tp slice
         src = catalogue[seg.source]
-        cols = torch.arange(int(torch.tensor(src.shape[1:]).prod()) if len(src.shape) > 1 else 1)
+        cols = torch.arange(math.prod(src.shape[1:]))
         blocks.append(model_synth.values_at(seg.source, src.dtype, version,
                                             torch.arange(offset, offset + seg.size * tp), cols))
     full = torch.cat(blocks, dim=0)
