@@ -39,7 +39,6 @@ single-process exporter suite builds its trainer states from it (:func:`trainer_
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import NamedTuple, Sequence
 
@@ -195,6 +194,31 @@ def trainer_params(spec: ModelSpec, topo: TrainerTopology) -> list[TrainerParam]
 def is_shared_embedding_copy(spec: ModelSpec, param: TrainerParam) -> bool:
     """The last stage's ``output_layer`` of a tied model: not a checkpoint tensor of its own."""
     return spec.tied and param.name == "output_layer.weight"
+
+
+def trainer_param_shapes(spec: ModelSpec, topo: TrainerTopology, rank: int) -> dict:
+    """``{Megatron name: (shape, dtype)}`` of every non-expert parameter (and the expert-bias
+    buffer) trainer rank ``rank`` holds: what a real ``GPTModel`` of ``spec`` on ``topo``
+    must hold (local layer numbering), for checks of a real model's ``named_parameters()`` /
+    ``state_dict()`` against this oracle."""
+    cat = hf_params(spec)
+    stage = trainer_shard(spec.experts, topo, rank).pp_rank
+    out = {}
+    for param in trainer_params(spec, topo):
+        if param.stage != stage:
+            continue
+        rows = sum(b.size for b in param.blocks)
+        rest = tuple(cat[param.blocks[0].source].shape[1:])
+        if param.kind == "vocab":
+            rows = padded_vocab(rows, topo.tp)
+        if param.kind == "row":
+            shape = (rows, rest[0] // topo.tp, *rest[1:])
+        elif param.kind == "replicated":
+            shape = (rows, *rest)
+        else:
+            shape = (rows // topo.tp, *rest)
+        out[param.name] = (shape, param.dtype)
+    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -227,3 +227,12 @@ def test_qwen3_5_35b_a3b_engine_shapes():
     assert tp2["model.layers.0.linear_attn.in_proj_qkvz.weight"].shape == (6144, 2048)
     assert tp2["model.layers.0.linear_attn.in_proj_ba.weight"].shape == (32, 2048)
     assert tp2["model.layers.0.mlp.experts.w13_weight"].shape == (128, 1024, 2048)
+
+
+def test_trainer_param_shapes_are_the_shards_shapes():
+    spec, trainer = SPECS["q35-tied"], TrainerTopology(tp=2, pp=2, ep=2)
+    states = megatron_model.trainer_model_states(spec, trainer, model_synth.full_model(spec, VERSION))
+    for rank, state in enumerate(states):
+        shapes = megatron_model.trainer_param_shapes(spec, trainer, rank)
+        dense = {n: (tuple(t.shape), t.dtype) for n, t in state.items() if ".mlp.experts." not in n}
+        assert dense == shapes, sorted(set(dense.items()) ^ set(shapes.items()))[:4]
