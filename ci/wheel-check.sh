@@ -27,7 +27,7 @@ start=$SECONDS
 
 # 1. wheels, built from copies of the sources (setuptools writes build/ and *.egg-info in-tree)
 mkdir -p "$WORK/src" "$WORK/dist"
-tar -C "$REPO" --exclude=./.venv --exclude=./.git --exclude='*.egg-info' --exclude=./build \
+tar -C "$REPO" --exclude=./.venv --exclude=./.git --exclude='*.egg-info' --exclude=./build --exclude='*/build' \
     --exclude='__pycache__' --exclude=.hypothesis --exclude=.pytest_cache --exclude='./.wt-*' \
     -cf - . | tar -C "$WORK/src" -xf -
 "$PY" -m pip wheel --quiet --no-deps --no-build-isolation --no-index "$WORK/src" -w "$WORK/dist" \
@@ -139,7 +139,8 @@ report = json.load(open(sys.argv[1]))
 assert impl["name"] == "example" and impl["verdict"] == "PASS", impl
 assert set(impl["roles"]) == {"loader", "distributed_exporter"}, impl
 props = set(report["properties"])
-for prop in ("bit_exact", "in_place", "no_stale_values", "distributed_export_bit_exact"):
+for prop in ("bit_exact", "in_place", "no_stale_values", "distributed_export_bit_exact",
+             "coverage", "model_bit_exact", "tied_embeddings", "targets"):
     assert prop in props, (prop, props)
 assert not any("selftest" in t["nodeid"] for t in report["tests"])
 print(f"wheel-check: example PASS ({impl['ran']} tests, properties {sorted(props)})")

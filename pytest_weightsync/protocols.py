@@ -75,6 +75,16 @@ bucket_bytes[, model]) -> streams``
     object in the model, the same storage: rebinding ``param.data`` fails, named "rebound"),
     checked after each call.
 
+Whole models (``suites/conformance/test_model.py``, for implementations whose
+:class:`Capabilities` claim ``model_parts``): ``spec`` is a
+``pytest_weightsync.reference_impl.model_spec.ModelSpec``; a loader's ``params`` is the
+engine rank's whole parameter tree (``reference_impl.model_layout.engine_params``: SGLang's
+names and TP shapes, the MTP draft's under ``draft.``), ``payload`` carries every checkpoint
+tensor (``compat``, ``hf_fused``) or every engine parameter (``direct``), and the optional
+keyword ``targets`` names the models the update reaches (``("target", "draft")`` or
+``("target",)``: a frozen draft); an exporter's ``trainer_states`` are whole Megatron state
+dicts (``reference_impl.megatron_model``). See ``docs/validate-your-loader.md``.
+
 Nothing here imports torch: the registry uses these definitions at collection time.
 """
 
@@ -111,9 +121,11 @@ from pytest_weightsync.vocabulary import (  # noqa: F401 - re-exported for imple
     EXPERT_IMPLS,
     EXPERT_MODULES,
     FORMATS,
+    MODEL_PARTS,
     ORDERS,
     RECEIVER_AXES,
     ROLES,
+    TARGETS,
     TRAINER_AXES,
 )
 
@@ -124,9 +136,9 @@ from pytest_weightsync.vocabulary import (  # noqa: F401 - re-exported for imple
 #: only to a method that accepts it (by name or through ``**kwargs``): newer harness inputs
 #: reach the implementations that ask for them without breaking the others.
 SIGNATURES = {
-    "load_weights": (("params", "payload"), ("format", "spec", "topology", "rank"), ()),
-    "begin_update": (("params",), ("format", "spec", "topology", "rank"), ()),
-    "end_update": (("params",), ("format", "spec", "topology", "rank"), ()),
+    "load_weights": (("params", "payload"), ("format", "spec", "topology", "rank"), ("targets",)),
+    "begin_update": (("params",), ("format", "spec", "topology", "rank"), ("targets",)),
+    "end_update": (("params",), ("format", "spec", "topology", "rank"), ("targets",)),
     "export_weights": (("trainer_states",), ("format", "spec", "trainer", "receiver", "rank"), ()),
     "export_weights_distributed": (
         ("model_state",),
@@ -180,6 +192,18 @@ class Capabilities:
     ``trainer_topology``
         Optional predicate ``trainer_topology(spec, trainer) -> bool`` for anything finer.
 
+    Whole-model claims (``suites/conformance/test_model.py``; the default claims none, so an
+    expert-only implementation is not run on whole-model cases):
+
+    ``model_parts``
+        Parameter groups of a whole model it handles (subset of :data:`MODEL_PARTS`). A
+        whole-model case runs only when every group its model has
+        (``ModelSpec.parts``) is claimed.
+    ``targets``
+        Engine models an update can reach that it handles (subset of :data:`TARGETS`): a
+        model with an MTP draft is run with the draft updated only when ``"draft"`` is
+        claimed (loaders always run the frozen-draft case of such a model).
+
     A predicate that raises is a :class:`ClaimError` naming it: the plugin probes every
     predicate at collection time and stops with one usage error naming the implementation.
     """
@@ -198,10 +222,13 @@ class Capabilities:
     max_trainer_pp: Optional[int] = None
     deliveries: frozenset = frozenset(DELIVERIES)
     trainer_topology: Optional[Callable[[Any, Any], bool]] = field(default=None, compare=False)
+    model_parts: frozenset = frozenset()
+    targets: frozenset = frozenset({"target"})
 
     def __post_init__(self) -> None:
         for name, allowed in (("formats", FORMATS), ("orders", ORDERS),
-                              ("expert_impls", EXPERT_IMPLS), ("deliveries", DELIVERIES)):
+                              ("expert_impls", EXPERT_IMPLS), ("deliveries", DELIVERIES),
+                              ("model_parts", MODEL_PARTS), ("targets", TARGETS)):
             value = getattr(self, name)
             if isinstance(value, str):
                 value = (value,)
@@ -271,6 +298,20 @@ class Capabilities:
         if self.trainer_topology is not None and not self._ask(
                 self.trainer_topology, "trainer_topology", spec, trainer):
             return "its trainer_topology predicate refuses this trainer layout"
+        return None
+
+    def model_refusal(self, spec, targets) -> Optional[str]:
+        """Why this implementation is not run on a whole-model case of ``spec`` (a
+        ``ModelSpec``) whose update reaches ``targets``; ``None`` when it claims it."""
+        if not self.model_parts:
+            return "claims no whole-model parameters (an expert-only implementation)"
+        missing = sorted(set(spec.parts) - self.model_parts)
+        if missing:
+            return (f"does not claim the model's parameter groups {missing} (claims "
+                    f"{sorted(self.model_parts)})")
+        lacking = [t for t in TARGETS if t in targets and t not in self.targets]
+        if lacking:
+            return f"does not claim updates of the {' and '.join(lacking)} model"
         return None
 
     def delivery_refusal(self, delivery: str) -> Optional[str]:

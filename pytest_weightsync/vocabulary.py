@@ -49,6 +49,34 @@ DELIVERIES = ("colocated", "distributed")
 #: The roles an implementation can play, by the method that provides each.
 ROLES = {"loader": "load_weights", "exporter": "export_weights",
          "distributed_exporter": "export_weights_distributed"}
+#: Whole-model families the suites hold a refit to (``reference_impl/model_spec.py``):
+#: ``qwen3_moe`` (attention + routed experts) and ``qwen3_5_moe`` (Gated DeltaNet layers with
+#: full attention every k-th layer, a shared expert, an MTP draft).
+MODEL_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
+#: Parameter groups of a whole model. A whole-model case needs its implementation to claim
+#: every group the model has (``Capabilities.model_parts``); an implementation that claims
+#: none (the default) is an expert-only one and is not run on whole-model cases.
+#:
+#: ``experts``          routed experts (``mlp.experts``);
+#: ``attention``        GQA attention (``qkv_proj``, ``o_proj``, ``q_norm``/``k_norm``);
+#: ``gdn``              Gated DeltaNet (``in_proj_qkvz``, ``in_proj_ba``, ``conv1d``, ``A_log``,
+#:                      ``dt_bias``, ``norm``, ``out_proj``);
+#: ``router``           the router weight ``mlp.gate.weight`` (bf16);
+#: ``router_fp32``      a float32 router weight;
+#: ``expert_bias``      the float32 ``mlp.gate.e_score_correction_bias``;
+#: ``shared_expert``    ``mlp.shared_expert.{gate_up,down}_proj`` and ``mlp.shared_expert_gate``;
+#: ``norms``            layer norms and the final norm;
+#: ``embeddings``       ``embed_tokens`` and ``lm_head`` (vocab padded per TP rank);
+#: ``tied_embeddings``  ``lm_head`` tied to ``embed_tokens``: one source, both views.
+MODEL_PARTS = ("experts", "attention", "gdn", "router", "router_fp32", "expert_bias",
+               "shared_expert", "norms", "embeddings", "tied_embeddings")
+#: Wire formats the whole-model suites drive: the checkpoint's per-expert and fused-expert
+#: names, and every engine parameter direct (``packed`` names only experts, for an engine-side
+#: loader, and is covered by the expert suites).
+MODEL_FORMATS = ("direct", "hf_fused", "compat")
+#: The engine models an update can reach (SGLang's update ``selector``): the served model and
+#: its speculative (MTP) draft.
+TARGETS = ("target", "draft")
 #: Named bucket limits the suites cut streams at (see ``suites/harness/inputs.py``).
 BUCKET_LIMITS = ("tensor", "split_layer", "multi_layer", "whole")
 
@@ -61,6 +89,11 @@ PROPERTIES = {
     "in_place": "loader",
     "no_stale_values": "loader",
     "fallback_routing": None,  # loaders and exporters
+    # whole-model refit (suites/conformance/test_model.py), loaders and exporters:
+    "coverage": None,          # every engine parameter written once, from the right source
+    "model_bit_exact": None,   # every parameter bit-exact, dtype kept, two versions
+    "tied_embeddings": None,   # one source, both views equal
+    "targets": None,           # the draft updated when claimed, a frozen draft untouched
     "hardening": "loader",
     "speed": "loader",
 }
@@ -87,6 +120,7 @@ CONFORMANCE_MODULES = {
     "test_distributed_exporter": ("distributed_exporter",),
     "test_random": ("loader", "exporter"),
     "test_speed": ("loader",),
+    "test_model": ("loader", "exporter"),
 }
 
 #: Verdict words, best first. PASS: every case the implementation claims was selected and

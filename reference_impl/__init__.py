@@ -21,6 +21,8 @@ _EXPORTS = {
     "trainer_shard": "layout",
     "locate_receiver_element": "layout",
     "ReferenceReceiver": "receiver",
+    "ModelSpec": "model_spec",
+    "ModelReceiver": "model_receiver",
     "PayloadError": "receiver",
     "select_path": "select",
     "Capabilities": "select",
@@ -29,7 +31,8 @@ _EXPORTS = {
 }
 _MODULES = ("synth", "compat", "packed", "direct", "trainer", "receiver", "layout", "select",
             "fastcopy", "gather_plan", "bf16_gather", "component_gather", "inline_logprob",
-            "loss_inputs")
+            "loss_inputs", "model_spec", "model_layout", "model_synth", "model_senders",
+            "model_receiver", "megatron_model")
 
 __all__ = sorted(_EXPORTS) + list(_MODULES)
 

@@ -21,6 +21,14 @@ is released by the next ``begin_update`` on those parameters, or as soon as the 
 them, so a trainer that abandons updates (an exception between buckets, a retry) cannot pile
 up models in memory.
 
+Whole models: when ``spec`` is a :class:`~pytest_weightsync.reference_impl.model_spec.ModelSpec`
+the loader is the whole-model receiver
+(:class:`~pytest_weightsync.reference_impl.model_receiver.ModelReceiver`: every engine
+parameter, the draft's included) and ``targets`` (an optional keyword: the models the update
+reaches, default all) is bound to the update like the other arguments; the exporter gathers
+every parameter from the trainer states (:func:`~pytest_weightsync.reference_impl.megatron_model.gather_model`)
+and sends the whole model (:mod:`~pytest_weightsync.reference_impl.model_senders`).
+
 Heavy modules are imported inside the methods: discovering implementations (which imports this
 module) must stay cheap.
 """
@@ -32,6 +40,7 @@ import weakref
 from dataclasses import dataclass
 
 from pytest_weightsync.protocols import Capabilities
+from pytest_weightsync.vocabulary import MODEL_PARTS, TARGETS
 from pytest_weightsync.reference_impl.errors import WeightSyncError, shown
 from pytest_weightsync.reference_impl.senders import PayloadFormatError, check_format
 
@@ -70,7 +79,20 @@ def _check_payload_type(payload) -> None:
 
 
 #: The begin_update arguments an open update is bound to, in message order.
-_BOUND = ("format", "spec", "topology", "rank")
+_BOUND = ("format", "spec", "topology", "rank", "targets")
+
+
+def is_model_spec(spec) -> bool:
+    """Whether ``spec`` describes a whole model (a ``ModelSpec``) rather than experts only."""
+    from pytest_weightsync.reference_impl.model_spec import ModelSpec
+
+    return isinstance(spec, ModelSpec)
+
+
+def _targets(spec, targets):
+    if targets is None:
+        return tuple(spec.targets) if is_model_spec(spec) else None
+    return tuple(targets)
 
 
 @dataclass
@@ -102,13 +124,17 @@ class ReferenceImplementation:
     """Loader and exporter of every format, gate/up order, padding and topology."""
 
     name = "reference"
-    capabilities = Capabilities()
+    capabilities = Capabilities(model_parts=MODEL_PARTS, targets=TARGETS)
 
     def __init__(self):
         self._open: dict[int, _OpenUpdate] = {}  # id(params) -> the update open on them
         self._tokens = itertools.count()
 
-    def _receiver(self, params, spec, topology, rank):
+    def _receiver(self, params, spec, topology, rank, targets=None):
+        if is_model_spec(spec):
+            from pytest_weightsync.reference_impl.model_receiver import ModelReceiver
+
+            return ModelReceiver(spec, topology, rank, params=params, targets=targets)
         from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
 
         return ReferenceReceiver(spec, topology, rank, params=params)
@@ -131,11 +157,12 @@ class ReferenceImplementation:
             entry = None
         return entry
 
-    def begin_update(self, params, *, format, spec, topology, rank) -> None:
+    def begin_update(self, params, *, format, spec, topology, rank, targets=None) -> None:
         """Open an update (a stream of ``load_weights`` buckets) on ``params``; an update still
         open on any of these parameters is discarded."""
         check_format(format)
-        receiver = self._receiver(params, spec, topology, rank)
+        targets = _targets(spec, targets)
+        receiver = self._receiver(params, spec, topology, rank, targets)
         receiver.begin_update()
         tensors = {id(t) for t in receiver.params.values()}
         for key, entry in list(self._open.items()):
@@ -144,10 +171,10 @@ class ReferenceImplementation:
         token, key = next(self._tokens), id(params)
         release = self._release_with(token, key)
         refs = tuple((name, weakref.ref(tensor, release)) for name, tensor in receiver.params.items())
-        bound = dict(format=format, spec=spec, topology=topology, rank=rank)
+        bound = dict(format=format, spec=spec, topology=topology, rank=rank, targets=targets)
         self._open[key] = _OpenUpdate(receiver.update_state, bound, refs, token)
 
-    def end_update(self, params, *, format, spec, topology, rank) -> None:
+    def end_update(self, params, *, format, spec, topology, rank, targets=None) -> None:
         """Close the update on ``params``; raises
         :class:`pytest_weightsync.reference_impl.receiver.MissingExpertError` naming every
         (layer, expert, projection) no bucket carried, :class:`UpdateMismatchError` (the update
@@ -157,27 +184,30 @@ class ReferenceImplementation:
         entry = self._find_open(params)
         if entry is None:
             raise IncompleteUpdateError("end_update() on params without begin_update()")
+        targets = _targets(spec, targets)
         problem = entry.mismatch("end_update", dict(format=format, spec=spec,
-                                                    topology=topology, rank=rank))
+                                                    topology=topology, rank=rank, targets=targets))
         if problem is not None:
             raise UpdateMismatchError(problem)
         del self._open[id(params)]
-        receiver = self._receiver(params, spec, topology, rank)
+        receiver = self._receiver(params, spec, topology, rank, targets)
         receiver.resume_update(entry.state)
         receiver.end_update()
 
-    def load_weights(self, params, payload, *, format, spec, topology, rank) -> None:
+    def load_weights(self, params, payload, *, format, spec, topology, rank, targets=None) -> None:
         """Validate the whole bucket, then copy it into ``params`` in place. ``params`` that do
         not fit the topology raise :class:`pytest_weightsync.reference_impl.receiver.ReceiverParamsError`;
         a bucket for an update begun with other arguments :class:`UpdateMismatchError`."""
+        targets = _targets(spec, targets)
         entry = self._find_open(params)
         if entry is not None:
             problem = entry.mismatch("load_weights", dict(format=format, spec=spec,
-                                                          topology=topology, rank=rank))
+                                                          topology=topology, rank=rank,
+                                                          targets=targets))
             if problem is not None:
                 entry.state.count_refused()  # the sender's bucket numbering goes on
                 raise UpdateMismatchError(problem)
-        receiver = self._receiver(params, spec, topology, rank)
+        receiver = self._receiver(params, spec, topology, rank, targets)
         if entry is not None:
             receiver.resume_update(entry.state)
         try:
@@ -196,6 +226,11 @@ class ReferenceImplementation:
         from pytest_weightsync.reference_impl.trainer import gather_full_weights
 
         check_format(format)
+        if is_model_spec(spec):
+            from pytest_weightsync.reference_impl import megatron_model, model_senders
+
+            weights = megatron_model.gather_model(spec, trainer, trainer_states)
+            return model_senders.export(format, spec, receiver, rank, weights)
         return senders.export(format, spec, receiver, rank,
                               gather_full_weights(spec, trainer, trainer_states))
 

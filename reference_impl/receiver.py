@@ -321,11 +321,21 @@ class ReferenceReceiver:
             self.refuse_bucket()
             raise
         if self.plan_cache is None:
-            self._apply(plan)
-        if update is not None:
+            self.commit(plan)
+        elif update is not None:  # the cache wrote it
             update.seen.update(plan.units)
             update.offered += 1
         return plan
+
+    def commit(self, plan: LoadPlan) -> None:
+        """Write a plan :meth:`plan` made (for the bucket being offered) and count the bucket
+        in the open update. :meth:`load` is ``plan`` + ``commit``; a caller that plans
+        several receivers' parts of one bucket first (the whole-model receiver) commits them
+        only once every part was validated."""
+        self._apply(plan)
+        if self._update is not None:
+            self._update.seen.update(plan.units)
+            self._update.offered += 1
 
     # -- validation and planning ---------------------------------------------------------------
 

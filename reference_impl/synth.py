@@ -93,10 +93,18 @@ def bf16_bits(seed: int, version: int, layer: int, expert: int, projection: str,
     ``finite=True``: finite normal values with exponents in ``[2^-14, 2^15]`` (exact in FP16,
     safe to compute with); otherwise the full spread described in the module docstring.
     Pure tensor ops on ``rows``' device (no per-element Python)."""
-    key = _s32(_scalar_key(seed, layer, expert, projection))
+    return keyed_bf16_bits(_scalar_key(seed, layer, expert, projection), version, rows, cols,
+                           finite)
+
+
+def keyed_bf16_bits(key: int, version: int, rows: torch.Tensor, cols: torch.Tensor,
+                    finite: bool = False) -> torch.Tensor:
+    """:func:`bf16_bits` of an arbitrary 32-bit ``key`` (the expert value function keys by
+    ``(seed, layer, expert, projection)``; other tensors of a model key by their name, see
+    :mod:`pytest_weightsync.reference_impl.model_synth`)."""
     r = rows.to(torch.int32).reshape(-1, 1)
     c = cols.to(torch.int32).reshape(1, -1).to(r.device)
-    return _bits_at(key, version, r, c, finite)
+    return _bits_at(_s32(key), version, r, c, finite)
 
 
 def _bits_at(key, version: int, r: torch.Tensor, c: torch.Tensor, finite: bool) -> torch.Tensor:

@@ -55,6 +55,18 @@ both padding modes; topologies SGLang's launcher refuses are refused (see
 :func:`sglang_refusal`). SGLang has no begin/end hooks for a stream: each bucket is one
 ``load_weights`` call, as in ``update_weights_from_tensor``.
 
+Whole models (``spec`` a ``ModelSpec``, ``suites/conformance/test_model.py``): the row builds
+the real model class itself with every real layer
+(:mod:`~pytest_weightsync.reference_impl.backends.sglang_model_tree`) and runs its
+``load_weights`` - and the draft's, ``Qwen3_5ForCausalLMMTP.load_weights``, when the update's
+``targets`` reach it (SGLang's ``selector``). Each row claims its family's parameters:
+``sglang-qwen3-moe`` untied models with a bf16 router and no expert bias (the family's
+layout; ``Qwen3MoeForCausalLM.load_weights`` has no ``tie_word_embeddings`` branch, so a tied
+checkpoint would leave ``lm_head`` at its initial values), served model only;
+``sglang-qwen3.5-moe`` GDN, shared experts, tied or untied, and the MTP draft. Neither
+claims padded expert buffers for whole models (the real classes size ``FusedMoE`` from
+``moe_intermediate_size``).
+
 SGLang is imported inside the methods: registering these rows imports nothing heavy.
 """
 
@@ -87,12 +99,33 @@ def sglang_refusal(spec, receiver) -> Optional[str]:
     return None
 
 
-def _sglang_serves(spec, receiver) -> bool:
-    return sglang_refusal(spec, receiver) is None
+def _is_model(spec) -> bool:
+    return hasattr(spec, "family")  # a ModelSpec (whole model), not an MoESpec
 
 
-_sglang_serves.__doc__ = sglang_refusal.__doc__
-_sglang_serves.refusal = sglang_refusal  # the skip reason Capabilities.topology_refusal shows
+def _serving(family: str):
+    """The ``Capabilities.topology`` predicate of the row of model ``family``: SGLang's
+    launcher refusals, and for whole models the family and the engine layouts it builds."""
+
+    def refusal(spec, receiver) -> Optional[str]:
+        reason = sglang_refusal(spec, receiver)
+        if reason is not None or not _is_model(spec):
+            return reason
+        if spec.family != family:
+            return f"serves {family} models, not {spec.family}"
+        if receiver.padded:
+            return ("builds FusedMoE from moe_intermediate_size: padded expert buffers are "
+                    "covered by the expert suites")
+        if receiver.moe_dp > 1:
+            return "MoE-DP > 1 (attention context parallelism) is not modelled for whole models"
+        return None
+
+    def serves(spec, receiver) -> bool:
+        return refusal(spec, receiver) is None
+
+    serves.__doc__ = refusal.__doc__ = sglang_refusal.__doc__
+    serves.refusal = refusal  # the skip reason Capabilities.topology_refusal shows
+    return serves
 #: Shared by every SGLang model row.
 _BUILD_LOCK = threading.Lock()
 _CONTEXTS: dict = {}
@@ -172,10 +205,17 @@ class _SGLangModelLoader:
 
     # -- the protocol ----------------------------------------------------------------------
 
-    def load_weights(self, params, payload, *, format, spec, topology, rank) -> None:
+    def load_weights(self, params, payload, *, format, spec, topology, rank,
+                     targets=None) -> None:
         if format not in self.capabilities.formats:
             raise ValueError(f"{self.name} does not load the {format!r} format (claims "
                              f"{sorted(self.capabilities.formats)})")
+        if _is_model(spec):
+            engine = self.model_for(spec, topology, rank)
+            engine.bind(params)
+            engine.load(list(payload), "direct" if format == "direct" else None,
+                        spec.targets if targets is None else tuple(targets))
+            return
         built = self.model_for(spec, topology, rank)
         built.bind(params)
         payload = list(payload)
@@ -199,6 +239,15 @@ class _SGLangModelLoader:
         with _BUILD_LOCK:
             if key in self._models:
                 self._models.move_to_end(key)
+            elif _is_model(spec):
+                from pytest_weightsync.reference_impl.backends.sglang_model_tree import (
+                    build_engine_rank,
+                )
+
+                reason = self.capabilities.topology.refusal(spec, topology)
+                if reason is not None:
+                    raise SGLangPlacementError(f"{self.name}: {reason}")
+                self._models[key] = build_engine_rank(spec, topology, rank)
             else:
                 self._models[key] = self._build(spec, topology, rank)
                 while len(self._models) > self.max_models:
@@ -282,7 +331,9 @@ class Qwen3MoeLoader(_SGLangModelLoader):
     name = "sglang-qwen3-moe"
     model_module = "sglang.srt.models.qwen3_moe"
     model_class = "Qwen3MoeForCausalLM"
-    capabilities = Capabilities(formats=("compat", "direct"), topology=_sglang_serves)
+    capabilities = Capabilities(formats=("compat", "direct"), topology=_serving("qwen3_moe"),
+                                model_parts=("experts", "attention", "router", "norms",
+                                             "embeddings"))
 
 
 class Qwen35MoeLoader(_SGLangModelLoader):
@@ -292,7 +343,11 @@ class Qwen35MoeLoader(_SGLangModelLoader):
     model_module = "sglang.srt.models.qwen3_5"
     model_class = "Qwen3_5MoeForCausalLM"
     capabilities = Capabilities(formats=("compat", "hf_fused", "direct"),
-                                topology=_sglang_serves)
+                                topology=_serving("qwen3_5_moe"),
+                                model_parts=("experts", "attention", "gdn", "router",
+                                             "shared_expert", "norms", "embeddings",
+                                             "tied_embeddings"),
+                                targets=("target", "draft"))
 
     def _configure(self, model, spec) -> None:
         super()._configure(model, spec)

@@ -50,6 +50,23 @@ def unclaimed(impl, role, case, fmt=None, delivery=None):
     return None if reason is None else f"{impl.name} {reason}"
 
 
+def model_unclaimed(impl, role, case, fmt=None):
+    """:func:`unclaimed` for a whole-model case (``suites/harness/model_cases.ModelCase``):
+    the implementation must also claim every parameter group of the model and the targets
+    the update reaches (``Capabilities.model_refusal``)."""
+    reason = impl.capabilities.model_refusal(case.spec, case.targets)
+    if reason is not None:
+        return f"{impl.name} {reason}"
+    return unclaimed(impl, role, case, fmt)
+
+
+def require_model_claim(impl, role, case, fmt=None) -> None:
+    """Skip the calling test as not claimed unless ``impl`` claims the whole-model ``case``."""
+    reason = model_unclaimed(impl, role, case, fmt)
+    if reason is not None:
+        skip_unclaimed(reason)
+
+
 def skip_unclaimed(reason: str):
     """Skip the calling test as not claimed, with ``reason``."""
     raise NotClaimed(reason, pytrace=False)

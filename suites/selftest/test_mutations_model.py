@@ -1,0 +1,221 @@
+"""The whole-model suite catches the refit bugs public code shipped, names them and says where.
+
+Each mutant is a correct whole-model loader (the reference receiver, loading each bucket as a
+lenient engine does: no completeness check of its own, so only the suite can notice) or the
+reference exporter, with one bug planted; the shipped conformance test it must fail is run
+on it directly. The failure must name the bug pattern and locate the first wrong element in
+checkpoint terms (``layer=L parameter=NAME row=R col=C``; no layer for tensors outside the
+layers):
+
+* an exporter naming layers by the pipeline stage's local index (NeMo-RL#3259);
+* a float32 router cut to bf16 - on the wire (exporter) and inside a loader (miles#811,
+  prime-rl#3524);
+* ``e_score_correction_bias`` left unmapped (Megatron-Bridge#4199);
+* a tied ``lm_head`` not updated (vllm#51665);
+* the draft never updated - by the loader and by the exporter (sglang#27718);
+* GDN ``in_proj_ba`` split evenly across TP (vllm#36242, Megatron-LM#1989);
+* the shared expert written as routed expert 0 (sglang#26015).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from pytest_weightsync.protocols import Capabilities
+from pytest_weightsync.reference_impl.impl import ReferenceImplementation
+from pytest_weightsync.reference_impl.model_receiver import ModelReceiver
+from pytest_weightsync.vocabulary import MODEL_PARTS, TARGETS
+
+from ..conformance import test_model as suite
+from ..harness import judge
+from ..harness.model_cases import MODEL_CASES
+
+pytestmark = pytest.mark.weightsync_property("mutation")
+
+Q3_PP2, Q35_TIED_PP2, Q35_TP4, Q3_FP32_BIAS, Q35_FROZEN = MODEL_CASES
+#: A located element: (layer, for per-layer tensors), parameter, row, col.
+LOCATED = re.compile(r"(layer=\d+ )?(expert=\d+ )?parameter=\S+ row=\d+ col=\d+")
+
+
+class LenientLoader:
+    """Loads every bucket through the reference whole-model receiver, as an engine that does
+    not check completeness (SGLang's ``load_weights`` does not); mutants change ``bucket`` or
+    the receiver."""
+
+    name = "lenient"
+    capabilities = Capabilities(model_parts=MODEL_PARTS, targets=TARGETS)
+    receiver_cls = ModelReceiver
+
+    def bucket(self, payload, spec, topology, rank):
+        return payload
+
+    def load_weights(self, params, payload, *, format, spec, topology, rank, targets=None):
+        receiver = self.receiver_cls(spec, topology, rank, params=params, targets=targets)
+        receiver.load(self.bucket(list(payload), spec, topology, rank),
+                      "direct" if format == "direct" else None)
+
+
+class BiasUnmapped(LenientLoader):
+    def bucket(self, payload, spec, topology, rank):
+        return [(n, t) for n, t in payload if not n.endswith("e_score_correction_bias")]
+
+
+class RouterThroughBf16(LenientLoader):
+    def bucket(self, payload, spec, topology, rank):
+        return [(n, t.to(torch.bfloat16).to(t.dtype) if n.endswith("mlp.gate.weight") else t)
+                for n, t in payload]
+
+
+class DraftDropped(LenientLoader):
+    def bucket(self, payload, spec, topology, rank):
+        return [(n, t) for n, t in payload if not n.startswith(("mtp.", "draft."))]
+
+
+class _HeadLeftAlone(ModelReceiver):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.uses = {name: tuple(u for u in uses if u.engine != "lm_head.weight")
+                     for name, uses in self.uses.items()}
+        self.zeroed_by = {n: [e for e in es if e != "lm_head.weight"]
+                          for n, es in self.zeroed_by.items()}
+
+
+class TiedHeadNotUpdated(LenientLoader):
+    receiver_cls = _HeadLeftAlone
+
+
+class BaSplitEvenly(LenientLoader):
+    """Writes ``in_proj_ba`` as the rank's even 1/tp of ``[b; a]`` once both arrived."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def load_weights(self, params, payload, **kwargs):
+        super().load_weights(params, payload, **kwargs)
+        tp, rank = kwargs["topology"].tp, kwargs["rank"]
+        for name, tensor in payload:
+            for part in ("in_proj_b.", "in_proj_a."):
+                if part in name:
+                    self.seen[(id(params), name.replace(part, "in_proj_ba."), part)] = tensor
+        for (key, engine, part), b in list(self.seen.items()):
+            a = self.seen.get((key, engine, "in_proj_a."))
+            if part != "in_proj_b." or a is None or key != id(params):
+                continue
+            fused = torch.cat([b, a])
+            n = fused.shape[0] // tp
+            with torch.no_grad():
+                params[engine].copy_(fused[rank * n:(rank + 1) * n])
+
+
+class SharedAsRoutedZero(LenientLoader):
+    """Routes ``mlp.shared_expert.*`` to routed expert 0 (its own expert 0 dropped)."""
+
+    def bucket(self, payload, spec, topology, rank):
+        out = []
+        for name, tensor in payload:
+            if ".mlp.experts.0." in name:
+                continue
+            out.append((name.replace(".mlp.shared_expert.", ".mlp.experts.0.")
+                        if ".mlp.shared_expert." in name else name, tensor))
+        return out
+
+
+class Exporter(ReferenceImplementation):
+    def rewrite(self, payload, spec, trainer):
+        return payload
+
+    def export_weights(self, trainer_states, *, format, spec, trainer, receiver, rank):
+        payload = super().export_weights(trainer_states, format=format, spec=spec,
+                                         trainer=trainer, receiver=receiver, rank=rank)
+        return self.rewrite(list(payload), spec, trainer)
+
+
+class StageLocalLayerNames(Exporter):
+    """Every pipeline stage names its layers from 0."""
+
+    def rewrite(self, payload, spec, trainer):
+        per_stage = spec.num_layers // trainer.pp
+        return [(re.sub(r"(?<=layers\.)(\d+)", lambda m: str(int(m.group(1)) % per_stage), n), t)
+                if n.startswith("model.layers.") else (n, t) for n, t in payload]
+
+
+class RouterCutToBf16(Exporter):
+    def rewrite(self, payload, spec, trainer):
+        return [(n, t.to(torch.bfloat16) if n.endswith("mlp.gate.weight") else t)
+                for n, t in payload]
+
+
+class DraftNotExported(Exporter):
+    def rewrite(self, payload, spec, trainer):
+        return [(n, t) for n, t in payload if not n.startswith(("mtp.", "draft."))]
+
+
+def _fails(test, impl, case, fmt, *patterns):
+    with pytest.raises(judge.ConformanceError) as info:
+        test(impl, case, fmt)
+    message = str(info.value)
+    for pattern in patterns:
+        assert pattern in message, message[:2000]
+    assert LOCATED.search(message), message[:2000]
+    return message
+
+
+@pytest.mark.parametrize("fmt", ["compat", "direct"])
+def test_stage_local_layer_names_are_named_and_located(fmt):
+    _fails(suite.test_exporter_stream_carries_every_parameter_once, StageLocalLayerNames(),
+           Q3_PP2, fmt, "written twice", "pipeline-stage-local layer numbering",
+           "holds other values")
+
+
+def test_router_cut_to_bf16_on_the_wire():
+    _fails(suite.test_exporter_stream_carries_every_parameter_once, RouterCutToBf16(),
+           Q3_FP32_BIAS, "compat", "arrives as torch.bfloat16", "a float32 tensor cut to bf16")
+
+
+def test_router_staged_through_bf16_by_a_loader():
+    _fails(suite.test_loader_writes_every_parameter_from_its_source, RouterThroughBf16(),
+           Q3_FP32_BIAS, "hf_fused", "float32 parameters cast through bfloat16",
+           "cast through bf16: model.layers.0.mlp.gate.weight")
+
+
+def test_expert_bias_unmapped():
+    _fails(suite.test_loader_writes_every_parameter_from_its_source, BiasUnmapped(),
+           Q3_FP32_BIAS, "compat", "e_score_correction_bias not mapped",
+           "parameter=model.layers.0.mlp.gate.e_score_correction_bias row=0 col=0")
+
+
+@pytest.mark.parametrize("test", [suite.test_loader_writes_every_parameter_from_its_source,
+                                  suite.test_loader_tied_embedding_reaches_both_views],
+                         ids=["coverage", "tied_embeddings"])
+def test_tied_lm_head_not_updated(test):
+    message = _fails(test, TiedHeadNotUpdated(), Q35_TIED_PP2, "compat", "tied lm_head not updated")
+    assert "lm_head.weight" in message
+
+
+def test_draft_never_updated_by_the_loader():
+    _fails(suite.test_loader_updates_the_draft_when_reached_and_leaves_a_frozen_one, DraftDropped(),
+           Q35_TIED_PP2, "compat", "the draft (MTP) model was never updated",
+           "parameter=mtp.")
+
+
+def test_draft_never_exported():
+    with pytest.raises(judge.ConformanceError, match="the draft \\(MTP\\) model was never updated"):
+        suite.test_exporter_sends_the_draft(DraftNotExported(), Q35_TIED_PP2, "compat")
+    _fails(suite.test_exporter_stream_carries_every_parameter_once, DraftNotExported(),
+           Q35_TIED_PP2, "hf_fused", "never written", "mtp.fc.weight")
+
+
+def test_gdn_in_proj_ba_split_evenly():
+    _fails(suite.test_loader_writes_every_parameter_from_its_source, BaSplitEvenly(), Q35_FROZEN,
+           "compat", "fused components split evenly across TP",
+           "even TP split: model.layers.0.linear_attn.in_proj_ba.weight",
+           "[in_proj_b_r; in_proj_a_r]")
+
+
+def test_shared_expert_written_as_routed_expert_zero():
+    _fails(suite.test_loader_writes_every_parameter_from_its_source, SharedAsRoutedZero(),
+           Q35_FROZEN, "compat", "shared as routed", "routed expert 0 holds the shared expert",
+           "never written: model.layers.0.mlp.shared_expert.gate_up_proj.weight")
