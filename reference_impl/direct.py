@@ -39,13 +39,15 @@ def export_layer(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
     w2 = alloc((n_local, spec.hidden, buf), dtype=spec.dtype, device=device)
     lo, hi = shard.row_start, shard.row_start + rows
     pairs = []
-    for slot, expert in enumerate(shard.experts):
+    for slot, expert in enumerate(shard.slot_experts(layer)):  # every physical copy (EPLB)
         weights = experts[expert]
         for projection in ("gate", "up"):
             off = shard.half_offset(projection, topo.order)
             pairs.append((w13[slot, off:off + rows], weights[projection][lo:hi]))
         pairs.append((w2[slot, :, :rows], weights.down[:, lo:hi]))
     fastcopy.copy_pairs(pairs)
+    if topo.engine_layout == "transposed":  # the rank's parameters are stored transposed
+        w13, w2 = w13.transpose(-2, -1).contiguous(), w2.transpose(-2, -1).contiguous()
     return [(fused_name(layer, "w13"), w13), (fused_name(layer, "w2"), w2)]
 
 

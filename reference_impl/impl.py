@@ -102,16 +102,17 @@ class ReferenceImplementation:
     """Loader and exporter of every format, gate/up order, padding and topology."""
 
     name = "reference"
-    capabilities = Capabilities()
+    capabilities = Capabilities(engine_layouts=("checkpoint", "trtllm_block", "transposed"),
+                                redundant_experts=True)
 
     def __init__(self):
         self._open: dict[int, _OpenUpdate] = {}  # id(params) -> the update open on them
         self._tokens = itertools.count()
 
     def _receiver(self, params, spec, topology, rank):
-        from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
+        from pytest_weightsync.reference_impl.engine_receivers import make_receiver
 
-        return ReferenceReceiver(spec, topology, rank, params=params)
+        return make_receiver(spec, topology, rank, params=params)
 
     def _release_with(self, token: int, key: int):
         """A weakref callback that drops update ``token`` once one of its parameters dies
@@ -137,13 +138,14 @@ class ReferenceImplementation:
         check_format(format)
         receiver = self._receiver(params, spec, topology, rank)
         receiver.begin_update()
-        tensors = {id(t) for t in receiver.params.values()}
+        own = dict(receiver.named_parameters())  # the stored tensors (not planning views)
+        tensors = {id(t) for t in own.values()}
         for key, entry in list(self._open.items()):
             if any(id(ref()) in tensors for _, ref in entry.refs):
                 del self._open[key]
         token, key = next(self._tokens), id(params)
         release = self._release_with(token, key)
-        refs = tuple((name, weakref.ref(tensor, release)) for name, tensor in receiver.params.items())
+        refs = tuple((name, weakref.ref(tensor, release)) for name, tensor in own.items())
         bound = dict(format=format, spec=spec, topology=topology, rank=rank)
         self._open[key] = _OpenUpdate(receiver.update_state, bound, refs, token)
 
