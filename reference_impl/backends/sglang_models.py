@@ -68,6 +68,29 @@ from pytest_weightsync.protocols import Capabilities
 
 #: Receiver gate/up order -> the SGLang MoE runner whose weight layout stores it.
 RUNNER_FOR_ORDER = {"gate_up": "triton", "up_gate": "flashinfer_cutlass"}
+#: Receiver engine layout -> the SGLang MoE runner that keeps it (checkpoint: by order).
+RUNNER_FOR_ENGINE_LAYOUT = {"trtllm_block": "flashinfer_trtllm", "transposed": "triton_kernels"}
+
+
+def runner_for(topology) -> str:
+    """The SGLang MoE runner of a receiver topology."""
+    layout = getattr(topology, "engine_layout", "checkpoint")
+    return RUNNER_FOR_ENGINE_LAYOUT.get(layout) or RUNNER_FOR_ORDER[topology.order]
+
+
+def _flashinfer_importable() -> bool:
+    """Whether flashinfer (which SGLang's TRT-LLM BF16 post-processing calls) is installed;
+    asked without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def engine_layouts_served() -> tuple:
+    """The engine layouts whose real SGLang code runs here: ``trtllm_block`` only where
+    flashinfer is installed (its permutation functions run on CPU)."""
+    served = ("checkpoint", "transposed")
+    return served + ("trtllm_block",) if _flashinfer_importable() else served
 
 
 class SGLangPlacementError(RuntimeError):
@@ -117,25 +140,53 @@ def _context(receiver, rank: int):
 
 
 class _BuiltModel:
-    """One receiver rank's model object (real class, minimal attributes) and its layers."""
+    """One receiver rank's model object (real class, minimal attributes) and its layers.
 
-    def __init__(self, model, layers, context, runner):
+    ``expert_location``: SGLang's ``ExpertLocationMetadata`` of an EPLB receiver (``None``
+    otherwise), published in the layers' runtime context while SGLang code runs."""
+
+    def __init__(self, model, layers, context, runner, expert_location=None):
         self.model = model
         self.layers = layers
         self.context = context
         self.runner = runner
+        self.expert_location = expert_location
+        self._bound: dict = {}  # name -> id of the harness tensor bound last
 
     def bind(self, params: dict) -> None:
-        """Point every parameter of the model at the harness tensor of the same name."""
+        """Point every parameter of the model at the harness tensor of the same name.
+
+        SGLang's post-processing may give a parameter another shape over the same storage (the
+        TRT-LLM block layout), and restores by that shape before the next update. So a tensor
+        bound again is viewed in the shape SGLang left; a new tensor (a fresh buffer, in the
+        checkpoint layout) resets the parameter to its own shape."""
         import torch
 
         own = dict(self.model.named_parameters(remove_duplicate=False))
         for name, tensor in params.items():
             data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
             if name in own:
+                current = own[name].data
+                again = self._bound.get(name) == id(tensor)
+                if again and current.shape != data.shape and current.numel() == data.numel():
+                    data = data.view(current.shape)
                 own[name].data = data
+                self._bound[name] = id(tensor)
             else:
                 _attach(self.model, name, torch.nn.Parameter(data, requires_grad=False))
+
+    def running(self):
+        """SGLang's runtime context (runner flag, expert location) while its code runs."""
+        import contextlib
+
+        from pytest_weightsync.reference_impl.backends.sglang import _activated
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(_activated(self.context, self.runner))
+        if self.expert_location is not None:
+            stack.enter_context(self.context.resources.override(
+                expert_location_metadata=self.expert_location))
+        return stack
 
 
 def _attach(root, name: str, param) -> None:
@@ -179,9 +230,7 @@ class _SGLangModelLoader:
         built = self.model_for(spec, topology, rank)
         built.bind(params)
         payload = list(payload)
-        from pytest_weightsync.reference_impl.backends.sglang import _activated
-
-        with _activated(built.context, built.runner):
+        with built.running():
             if format == "direct":
                 from sglang.srt.model_executor.model_runner_components.weight_updater import (
                     _model_load_weights_direct,
@@ -190,6 +239,26 @@ class _SGLangModelLoader:
                 _model_load_weights_direct(built.model, payload)
             else:
                 type(built.model).load_weights(built.model, payload)
+
+    def begin_update(self, params, *, format, spec, topology, rank) -> None:
+        """SGLang's ``begin_weight_update``: ``DefaultModelLoader.restore_weights_before_loading``
+        (undoes in-place post-processing such as the TRT-LLM BF16 block layout)."""
+        self._run_loader_hook("restore_weights_before_loading", params, spec, topology, rank)
+
+    def end_update(self, params, *, format, spec, topology, rank) -> None:
+        """SGLang's ``end_weight_update``: ``DefaultModelLoader.postprocess_weights`` (every
+        layer's ``quant_method.process_weights_after_loading``)."""
+        self._run_loader_hook("postprocess_weights", params, spec, topology, rank)
+
+    def _run_loader_hook(self, hook: str, params, spec, topology, rank) -> None:
+        import torch
+        from sglang.srt.model_loader.loader import DefaultModelLoader
+
+        built = self.model_for(spec, topology, rank)
+        built.bind(params)
+        device = next(iter(params.values())).device if params else torch.device("cpu")
+        with built.running():
+            getattr(DefaultModelLoader, hook)(built.model, device)
 
     # -- building --------------------------------------------------------------------------
 
@@ -229,14 +298,17 @@ class _SGLangModelLoader:
         reason = sglang_refusal(spec, topology)
         if reason is not None:
             raise SGLangPlacementError(reason)
-        runner = RUNNER_FOR_ORDER[topology.order]
+        runner = runner_for(topology)
         preload_runner_modules((runner,))
         shard = receiver_shard(spec, topology, rank)
         context = _context(topology, rank)
         layers = []
+        # EPLB: the model builds its FusedMoE with num_experts + ep_num_redundant_experts
+        # physical slots (Qwen3MoeSparseMoeBlock); its config keeps the logical count.
+        slots = topology.num_physical_experts(spec) if topology.eplb else spec.num_experts
         with _activated(context, runner):
             for layer_id in range(spec.num_layers):
-                layer = FusedMoE(num_experts=spec.num_experts, hidden_size=spec.hidden,
+                layer = FusedMoE(num_experts=slots, hidden_size=spec.hidden,
                                  intermediate_size=shard.buffer_rows * topology.moe_tp,
                                  layer_id=layer_id, top_k=min(2, spec.num_experts),
                                  params_dtype=spec.dtype,
@@ -252,9 +324,24 @@ class _SGLangModelLoader:
                 f"local experts)={placed}, moe_dp_rank={context.parallel.moe_dp_rank}; the "
                 f"reference layout says {wanted}, moe_dp_rank={shard.moe_dp_rank}")
         up_first = bool(getattr(_weight_layout(layers[0]), "load_up_proj_weight_first", False))
+        # flashinfer_trtllm stores up first by swapping the w1/w3 shard ids in the loader
+        # (FusedMoE._weight_loader_impl), not through load_up_proj_weight_first.
+        up_first = up_first or bool(layers[0].use_flashinfer_trtllm_moe)
         if up_first != (topology.order == "up_gate"):
             raise SGLangPlacementError(f"runner {runner} stores up first={up_first}, receiver "
                                        f"order is {topology.order!r}")
+        from pytest_weightsync.reference_impl.layout import fused_name, receiver_param_shapes
+
+        shapes = receiver_param_shapes(spec, topology, rank)
+        for layer_id, layer in enumerate(layers):
+            for param in ("w13", "w2"):
+                got = tuple(getattr(layer, f"{param}_weight").shape)
+                want = shapes[fused_name(layer_id, param)]
+                if got != want:
+                    raise SGLangPlacementError(
+                        f"runner {runner} allocated {param}_weight {got} on receiver rank {rank}"
+                        f" of {topology}; the reference layout says {want}")
+        expert_location = _expert_location(spec, topology, shard, context) if topology.eplb else None
         cls = self.model_cls()
         model = cls.__new__(cls)
         torch.nn.Module.__init__(model)
@@ -267,7 +354,29 @@ class _SGLangModelLoader:
             block.mlp.experts = layer
             blocks.append(block)
         model.model.layers = torch.nn.ModuleList(blocks)
-        return _BuiltModel(model, layers, context, runner)
+        return _BuiltModel(model, layers, context, runner, expert_location)
+
+
+def _expert_location(spec, topology, shard, context):
+    """SGLang's ``ExpertLocationMetadata`` of an EPLB receiver, built by the two functions its
+    ``init_by_mapping`` ends with (``_compute_logical_to_all_physical_map``, ``_init_raw``) from
+    the topology's physical -> logical map (the model-config lookup ``init_by_mapping`` starts
+    with needs a real checkpoint config)."""
+    import torch
+    from sglang.srt.eplb.expert_location import (
+        ExpertLocationMetadata,
+        _compute_logical_to_all_physical_map,
+    )
+    from sglang.srt.runtime_context import use_context
+
+    physical_to_logical = torch.tensor(topology.physical_to_logical(spec), dtype=torch.int64)
+    with use_context(context):
+        logical_to_all = _compute_logical_to_all_physical_map(
+            physical_to_logical, num_logical_experts=spec.num_experts,
+            ep_size=topology.moe_ep, moe_ep_rank=shard.moe_ep_rank)
+        return ExpertLocationMetadata._init_raw(
+            ep_size=topology.moe_ep, physical_to_logical_map=physical_to_logical,
+            logical_to_all_physical_map=logical_to_all, moe_ep_rank=shard.moe_ep_rank)
 
 
 def _weight_layout(layer):
@@ -282,7 +391,8 @@ class Qwen3MoeLoader(_SGLangModelLoader):
     name = "sglang-qwen3-moe"
     model_module = "sglang.srt.models.qwen3_moe"
     model_class = "Qwen3MoeForCausalLM"
-    capabilities = Capabilities(formats=("compat", "direct"), topology=_sglang_serves)
+    capabilities = Capabilities(formats=("compat", "direct"), topology=_sglang_serves,
+                                engine_layouts=engine_layouts_served(), redundant_experts=True)
 
 
 class Qwen35MoeLoader(_SGLangModelLoader):
@@ -292,7 +402,8 @@ class Qwen35MoeLoader(_SGLangModelLoader):
     model_module = "sglang.srt.models.qwen3_5"
     model_class = "Qwen3_5MoeForCausalLM"
     capabilities = Capabilities(formats=("compat", "hf_fused", "direct"),
-                                topology=_sglang_serves)
+                                topology=_sglang_serves,
+                                engine_layouts=engine_layouts_served(), redundant_experts=True)
 
     def _configure(self, model, spec) -> None:
         super()._configure(model, spec)

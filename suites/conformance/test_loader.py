@@ -18,7 +18,13 @@ the test id carries its name) and states one property:
   a missing expert) at the end of a valid update; what the loader did is recorded as a finding
   (``suites/harness/hardening.py``). Only refusing a bucket after writing part of it fails;
 - ``fallback_routing``: with a capability taken away, ``pytest_weightsync.reference_impl.select`` routes the
-  update down a path the loader claims, and that path lands bit-exact too.
+  update down a path the loader claims, and that path lands bit-exact too;
+- ``engine_layout``: receivers as engines hold them (``cases.ENGINE_CASES``: the TRT-LLM BF16
+  block layout applied after every update, triton_kernels' transposed parameters, redundant
+  expert copies under a placement that changes between updates): three framed updates, each
+  checked bit for bit in the engine's layout, every physical copy included. A loader that
+  does not claim an engine layout (``Capabilities.engine_layouts`` / ``redundant_experts``)
+  is not run on it.
 
 What an implementation does not claim is skipped with the reason - never passed.
 """
@@ -34,6 +40,7 @@ from pytest_weightsync.vocabulary import BUCKET_LIMITS, FORMATS
 from ..harness import cases, claims, hardening, inputs, judge, loader
 
 ANCHORS = [pytest.param(case, id=case.id) for case in cases.ANCHORS]
+ENGINES = [pytest.param(case, id=case.id) for case in cases.ENGINE_CASES]
 
 
 def _require_claim(impl, case, fmt=None):
@@ -129,3 +136,32 @@ def test_loader_fallback_path_lands_bit_exact(weightsync_loader, case, restricti
         before = compare.snapshot(params)
         loader.load(weightsync_loader, params, choice.path, case, rank, version=4)
         judge.check_rank(params, case, rank, 4, before)
+
+
+# --- engines: layouts after loading, redundant experts ------------------------------------------
+
+
+@pytest.mark.weightsync_property("engine_layout")
+@pytest.mark.parametrize("payload_format", FORMATS)
+@pytest.mark.parametrize("case", ENGINES)
+def test_loader_engine_layout_holds_after_every_update(weightsync_loader, case, payload_format):
+    """Three updates into the same buffers, each a framed bucket stream at another limit; after
+    each, every rank holds the new version in the engine's layout. An EPLB engine is rebalanced
+    before the second and third update (weights moved to the new placement, as the engine's
+    expert location updater does) and the loader gets the new placement's topology."""
+    updates = cases.engine_updates(case)
+    for _, update in updates:
+        _require_claim(weightsync_loader, update, payload_format)
+    world = case.receiver.world_size
+    params = [inputs.receiver_params(case, rank) for rank in range(world)]
+    before = [compare.snapshot(p) for p in params]
+    previous = None
+    for version, update in updates:
+        if previous is not None and update.receiver != previous.receiver:
+            inputs.rebalance(params, case.spec, previous.receiver, update.receiver)
+        for rank in range(world):
+            loader.load(weightsync_loader, params[rank], payload_format, update, rank, version,
+                        bucket=_limit(rank + version))
+            judge.check_rank(params[rank], update, rank, version, before[rank],
+                             previous_version=version - 1 if version > 1 else None)
+        previous = update

@@ -74,7 +74,12 @@ def cached_gathered(case, version):
 
 def expected_uncached(case, rank, version):
     """The state receiver ``rank`` must hold after a complete update to ``version``, computed
-    from the synthetic value function at layout coordinates."""
+    from the synthetic value function at layout coordinates - in the engine's layout for
+    receivers that do not keep the checkpoint layout (``engine_layout``)."""
+    if not case.receiver.default_engine:
+        from pytest_weightsync.reference_impl import engine_layout
+
+        return engine_layout.expected_engine_params(case.spec, case.receiver, rank, version)
     return synth.expected_receiver_params(case.spec, case.receiver, rank, version)
 
 
@@ -118,12 +123,38 @@ def receiver_params(case, rank):
 
 
 def fresh_receivers(case, receiver_cls=None):
-    """One reference receiver per rank, every buffer (padding included) poisoned."""
-    from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
+    """One reference receiver per rank (of the class its engine layout needs), every buffer
+    (padding included) poisoned."""
+    from pytest_weightsync.reference_impl.engine_receivers import receiver_class
 
-    receiver_cls = ReferenceReceiver if receiver_cls is None else receiver_cls
+    receiver_cls = receiver_class(case.receiver) if receiver_cls is None else receiver_cls
     receivers = [receiver_cls(case.spec, case.receiver, r) for r in range(case.receiver.tp)]
     for rec in receivers:
-        for tensor in rec.params.values():
+        for _, tensor in rec.named_parameters():
             synth.poison_(tensor)
     return receivers
+
+
+def rebalance(params_by_rank, spec, old, new) -> None:
+    """Move expert weights between physical slots the way an EPLB rebalance does (SGLang's
+    expert location updater copies each slot's new expert from a slot, on any rank, that held
+    it): afterwards every slot of ``new`` holds what some slot of the same logical expert held
+    under ``old``. ``params_by_rank`` is every receiver rank's parameters, in rank order."""
+    import torch
+
+    from pytest_weightsync.reference_impl.layout import fused_name, receiver_shard
+
+    shards_old = [receiver_shard(spec, old, r) for r in range(old.world_size)]
+    shards_new = [receiver_shard(spec, new, r) for r in range(new.world_size)]
+    for layer in range(spec.num_layers):
+        for param in ("w13", "w2"):
+            name = fused_name(layer, param)
+            sources = [params[name].clone() for params in params_by_rank]
+            for rank, shard in enumerate(shards_new):
+                for slot, expert in enumerate(shard.slot_experts(layer)):
+                    # the same MoE-TP rows: a rank's peer of equal moe_tp_rank
+                    src = next((r, s) for r, sh in enumerate(shards_old)
+                               if sh.moe_tp_rank == shard.moe_tp_rank
+                               for s in sh.slots_of(layer, expert))
+                    with torch.no_grad():
+                        params_by_rank[rank][name][slot].copy_(sources[src[0]][src[1]])

@@ -54,12 +54,17 @@ def same_bits(a, b) -> bool:
     return a.shape == b.shape and bool((compare.raw_bits(a) == compare.raw_bits(b)).all())
 
 
-def diagnose(name, actual, expected, case, rank, before=None, previous=None):
+def diagnose(name, actual, expected, case, rank, before=None, previous=None, version=None):
     """A one-line name for a recognizable wrong result of parameter ``name``, else ``None``."""
     if before is not None and same_bits(actual, before):
         return "never written: it still holds the bits it held before the update"
     if previous is not None and same_bits(actual, previous):
         return "stale: it still holds the previous version's values, not the new ones"
+    if not case.receiver.default_engine:
+        from . import engine_diagnosis
+
+        return engine_diagnosis.diagnose(name, actual, expected, case, rank, version,
+                                         before)
     shard = receiver_shard(case.spec, case.receiver, rank)
     buf, rows = shard.buffer_rows, shard.rows
     if name.endswith("w13_weight") and rows > 0:
@@ -118,7 +123,8 @@ def check_rank(params, case, rank, version, before=None, touched=None, previous_
                 hint = (f"not a placement bug: {error.kinds.describe()} - the loader converts "
                         f"values on the way ({VALUE_CONVERSIONS[kind]})")
             else:
-                hint = diagnose(name, params[name], expected[name], case, rank, old, previous)
+                hint = diagnose(name, params[name], expected[name], case, rank, old, previous,
+                                version)
             raise ConformanceError((f"{hint}\n" if hint else "") + str(error), error) from None
     for name, record in (before.records.items() if before is not None else ()):
         if name in touched:
