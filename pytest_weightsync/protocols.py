@@ -96,6 +96,7 @@ from pytest_weightsync.vocabulary import (  # noqa: F401 - re-exported for imple
     EXPERT_MODULES,
     FORMATS,
     ORDERS,
+    QUANTIZERS,
     RECEIVER_AXES,
     ROLES,
     TRAINER_AXES,
@@ -162,6 +163,10 @@ class Capabilities:
         by the placement of the call's topology. Default ``False``.
     ``weight_quants``
         Receiver weight quantizations it handles (:data:`WEIGHT_QUANTS`); default ``none``.
+    ``quantizers``
+        For a quantized receiver, who may quantize (:data:`QUANTIZERS`): ``sender`` (it loads
+        FP8 weights plus ``weight_scale_inv``), ``loader`` (it quantizes model-dtype weights
+        itself). Default ``sender``.
 
     Trainer-side claims (exporters only; an unclaimed trainer layout skips with the reason):
 
@@ -191,6 +196,7 @@ class Capabilities:
     engine_layouts: frozenset = frozenset(("checkpoint",))
     redundant_experts: bool = False
     weight_quants: frozenset = frozenset(("none",))
+    quantizers: frozenset = frozenset(("sender",))
     expert_impls: frozenset = frozenset(EXPERT_IMPLS)
     max_trainer_tp: Optional[int] = None
     max_trainer_ep: Optional[int] = None
@@ -203,7 +209,7 @@ class Capabilities:
         for name, allowed in (("formats", FORMATS), ("orders", ORDERS),
                               ("expert_impls", EXPERT_IMPLS), ("deliveries", DELIVERIES),
                               ("engine_layouts", ENGINE_LAYOUTS),
-                              ("weight_quants", WEIGHT_QUANTS)):
+                              ("weight_quants", WEIGHT_QUANTS), ("quantizers", QUANTIZERS)):
             value = getattr(self, name)
             if isinstance(value, str):
                 value = (value,)
@@ -274,6 +280,14 @@ class Capabilities:
         if quant not in self.weight_quants:
             return (f"claims weight quantizations {sorted(self.weight_quants)}, the receiver "
                     f"holds {quant!r}")
+        return None
+
+    def quantizer_refusal(self, quantizer: str) -> Optional[str]:
+        """Why a quantized receiver is not fed with weights quantized by ``quantizer``
+        (:data:`QUANTIZERS`); ``None`` when claimed."""
+        if quantizer not in self.quantizers:
+            return (f"does not claim weights quantized by the {quantizer} (claims "
+                    f"{sorted(self.quantizers)})")
         return None
 
     def trainer_refusal(self, spec, trainer) -> Optional[str]:

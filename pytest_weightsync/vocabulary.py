@@ -48,6 +48,10 @@ ENGINE_LAYOUTS = ("checkpoint", "trtllm_block", "transposed")
 #: (SGLang ``Fp8MoEMethod`` with ``weight_block_size``: float8_e4m3fn weights and one float32
 #: ``weight_scale_inv`` per block).
 WEIGHT_QUANTS = ("none", "fp8_block")
+#: Who quantizes the weights of a quantized receiver: the ``sender`` (float8_e4m3fn weights
+#: and their float32 ``weight_scale_inv`` on the wire, as FP8 checkpoints and FP8 refits send)
+#: or the ``loader`` (model-dtype weights on the wire, quantized while loading).
+QUANTIZERS = ("sender", "loader")
 #: Megatron-Core expert modules a trainer can hold its experts in (parameter spellings):
 #: ``sequential`` = ``SequentialMLP`` (``experts.local_experts.{i}.linear_fc1.weight``),
 #: ``te_grouped`` = ``TEGroupedMLP`` (``experts.linear_fc1.weight{i}``).

@@ -103,7 +103,8 @@ class ReferenceImplementation:
 
     name = "reference"
     capabilities = Capabilities(engine_layouts=("checkpoint", "trtllm_block", "transposed"),
-                                redundant_experts=True)
+                                redundant_experts=True, weight_quants=("none", "fp8_block"),
+                                quantizers=("sender", "loader"))
 
     def __init__(self):
         self._open: dict[int, _OpenUpdate] = {}  # id(params) -> the update open on them

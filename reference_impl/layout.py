@@ -570,6 +570,8 @@ def _validate_engine(spec: MoESpec, topo: ReceiverTopology) -> None:
                  dtype=spec.dtype, hidden=spec.hidden)
     if topo.weight_quant == "fp8_block":
         block_n, block_k = topo.quant_block
+        _require(block_n == block_k, "fp8_block: only square blocks are modelled (SGLang's "
+                 "default weight_block_size is [128, 128])", quant_block=topo.quant_block)
         rows = topo.intermediate_padded or spec.intermediate // max(topo.moe_tp, 1)
         _require(rows % block_n == 0 and (topo.moe_tp == 1 or rows % block_k == 0),
                  "fp8_block: rows per MoE-TP rank must be divisible by block_n (and by block_k "

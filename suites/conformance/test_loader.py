@@ -24,7 +24,10 @@ the test id carries its name) and states one property:
   expert copies under a placement that changes between updates): three framed updates, each
   checked bit for bit in the engine's layout, every physical copy included. A loader that
   does not claim an engine layout (``Capabilities.engine_layouts`` / ``redundant_experts``)
-  is not run on it.
+  is not run on it. FP8 block-quantized engines (``cases.FP8_CASES``): three updates, weights
+  and block scales bit-exact against the reference quantizer when the sender quantizes, the
+  dequantized values within one FP8 unit when the loader does (``Capabilities.weight_quants``
+  / ``quantizers``).
 
 What an implementation does not claim is skipped with the reason - never passed.
 """
@@ -37,10 +40,11 @@ from pytest_weightsync import compare
 from pytest_weightsync.reference_impl.layout import fused_name
 from pytest_weightsync.vocabulary import BUCKET_LIMITS, FORMATS
 
-from ..harness import cases, claims, hardening, inputs, judge, loader
+from ..harness import cases, claims, hardening, inputs, judge, loader, quant_judge
 
 ANCHORS = [pytest.param(case, id=case.id) for case in cases.ANCHORS]
 ENGINES = [pytest.param(case, id=case.id) for case in cases.ENGINE_CASES]
+FP8 = [pytest.param(case, id=case.id) for case in cases.FP8_CASES]
 
 
 def _require_claim(impl, case, fmt=None):
@@ -165,3 +169,32 @@ def test_loader_engine_layout_holds_after_every_update(weightsync_loader, case, 
             judge.check_rank(params[rank], update, rank, version, before[rank],
                              previous_version=version - 1 if version > 1 else None)
         previous = update
+
+
+@pytest.mark.weightsync_property("engine_layout")
+@pytest.mark.parametrize("quantizer, payload_format",
+                         [("sender", "compat"), ("sender", "direct"), ("loader", "compat")])
+@pytest.mark.parametrize("case", FP8)
+def test_loader_fp8_block_weights_and_scales_after_every_update(weightsync_loader, case,
+                                                                quantizer, payload_format):
+    """Three updates into an FP8 block-quantized engine, each a framed bucket stream (weights
+    and their scales may travel in different buckets). Sender-quantized: every weight and
+    every block scale bit-exact against the reference quantizer, each scale beside its own
+    block. Loader-quantized: every weight read with its scales within one FP8 unit of the
+    reference, its scales rebuilt from each update's weights."""
+    _require_claim(weightsync_loader, case, payload_format)
+    reason = weightsync_loader.capabilities.quantizer_refusal(quantizer)
+    if reason is not None:
+        claims.skip_unclaimed(f"{weightsync_loader.name} {reason}")
+    for rank in range(case.receiver.world_size):
+        params = inputs.receiver_params(case, rank)
+        before = compare.snapshot(params)
+        for version in (1, 2, 3):
+            stream = inputs.fp8_stream(payload_format, case, rank, version, quantizer,
+                                       bucket=_limit(rank + version))
+            loader.load_stream(weightsync_loader, params, stream, payload_format, case, rank)
+            if quantizer == "sender":
+                judge.check_rank(params, case, rank, version, before,
+                                 previous_version=version - 1 if version > 1 else None)
+            else:
+                quant_judge.check_dequantized(params, case, rank, version, before)

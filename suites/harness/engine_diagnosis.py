@@ -9,7 +9,9 @@ computed from the coordinates (``engine_layout``, ``synth``) - never from the lo
 * transposed: the checkpoint layout laid untransposed into the transposed buffer;
 * redundant experts: a physical copy left unwritten while another copy of the same expert
   holds the new bits (only the first copy written), or a slot holding another expert's
-  weights (written by a stale placement).
+  weights (written by a stale placement);
+* FP8 blocks: a scale that belongs to the neighbouring block, or block scales of the previous
+  version beside new weights (derived scales not rebuilt).
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ def _slots(actual, target) -> list[int]:
     return [s for s in range(actual.shape[0]) if _same(actual[s], target[s])]
 
 
-def diagnose(name, actual, expected, case, rank, version, before=None) -> Optional[str]:
+def diagnose(name, actual, expected, case, rank, version, before=None,
+             previous=None) -> Optional[str]:
     """A one-line name for a recognizable wrong engine parameter ``name``, else ``None``."""
     spec, topo = case.spec, case.receiver
+    if topo.weight_quant == "fp8_block":
+        return _fp8(name, actual, expected, case, rank, previous)
     if topo.engine_layout in engine_layout.POST_LOAD:
         return _post_load(name, actual, expected, case, rank, version)
     if topo.engine_layout == "transposed":
@@ -97,4 +102,34 @@ def _redundant(name, actual, expected, case, rank, version, before) -> Optional[
                 return (f"written by a stale placement: {name} slot {slot} (physical expert "
                         f"{physical}) holds logical expert {other}'s weights, the current "
                         f"placement gives it expert {expert} (a map from before a rebalance)")
+    return None
+
+
+def _fp8(name, actual, expected, case, rank, previous) -> Optional[str]:
+    from pytest_weightsync.reference_impl import fp8
+
+    if not name.endswith(fp8.SCALE_SUFFIX):
+        if previous is not None and _same(actual, previous):
+            return (f"stale FP8 weights: {name} holds the previous version's float8 weights "
+                    f"(never written by this update)")
+        return None
+    if previous is not None and _same(actual, previous):
+        return (f"stale block scales: {name} holds the previous version's scales while this "
+                f"update's weights are new (derived scales not rebuilt: new weights read with "
+                f"stale fp8 scales)")
+    from pytest_weightsync.compare import raw_bits
+
+    for dim, axis in ((1, "row"), (2, "column")):
+        for shift in (1, -1):
+            n = actual.shape[dim]
+            if n < 2:
+                continue
+            a = raw_bits(actual.narrow(dim, max(shift, 0), n - 1))
+            e = raw_bits(expected.narrow(dim, max(-shift, 0), n - 1))
+            matching = float((a == e).float().mean())
+            # most blocks hold their neighbour's scale (edges and the w13 half boundary aside)
+            if matching >= 0.75 and not _same(actual, expected):
+                return (f"scale of the neighbouring block: {matching:.0%} of the blocks of "
+                        f"{name} hold the scale of the block {'before' if shift > 0 else 'after'}"
+                        f" them along the block {axis}s (scales shifted by one block)")
     return None

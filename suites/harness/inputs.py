@@ -54,7 +54,12 @@ def bucket_bytes(limit, spec):
 
 
 def locator(case, rank):
-    """``locate(name, index)`` for compare messages on receiver ``rank``."""
+    """``locate(name, index)`` for compare messages on receiver ``rank`` (an FP8 scale is
+    located by its block)."""
+    if case.receiver.weight_quant == "fp8_block":
+        from pytest_weightsync.reference_impl import fp8
+
+        return functools.partial(fp8.locate, case.spec, case.receiver, rank)
     return functools.partial(locate_receiver_element, case.spec, case.receiver, rank)
 
 
@@ -76,6 +81,10 @@ def expected_uncached(case, rank, version):
     """The state receiver ``rank`` must hold after a complete update to ``version``, computed
     from the synthetic value function at layout coordinates - in the engine's layout for
     receivers that do not keep the checkpoint layout (``engine_layout``)."""
+    if case.receiver.weight_quant == "fp8_block":
+        from pytest_weightsync.reference_impl import fp8
+
+        return fp8.expected_params(case.spec, case.receiver, rank, version)
     if not case.receiver.default_engine:
         from pytest_weightsync.reference_impl import engine_layout
 
@@ -114,8 +123,14 @@ def receiver_params(case, rank):
     import torch
 
     spec = case.spec
-    params = {name: torch.empty(shape, dtype=spec.dtype)
-              for name, shape in receiver_param_shapes(spec, case.receiver, rank).items()}
+    if case.receiver.weight_quant == "fp8_block":
+        from pytest_weightsync.reference_impl import fp8
+
+        params = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype)
+                  in fp8.param_specs(spec, case.receiver, rank).items()}
+    else:
+        params = {name: torch.empty(shape, dtype=spec.dtype)
+                  for name, shape in receiver_param_shapes(spec, case.receiver, rank).items()}
     params[SENTINEL] = torch.empty(spec.num_experts, spec.hidden, dtype=spec.dtype)
     for tensor in params.values():
         synth.poison_(tensor)
@@ -158,3 +173,30 @@ def rebalance(params_by_rank, spec, old, new) -> None:
                                for s in sh.slots_of(layer, expert))
                     with torch.no_grad():
                         params_by_rank[rank][name][slot].copy_(sources[src[0]][src[1]])
+
+
+@functools.lru_cache(maxsize=16)
+def fp8_quantized(case, version):
+    """Every projection of ``version`` of an FP8 case's weights, quantized by the reference
+    quantizer: ``{(layer, expert, projection): fp8.Quantized}`` (read only)."""
+    from pytest_weightsync.reference_impl import fp8
+
+    return fp8.quantize_full(fp8.source_weights(case.spec, case.receiver, version),
+                             fp8.block_of(case.receiver))
+
+
+def fp8_stream(fmt, case, rank, version, quantizer, *, bucket=DEFAULT_BUCKET):
+    """The update of an FP8 block-quantized receiver ``rank`` to ``version``, cut into buckets:
+    quantized by the ``sender`` (``fmt`` ``compat``: per-expert FP8 names plus
+    ``weight_scale_inv``; ``direct``: the rank's four parameters per layer) or left to the
+    ``loader`` (``compat`` in the model dtype). Fresh tensors."""
+    from pytest_weightsync.reference_impl import compat, fp8
+
+    if quantizer == "loader":
+        payload = compat.export(fp8.source_weights(case.spec, case.receiver, version))
+    elif fmt == "direct":
+        payload = fp8.export_direct(case.spec, case.receiver, rank, fp8_quantized(case, version))
+    else:
+        payload = fp8.export_compat(fp8_quantized(case, version))
+    payload = [(name, tensor.clone()) for name, tensor in payload]
+    return split_buckets(payload, bucket_bytes(bucket, case.spec))
