@@ -208,11 +208,10 @@ ENGINE_CASES: tuple[Case, ...] = (
 
 
 #: FP8 block-quantized engines (SGLang Fp8MoEMethod): 4 x 4 blocks with a partial last block
-#: column (hidden 10), MoE-TP 2 x EP 2, up/gate; and SGLang's default 128 x 128 blocks.
+#: column (hidden 10), MoE-TP 2 x EP 2; and SGLang's default 128 x 128 blocks.
 FP8_CASES: tuple[Case, ...] = (
     _engine_case(MoESpec(1, 4, 10, 16),
-                 ReceiverTopology(tp=4, moe_ep=2, order="up_gate", weight_quant="fp8_block",
-                                  quant_block=(4, 4))),
+                 ReceiverTopology(tp=4, moe_ep=2, weight_quant="fp8_block", quant_block=(4, 4))),
     _engine_case(MoESpec(1, 2, 128, 256),
                  ReceiverTopology(tp=2, weight_quant="fp8_block", quant_block=(128, 128))),
 )
