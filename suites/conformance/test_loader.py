@@ -197,4 +197,6 @@ def test_loader_fp8_block_weights_and_scales_after_every_update(weightsync_loade
                 judge.check_rank(params, case, rank, version, before,
                                  previous_version=version - 1 if version > 1 else None)
             else:
-                quant_judge.check_dequantized(params, case, rank, version, before)
+                quant_judge.check_dequantized(params, case, rank, version, before,
+                                              previous_version=version - 1 if version > 1
+                                              else None)

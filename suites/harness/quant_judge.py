@@ -19,7 +19,8 @@ from . import inputs
 from .judge import ConformanceError
 
 
-def check_dequantized(params, case, rank, version, before=None) -> None:
+def check_dequantized(params, case, rank, version, before=None,
+                      previous_version=None) -> None:
     """Every FP8 weight of receiver ``rank``, read with its scales, within one FP8 unit of the
     reference's dequantized ``version``; raises :class:`ConformanceError` naming the first
     element outside (layer, expert, projection, row, col) and by how many units."""
@@ -40,8 +41,15 @@ def check_dequantized(params, case, rank, version, before=None) -> None:
         if bool(bad.any()):
             index = tuple(int(i) for i in bad.nonzero()[0])
             where = locate(name, index)
+            from . import engine_diagnosis
+
+            old = (inputs.expected(case, rank, previous_version)[scale]
+                   if previous_version is not None else None)
+            named = engine_diagnosis.diagnose(scale, params[scale], expected[scale], case, rank,
+                                              version, previous=old)
+            hint = "" if named is None else named + "\n"
             raise ConformanceError(
-                f"dequantized values off by more than one FP8 unit: {int(bad.sum())} of "
+                f"{hint}dequantized values off by more than one FP8 unit: {int(bad.sum())} of "
                 f"{bad.numel()} elements of {name} on receiver rank {rank}; first at {where} "
                 f"({name}{list(index)}): got {float(got[index])!r}, reference "
                 f"{float(want[index])!r} ({float(excess[index]):.1f} units at the reference "

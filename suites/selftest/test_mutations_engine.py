@@ -10,7 +10,12 @@ describe, run through the unchanged conformance test
   checkpoint rows into the transformed buffer and leave them raw (vllm#56570, sglang#25190);
 - ``first_copy_only``: of a redundant (EPLB) expert only the first physical slot written;
 - ``stale_placement``: every update written by the placement of the first one, after the
-  engine rebalanced (vllm#55228, prime-rl#3583).
+  engine rebalanced (vllm#55228, prime-rl#3583);
+- ``neighbour_scale``: FP8 block scales paired with the block next to theirs
+  (ISEEKYAN/Megatron-LM#191: scales paired with the wrong weights);
+- ``stale_scales``: new FP8 weights beside the scales of the first update - the sender's
+  scales ignored after it, or the loader re-quantizing with the scales it computed first
+  (verl#7519: derived scales not rebuilt).
 
 Killed means: a :class:`ConformanceError` whose first line names the bug and whose message
 locates the first wrong element (layer, expert, projection, row, col).
@@ -23,11 +28,12 @@ import pytest
 from ..conformance import test_loader as suite
 from ..harness import cases
 from ..harness.judge import ConformanceError
-from pytest_weightsync.reference_impl import engine_layout
+from pytest_weightsync.reference_impl import engine_layout, fp8
 from pytest_weightsync.reference_impl.engine_receivers import (
     PostLoadReceiver,
     RedundantExpertReceiver,
 )
+from pytest_weightsync.reference_impl.fp8_receiver import Fp8BlockReceiver
 from pytest_weightsync.reference_impl.impl import ReferenceImplementation
 from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
 
@@ -86,6 +92,27 @@ class _Mutant(ReferenceImplementation):
         return self.receiver_cls(spec, topology, rank, params=params)
 
 
+FP8_CASE = cases.FP8_CASES[0]
+
+
+class _NeighbourScaleReceiver(Fp8BlockReceiver):
+    def _split(self, payload, load_format):
+        weights, scales = super()._split(payload, load_format)
+        return weights, [(n, s.roll(1, dims=-2)) for n, s in scales]  # block i gets i-1's
+
+
+class _StaleScaleReceiver(Fp8BlockReceiver):
+    first: dict = {}
+
+    def _split(self, payload, load_format):
+        weights, scales = super()._split(payload, load_format)
+        key = id(self.params[next(iter(self.params))])
+        kept = type(self).first.setdefault(key, {})
+        for name, tensor in scales:
+            kept.setdefault(name, tensor.clone())
+        return weights, [(n, kept[n].clone()) for n, _ in scales]
+
+
 MUTANTS = {
     "post_load_rerun": (TRTLLM, lambda: _Mutant("post_load_rerun", _RerunReceiver),
                         "post-load layout applied twice"),
@@ -95,6 +122,12 @@ MUTANTS = {
                         "only the first physical copy written"),
     "stale_placement": (EPLB, lambda: _Mutant("stale_placement", stale=True),
                         "written by a stale placement"),
+}
+FP8_MUTANTS = {
+    "neighbour_scale": (lambda: _Mutant("neighbour_scale", _NeighbourScaleReceiver),
+                        "scale of the neighbouring block"),
+    "stale_scales": (lambda: _Mutant("stale_scales", _StaleScaleReceiver),
+                     "stale block scales"),
 }
 
 
@@ -109,9 +142,29 @@ def test_engine_mutant_is_killed_named_and_located(mutant, payload_format):
     assert all(word in message for word in LOCATED), message[:600]
 
 
+@pytest.mark.parametrize("quantizer, payload_format", [("sender", "compat"),
+                                                       ("sender", "direct"),
+                                                       ("loader", "compat")])
+@pytest.mark.parametrize("mutant", sorted(FP8_MUTANTS))
+def test_fp8_mutant_is_killed_named_and_located(mutant, quantizer, payload_format):
+    make, named = FP8_MUTANTS[mutant]
+    _StaleScaleReceiver.first = {}
+    with pytest.raises(ConformanceError) as caught:
+        suite.test_loader_fp8_block_weights_and_scales_after_every_update(
+            make(), FP8_CASE, quantizer, payload_format)
+    message = str(caught.value)
+    assert message.splitlines()[0].startswith(named), message[:600]
+    assert all(word in message for word in ("layer=", "expert=", "projection=")), message[:600]
+    if quantizer == "sender":  # bit-exact: the first wrong scale is named by its block
+        assert "block=(" in message, message[:600]
+
+
 def test_reference_passes_the_same_cases():
     """The check the mutants fail is passed by the unplanted reference (same cases, formats)."""
     for case in (TRTLLM, EPLB):
         for fmt in ("compat", "hf_fused"):
             suite.test_loader_engine_layout_holds_after_every_update(
                 ReferenceImplementation(), case, fmt)
+    for quantizer, fmt in (("sender", "compat"), ("sender", "direct"), ("loader", "compat")):
+        suite.test_loader_fp8_block_weights_and_scales_after_every_update(
+            ReferenceImplementation(), FP8_CASE, quantizer, fmt)
