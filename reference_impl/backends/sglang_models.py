@@ -155,7 +155,7 @@ class _BuiltModel:
         self.context = context
         self.runner = runner
         self.expert_location = expert_location
-        self._bound: dict = {}  # name -> id of the harness tensor bound last
+        self._bound: dict = {}  # name -> weak reference to the harness tensor bound last
 
     def bind(self, params: dict) -> None:
         """Point every parameter of the model at the harness tensor of the same name.
@@ -164,6 +164,8 @@ class _BuiltModel:
         TRT-LLM block layout), and restores by that shape before the next update. So a tensor
         bound again is viewed in the shape SGLang left; a new tensor (a fresh buffer, in the
         checkpoint layout) resets the parameter to its own shape."""
+        import weakref
+
         import torch
 
         own = dict(self.model.named_parameters(remove_duplicate=False))
@@ -171,11 +173,12 @@ class _BuiltModel:
             data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
             if name in own:
                 current = own[name].data
-                again = self._bound.get(name) == id(tensor)
+                last = self._bound.get(name)
+                again = last is not None and last() is tensor
                 if again and current.shape != data.shape and current.numel() == data.numel():
                     data = data.view(current.shape)
                 own[name].data = data
-                self._bound[name] = id(tensor)
+                self._bound[name] = weakref.ref(tensor)
             else:
                 _attach(self.model, name, torch.nn.Parameter(data, requires_grad=False))
 
