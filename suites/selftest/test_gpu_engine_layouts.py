@@ -5,7 +5,8 @@ re-applied after every update, triton_kernels' transposed parameters, redundant 
 a placement that changes between updates) receives updates on the GPU through the reference
 receiver; after each one the parameters are checked bit for bit in the engine's layout and
 every local slot's expert output, read from the engine buffer, against the expected weights
-(``gpu_harness.run_engine_updates``). The CPU run of the same steps is the last test here.
+(``gpu_harness.run_engine_updates``). The CPU run of the same steps is in
+tests/test_gpu_suites_cpu.py.
 """
 
 from __future__ import annotations
@@ -15,20 +16,13 @@ import pytest
 from ..harness import cases
 from . import gpu_harness as h
 
+pytestmark = [pytest.mark.gpu, pytest.mark.weightsync_property("repeated-updates")]
+
 ENGINES = [pytest.param(c, id=c.id) for c in cases.ENGINE_CASES]
 
 
-@pytest.mark.gpu
-@pytest.mark.weightsync_property("repeated-updates")
 @pytest.mark.parametrize("path", h.PATHS)
 @pytest.mark.parametrize("case", ENGINES)
 def test_engine_layout_updates_on_the_gpu_exact_in_params_and_outputs(case, path):
     log = h.run_engine_updates(case, path, "cuda", updates=6)
     assert log.updates == 6 and log.outputs_checked > 0
-
-
-@pytest.mark.weightsync_property("repeated-updates")
-@pytest.mark.parametrize("case", ENGINES)
-def test_engine_layout_update_steps_on_cpu(case):
-    log = h.run_engine_updates(case, "compat", "cpu", updates=3)
-    assert log.updates == 3 and log.outputs_checked >= 3 * case.spec.num_layers
