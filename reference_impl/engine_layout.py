@@ -45,7 +45,6 @@ from pytest_weightsync.reference_impl.layout import (
     MoESpec,
     ReceiverTopology,
     WeightSyncError,
-    fused_name,
     receiver_shard,
 )
 
@@ -234,8 +233,3 @@ def restore_pre_load(tensor: torch.Tensor, param: str) -> None:
 def held_layout(tensor: torch.Tensor) -> Optional[str]:
     """The post-load layout ``tensor`` holds now (``None``: checkpoint layout)."""
     return getattr(tensor, MARK, None)
-
-
-def expert_params(spec: MoESpec):
-    """``[(name, "w13" | "w2")]`` of every expert parameter of ``spec``."""
-    return [(fused_name(layer, p), p) for layer in range(spec.num_layers) for p in ("w13", "w2")]

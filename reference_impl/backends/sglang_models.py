@@ -48,6 +48,13 @@ What is stand-in (the smallest object the real method body needs):
   per layer; for blocked receivers it is set on the layer to ``True``, as those deployments
   compute it - the loading code that then runs is SGLang's.
 
+Engines (``ReceiverTopology.engine_layout``, redundant experts, FP8 blocks): the runner that
+keeps the layout (``flashinfer_trtllm``, ``triton_kernels``), ``FusedMoE`` with ``E + R``
+physical slots and SGLang's ``ExpertLocationMetadata`` of the placement, or an ``Fp8Config``;
+``begin_update`` / ``end_update`` run SGLang's own ``restore_weights_before_loading`` /
+``postprocess_weights`` (what ``begin_weight_update`` / ``end_weight_update`` call), so the
+TRT-LLM BF16 block layout really is applied after every update and undone before the next.
+
 Claims (:data:`Capabilities`): formats ``compat`` and ``direct`` for both, ``hf_fused`` only for
 Qwen3.5 (Qwen3-MoE's ``load_weights`` has no fused-experts branch: ``experts.gate_up_proj``
 matches no mapping and is skipped silently). Never ``packed`` (no stock path). Every order and
@@ -338,7 +345,7 @@ class _SGLangModelLoader:
         if up_first != (topology.order == "up_gate"):
             raise SGLangPlacementError(f"runner {runner} stores up first={up_first}, receiver "
                                        f"order is {topology.order!r}")
-        from pytest_weightsync.reference_impl.layout import fused_name, receiver_param_shapes
+        from pytest_weightsync.reference_impl.layout import receiver_param_shapes
 
         shapes = {name: (shape, spec.dtype)
                   for name, shape in receiver_param_shapes(spec, topology, rank).items()}
