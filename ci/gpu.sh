@@ -10,7 +10,8 @@
 #          skip there and are listed as "not run: needs 2 GPUs", not as failures.
 #   two    the files with two-GPU tests, with the first two GPUs visible (when there are two;
 #          otherwise the stage is listed as not run)
-#   bench  benchmarks/bench_expert_sync.py --device cuda on one GPU, bench_gather.py on two
+#   bench  benchmarks/bench_expert_sync.py and bench_e2e.py --device cuda on one GPU,
+#          bench_gather.py on two
 #
 # Stage one also runs the GPU throughput guard (suites/selftest/test_throughput_guard.py -m gpu): its
 # ratios are saved as RESULTS_DIR/h200.json and compared with ci/baselines/h200.json (tolerance
@@ -214,6 +215,7 @@ ONE_GPU_FILES=(
     "suites/selftest/test_gpu_engine_layouts.py 120"
     "suites/selftest/test_fastcopy.py 120"
     "suites/selftest/test_gpu_ipc.py 240"
+    "suites/selftest/test_e2e_sync.py 180"
     "suites/selftest/test_gpu_nccl.py 60"
     "tests/test_ranks_gpu.py 90"
 )
@@ -300,6 +302,21 @@ if has_stage bench; then
         fi
     else
         say "   benchmarks/bench_expert_sync.py not present"
+    fi
+    if [ -f benchmarks/bench_e2e.py ]; then
+        left=$(remaining); limit=360; [ "$left" -lt "$limit" ] && limit=$((left - 5))
+        if [ "$limit" -lt 60 ]; then
+            say "   bench_e2e.py: not run, the overall limit is spent"; STATUS=1
+        else
+            say "-- bench_e2e.py --device cuda (1 GPU, 40 Qwen3.5-35B-A3B layers, ~130 GiB; limit ${limit}s)"
+            start=$(date +%s)
+            CUDA_VISIBLE_DEVICES=0 timeout -k 15 "$limit" "$PYTHON" benchmarks/bench_e2e.py \
+                --device cuda --json "$RESULTS/bench_e2e.json" >"$RESULTS/bench_e2e.log" 2>&1
+            rc=$?
+            grep -E "^(registered|per_update)|BIT CHECK|Error" "$RESULTS/bench_e2e.log" | sed 's/^/    /' | tee -a "$SUMMARY"
+            say "   bench_e2e.py: exit $rc after $(( $(date +%s) - start )) s"
+            [ "$rc" -ne 0 ] && STATUS=1
+        fi
     fi
     if [ -f benchmarks/bench_gather.py ]; then
         if [ "$NGPU" -ge 2 ]; then

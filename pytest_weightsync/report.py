@@ -40,7 +40,7 @@ import pytest
 from pytest_weightsync import verdict as verdicts
 from pytest_weightsync.registry import declared_registry, implementation_of, optional_names
 from pytest_weightsync.selection import Selection, SelectionRecorder, WorkerSelections
-from pytest_weightsync.vocabulary import HARDENING, PASS, PROPERTIES, VERDICTS
+from pytest_weightsync.vocabulary import HARDENING, PASS, PROPERTIES, REPORT_PROPERTIES, SPEED, VERDICTS
 
 PREFIX = "weightsync_"
 KEYS = ("implementation", "property", "topology", "format", "backend")
@@ -164,6 +164,7 @@ class TestResult:
     duration: float = 0.0
     location: Optional[tuple] = None
     file: Optional[str] = None
+    speed: dict = field(default_factory=dict)
 
     def update(self, report) -> None:
         self.phases.add(report.when)
@@ -195,7 +196,7 @@ def _failure_message(report) -> str:
 
 #: The exception name pytest puts before a skip's reason (``Skipped: ...``, or a skip kind's
 #: own class, ``NotClaimed: ...``).
-_SKIP_PREFIX = re.compile(r"^(?:[\w.]+\.)?(?:Skipped|NotClaimed|NotApplicable): ")
+_SKIP_PREFIX = re.compile(r"^(?:[\w.]+\.)?(?:Skipped|NotClaimed|NotApplicable|NoDevice): ")
 
 
 def _skip_reason(report) -> str:
@@ -273,6 +274,11 @@ class ConformanceReport:
                 result.skip_kind = str(v)
             elif k == "file":
                 result.file = str(v)
+            elif k == "speed":
+                try:
+                    result.speed.update(json.loads(v) if isinstance(v, str) else dict(v))
+                except (TypeError, ValueError):
+                    pass
         result.update(report)
 
     def pytest_collectreport(self, report) -> None:
@@ -342,7 +348,7 @@ class ConformanceReport:
         out = {}
         for impl in impls:
             outcomes = [verdicts.Outcome(r.nodeid, r.outcome, r.skip_kind, r.message,
-                                         counts=r.tags.get("property") != HARDENING)
+                                         counts=r.tags.get("property") not in REPORT_PROPERTIES)
                         for r in self.conformance() if r.tags["implementation"] == impl]
             selected = selection.selected.get(impl, []) if known and impl in selection.roles \
                 else None
@@ -382,10 +388,44 @@ class ConformanceReport:
 
     @staticmethod
     def _property_order(name: str):
-        known = tuple(p for p in PROPERTIES if p != HARDENING)
-        if name == HARDENING:
-            return (2, 0, name)
+        known = tuple(p for p in PROPERTIES if p not in REPORT_PROPERTIES)
+        if name in REPORT_PROPERTIES:
+            return (2, REPORT_PROPERTIES.index(name), name)
         return (0, known.index(name), name) if name in known else (1, 0, name)
+
+    def speed(self) -> dict:
+        """``{implementation: {format: profile}}`` recorded by the speed tests that passed."""
+        out: dict = {}
+        for r in self.conformance():
+            if r.tags.get("property") == SPEED and r.outcome == "passed" and r.speed:
+                fmt = r.speed.get("format", r.tags.get("format", "-"))
+                out.setdefault(r.tags["implementation"], {}).setdefault(fmt, {}).update(
+                    {k: v for k, v in r.speed.items() if k != "format"})
+        return out
+
+    @staticmethod
+    def _speed_cell(impl: str, speed: dict) -> str:
+        """The CPU profile next to the reference's (ops, bytes written; same formats), or the
+        GPU ratio to a plain copy."""
+        mine = speed.get(impl, {})
+        if not mine:
+            return "not run"
+        gpu = [p["gpu_ratio"] for p in mine.values() if "gpu_ratio" in p]
+        cpu = {f: p for f, p in mine.items() if "ops" in p}
+        parts = []
+        if cpu:
+            ref = speed.get("reference", {})
+            shared = [f for f in cpu if "ops" in ref.get(f, {})]
+            if impl != "reference" and shared:
+                ops = sum(cpu[f]["ops"] for f in shared) / max(1, sum(ref[f]["ops"] for f in shared))
+                written = (sum(cpu[f]["bytes_written"] for f in shared)
+                           / max(1, sum(ref[f]["bytes_written"] for f in shared)))
+                parts.append(f"{ops:.2g}x ops, {written:.2g}x bytes of ref")
+            else:
+                parts.append(f"{sum(p['ops'] for p in cpu.values())} ops / {len(cpu)} fmt")
+        if gpu:
+            parts.append(f"gpu {min(gpu):.2f}-{max(gpu):.2f}")
+        return ", ".join(parts)
 
     def findings(self) -> dict:
         """``{implementation: {(format, kind): {finding: {"topologies": [...], "detail": the
@@ -412,10 +452,13 @@ class ConformanceReport:
                              for t in texts))
         return f"refused {refused}/{len(by_key)}"
 
-    def _cell_text(self, cells, impl, prop, findings) -> str:
+    def _cell_text(self, cells, impl, prop, findings, speed=None) -> str:
         c = _topology_outcomes(cells, impl, prop)
         if not c:
             return "-"
+        if prop == SPEED:
+            text = self._speed_cell(impl, speed if speed is not None else self.speed())
+            return f"{text}, {c['failed']} failed" if c["failed"] else text
         if prop == HARDENING:
             text = self._hardening_cell(findings.get(impl, {}))
             return f"{text}, {c['failed']} failed" if c["failed"] else text
@@ -459,9 +502,11 @@ class ConformanceReport:
             lines.append("=" * 20 + " weightsync conformance matrix " + "=" * 20)
             lines.append(f"cells: topologies passed / failed / skipped (of {len(topos)} "
                          f"topologies; a topology fails when any of its tests fails; 'not run': "
-                         f"no case ran). The verdict counts every property but {HARDENING}, and "
-                         f"only what ran: one of {', '.join(VERDICTS)}.")
-            cell_text = {(impl, p): self._cell_text(cells, impl, p, findings)
+                         f"no case ran). The verdict counts every property but "
+                         f"{' and '.join(REPORT_PROPERTIES)} (reports), and only what ran: one "
+                         f"of {', '.join(VERDICTS)}.")
+            speed = self.speed()
+            cell_text = {(impl, p): self._cell_text(cells, impl, p, findings, speed)
                          for impl in impls for p in props}
             verdict = {impl: self.verdict(impl) for impl in impls}
             first = max([len("implementation")] + [len(i) for i in impls])
@@ -607,8 +652,8 @@ class ConformanceReport:
                 "details": list(v.details) if v is not None else [],
                 "outcome": _worst(_worst(t.outcome for t in tests)
                                   for (i, p, _), tests in cells.items()
-                                  if i == name and p != HARDENING),
-                "not_run": [p for p in props if p != HARDENING
+                                  if i == name and p not in REPORT_PROPERTIES),
+                "not_run": [p for p in props if p not in REPORT_PROPERTIES
                             and (name, p) in {(i, q) for (i, q, _) in cells}
                             and not _topology_outcomes(cells, name, p)["passed"]],
                 "hardening": self._hardening_cell(findings.get(name, {})),
@@ -657,6 +702,7 @@ class ConformanceReport:
             "cells": cell_list,
             "failures": failures,
             "backends": self.backends(),
+            "speed": self.speed(),
             "hardening": {impl: [{"format": fmt, "kind": kind, "findings": [
                 {"finding": text, **entry} for text, entry in texts.items()]}
                 for (fmt, kind), texts in sorted(by_key.items())]

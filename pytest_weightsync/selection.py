@@ -27,7 +27,7 @@ from typing import Optional
 import pytest
 
 from pytest_weightsync.registry import IMPL_FIXTURES, Registered
-from pytest_weightsync.vocabulary import CONFORMANCE_MODULES
+from pytest_weightsync.vocabulary import CONFORMANCE_MODULES, REPORT_PROPERTIES
 
 WORKEROUTPUT_KEY = "weightsync_selection"
 
@@ -78,6 +78,11 @@ def _entry(item: pytest.Item) -> Optional[Registered]:
     return None
 
 
+def _property(item: pytest.Item) -> Optional[str]:
+    marker = item.get_closest_marker("weightsync_property")
+    return None if marker is None or not marker.args else str(marker.args[0])
+
+
 def conformance_module(item: pytest.Item) -> Optional[str]:
     """The shipped conformance module ``item`` belongs to (``test_loader``, ...), else ``None``."""
     module = getattr(item, "module", None)
@@ -116,7 +121,8 @@ class SelectionRecorder:
     def pytest_deselected(self, items) -> None:
         for item in items:
             self.selection.deselected_total += 1
-            self._count(item, self.selection.deselected, ids=False)
+            if _property(item) not in REPORT_PROPERTIES:  # deselecting a report leaves no claim out
+                self._count(item, self.selection.deselected, ids=False)
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:

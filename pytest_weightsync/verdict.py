@@ -14,7 +14,9 @@ run was interrupted. Words (``pytest_weightsync.vocabulary``), worst first:
                  collected (a narrower path, ``--lf`` skipping files), or claimed cases skipped
                  for a reason outside the claims (a package that is not installed);
 ``NOT RUN``      no case ran at all (everything skipped as not claimed);
-``PASS``         every selected case ran to a result, none failed, no claimed case was left out.
+``PASS``         every selected case ran to a result, none failed, no claimed case was left out
+                 (cases that need a GPU the machine lacks are listed: "PASS (12 GPU case(s)
+                 not run here: ...)" certifies what ran, and says what did not).
 
 A test counts as run only when its call phase reported (or its setup skipped or failed): a
 test whose setup passed and that never reached its call - the Ctrl-C case - did not run.
@@ -33,6 +35,7 @@ from pytest_weightsync.vocabulary import (
     NOT_RUN,
     PARTIAL,
     PASS,
+    SKIP_NO_DEVICE,
     SKIP_NOT_APPLICABLE,
     SKIP_UNCLAIMED,
 )
@@ -52,7 +55,8 @@ class Outcome:
     outcome: str
     skip_kind: Optional[str] = None
     reason: str = ""
-    #: False for a report-only test (hardening): it must run, but its pass proves no property
+    #: False for a report-only test (hardening, speed): its failure fails the verdict, but its
+    #: pass proves no property and its skip leaves nothing claimed out
     counts: bool = True
 
 
@@ -65,7 +69,7 @@ class Verdict:
 
     def __str__(self) -> str:
         if self.word == PASS:
-            return PASS
+            return PASS + (f" ({'; '.join(self.details)})" if self.details else "")
         if self.word == NOT_RUN:
             return f"{NOT_RUN} ({'; '.join(self.details) or 'no case ran'})"
         inner = f"{self.ran}/{self.total} ran" + ("; " + "; ".join(self.details)
@@ -91,8 +95,10 @@ def decide(outcomes: list[Outcome], *, selected: Optional[list] = None, deselect
     unreached = len(wanted) - len(done)
     total = len(wanted) + deselected
     failed = [o for o in done if o.outcome == "failed"]
-    claimed_skips = [o for o in done if o.outcome == "skipped"
-                     and o.skip_kind not in OUTSIDE_CLAIMS]
+    claimed_skips = [o for o in done if o.outcome == "skipped" and o.counts
+                     and o.skip_kind not in OUTSIDE_CLAIMS and o.skip_kind != SKIP_NO_DEVICE]
+    no_device = [o for o in done if o.outcome == "skipped" and o.counts
+                 and o.skip_kind == SKIP_NO_DEVICE]
     ran_cases = [o for o in done if o.outcome in ("passed", "failed") and o.counts]
 
     details = []
@@ -112,6 +118,8 @@ def decide(outcomes: list[Outcome], *, selected: Optional[list] = None, deselect
         details.append(f"{len(claimed_skips)} claimed case(s) skipped: {shown}{more}")
     if not selection_known:
         details.append("selection unknown (a worker went down before reporting it)")
+    device_note = (f"{len(no_device)} GPU case(s) not run here: {no_device[0].reason}"
+                   if no_device else "")
 
     if failed:
         word = FAIL
@@ -121,8 +129,11 @@ def decide(outcomes: list[Outcome], *, selected: Optional[list] = None, deselect
         word = PARTIAL
     elif not ran_cases:
         word = NOT_RUN
-        details = ["every case was skipped as not claimed" if done else "no case was selected"]
+        details = ([device_note] if no_device else
+                   ["every case was skipped as not claimed" if done else "no case was selected"])
     else:
         word = PASS
-        details = []
+        details = [device_note] if device_note else []
+    if device_note and word != PASS and device_note not in details:
+        details.append(device_note)
     return Verdict(word, ran=len(done), total=total, details=details)

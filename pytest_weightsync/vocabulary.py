@@ -83,9 +83,15 @@ PROPERTIES = {
     "fallback_routing": None,  # loaders and exporters
     "engine_layout": "loader",
     "hardening": "loader",
+    "speed": "loader",
 }
 #: The property whose tests record findings (strictness on bad input), never a verdict.
 HARDENING = "hardening"
+#: The property whose tests record what an update costs (ops, bytes, ratios), never a verdict.
+SPEED = "speed"
+#: Report-only properties: their failures fail the verdict, nothing else of theirs counts
+#: (a skipped GPU speed probe on a CPU machine does not make a verdict PARTIAL).
+REPORT_PROPERTIES = (HARDENING, SPEED)
 
 #: The shipped conformance modules (package ``suites.conformance``, installed as
 #: ``pytest_weightsync.suites.conformance``) and the roles whose implementations each one
@@ -96,6 +102,7 @@ CONFORMANCE_MODULES = {
     "test_exporter": ("exporter",),
     "test_distributed_exporter": ("distributed_exporter",),
     "test_random": ("loader", "exporter"),
+    "test_speed": ("loader",),
 }
 
 #: Verdict words, best first. PASS: every case the implementation claims was selected and
@@ -109,5 +116,9 @@ VERDICTS = (PASS, FAIL, PARTIAL, INTERRUPTED, NOT_RUN)
 
 #: Skip kinds a conformance test reports (``weightsync_skip`` user property). ``unclaimed``
 #: and ``not_applicable`` are outside what the implementation claims and do not hold the
-#: verdict back; ``not_run`` (anything else, e.g. a missing package) does.
+#: verdict back; ``no_device`` is listed but does not either; ``not_run`` (anything else,
+#: e.g. a missing package) does.
 SKIP_UNCLAIMED, SKIP_NOT_APPLICABLE, SKIP_NOT_RUN = "unclaimed", "not_applicable", "not_run"
+#: A skip because the machine lacks the GPUs a case needs (the ``gpu`` marker): listed in the
+#: verdict as not run here, without making it PARTIAL.
+SKIP_NO_DEVICE = "no_device"

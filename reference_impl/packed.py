@@ -16,7 +16,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from pytest_weightsync.reference_impl import fastcopy
+from pytest_weightsync.reference_impl import fastcopy, zerocopy
 from pytest_weightsync.reference_impl.layout import (
     ExpertWeights,
     MoESpec,
@@ -25,26 +25,49 @@ from pytest_weightsync.reference_impl.layout import (
     gate_up_halves,
     packed_shape,
 )
+from pytest_weightsync.reference_impl.zerocopy import staging_tensor
 
 
-def export_layer(spec: MoESpec, layer: int, experts: Sequence[ExpertWeights], order: str,
-                 device=None) -> list[tuple[str, torch.Tensor]]:
-    """``[(w13 name, [E, 2I, H]), (w2 name, [E, H, I])]`` of one layer in ``order``."""
+def layer_payload(spec: MoESpec, layer: int, experts: Sequence[ExpertWeights], order: str,
+                  device=None, alloc=None) -> tuple[list[tuple[str, torch.Tensor]], list]:
+    """The layer's payload ``[(w13 name, [E, 2I, H]), (w2 name, [E, H, I])]`` in ``order`` and
+    the ``(dst, src)`` pairs still to be copied into it. A tensor whose sources already lie in
+    its layout in one storage is a view of them (:func:`zerocopy.tiled_view`: no pairs);
+    otherwise it is a staging tensor from ``alloc(shape, dtype, device, zero)`` (default
+    ``torch.empty``) that the pairs fill."""
     if len(experts) != spec.num_experts:
         raise WeightSyncError(f"packed export of layer {layer} needs all {spec.num_experts} "
                               f"experts, got {len(experts)}")
     device = experts[0].gate.device if device is None else device
-    w13 = torch.empty(packed_shape(spec, "w13"), dtype=spec.dtype, device=device)
-    w2 = torch.empty(packed_shape(spec, "w2"), dtype=spec.dtype, device=device)
+    alloc = alloc or staging_tensor
     first, second = gate_up_halves(order)
     size = spec.intermediate
+    w13_shape, w2_shape = packed_shape(spec, "w13"), packed_shape(spec, "w2")
+    w13 = zerocopy.tiled_view([w[p] for w in experts for p in (first, second)], w13_shape,
+                              spec.dtype, device)
+    w2 = zerocopy.tiled_view([w.down for w in experts], w2_shape, spec.dtype, device)
+    stage13, stage2 = w13 is None, w2 is None
+    if stage13:
+        w13 = alloc(w13_shape, spec.dtype, device, False)
+    if stage2:
+        w2 = alloc(w2_shape, spec.dtype, device, False)
     pairs = []
     for e, weights in enumerate(experts):
-        pairs.append((w13[e, :size], weights[first]))
-        pairs.append((w13[e, size:], weights[second]))
-        pairs.append((w2[e], weights.down))
+        if stage13:
+            pairs.append((w13[e, :size], weights[first]))
+            pairs.append((w13[e, size:], weights[second]))
+        if stage2:
+            pairs.append((w2[e], weights.down))
+    return [(fused_name(layer, "w13"), w13), (fused_name(layer, "w2"), w2)], pairs
+
+
+def export_layer(spec: MoESpec, layer: int, experts: Sequence[ExpertWeights], order: str,
+                 device=None) -> list[tuple[str, torch.Tensor]]:
+    """``[(w13 name, [E, 2I, H]), (w2 name, [E, H, I])]`` of one layer in ``order``: views of
+    the trainer's memory where it already has this layout, else filled staging tensors."""
+    entries, pairs = layer_payload(spec, layer, experts, order, device)
     fastcopy.copy_pairs(pairs)
-    return [(fused_name(layer, "w13"), w13), (fused_name(layer, "w2"), w2)]
+    return entries
 
 
 def export(spec: MoESpec, full: Mapping[int, Sequence[ExpertWeights]], order: str,

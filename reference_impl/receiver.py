@@ -205,7 +205,7 @@ class ReferenceReceiver:
     replaces ``device``); other entries are ignored."""
 
     def __init__(self, spec: MoESpec, topo: ReceiverTopology, rank: int, device="cpu",
-                 params: Optional[Mapping[str, torch.Tensor]] = None):
+                 params: Optional[Mapping[str, torch.Tensor]] = None, plan_cache: bool = False):
         self.spec = spec
         self.topo = topo
         self.rank = rank
@@ -223,6 +223,13 @@ class ReferenceReceiver:
         first = next(iter(self.params.values()), None)
         self.device = first.device if first is not None else torch.device(device)
         self._update: Optional[UpdateState] = None
+        #: With ``plan_cache``: buckets validated and planned once, replayed when they come
+        #: again at the same addresses (:mod:`pytest_weightsync.reference_impl.plan_cache`).
+        self.plan_cache = None
+        if plan_cache:
+            from pytest_weightsync.reference_impl.plan_cache import LoadCache
+
+            self.plan_cache = LoadCache()
 
     # -- the hooks a loader variant would change ----------------------------------------------
 
@@ -307,11 +314,17 @@ class ReferenceReceiver:
         """Validate the whole bucket, then write it in place. Returns the executed plan."""
         update = self._update
         try:
-            plan = self.plan(payload, load_format)
+            if self.plan_cache is not None:
+                plan = self.plan_cache.load(self, payload, load_format,
+                                            update.seen if update is not None else {},
+                                            update.offered if update is not None else 0)
+            else:
+                plan = self.plan(payload, load_format)
         except BaseException:
             self.refuse_bucket()
             raise
-        self._apply(plan)
+        if self.plan_cache is None:
+            self._apply(plan)
         if update is not None:
             update.seen.update(plan.units)
             update.offered += 1

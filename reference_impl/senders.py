@@ -39,3 +39,28 @@ def export(fmt: str, spec, receiver, rank: int, full: Mapping[int, Sequence],
     if fmt == "packed":
         return packed.export(spec, full, receiver.order, layers)
     return direct.export(spec, receiver, rank, full, layers)
+
+
+def layer_payload(fmt: str, spec, receiver, rank: int, full: Mapping[int, Sequence], layer: int,
+                  alloc=None) -> tuple[list, list]:
+    """One layer of the ``fmt`` payload for receiver ``rank`` and the ``(dst, src)`` pairs
+    still to be copied into it: fused tensors are views of the trainer's memory where it
+    already has their layout (:mod:`pytest_weightsync.reference_impl.zerocopy`), else staging
+    tensors from ``alloc(shape, dtype, device, zero)`` (default: fresh ones) that the pairs
+    fill; ``compat`` sends the trainer's tensors themselves (no pairs)."""
+    check_format(fmt)
+    from pytest_weightsync.reference_impl import compat, direct, hf_fused, packed
+
+    if fmt == "compat":
+        return compat.export(full, [layer]), []
+    if fmt == "hf_fused":
+        return hf_fused.layer_payload(layer, full[layer], alloc=alloc)
+    if fmt == "packed":
+        return packed.layer_payload(spec, layer, full[layer], receiver.order, alloc=alloc)
+    return direct.layer_payload(spec, receiver, rank, layer, full[layer], alloc=alloc)
+
+
+def rank_independent(fmt: str) -> bool:
+    """Whether every receiver rank gets the same ``fmt`` payload (all but ``direct``)."""
+    check_format(fmt)
+    return fmt != "direct"

@@ -42,13 +42,26 @@ _M32 = 0xFFFFFFFF
 _PROJ_ID = {p: i for i, p in enumerate(PROJECTIONS)}
 
 
+def _s32(value: int) -> int:
+    """A Python int's low 32 bits as a signed 32-bit value (an int32 tensor's literal)."""
+    value &= _M32
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _lsr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical shift right of int32 bit patterns (``>>`` on int32 sign-extends)."""
+    return (x >> n) & ((1 << (32 - n)) - 1)
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finalizer (lowbias32) on int64 tensors holding values < 2**32."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
+    """A 32-bit integer finalizer (lowbias32) on int32 bit patterns. int32 multiplication
+    wraps modulo 2**32 like the unsigned arithmetic the hash is defined in, and int32 tensors
+    halve the memory traffic of int64 ones: the value function is twice as fast."""
+    x = x ^ _lsr(x, 16)
+    x = x * _s32(0x7FEB352D)
+    x = x ^ _lsr(x, 15)
+    x = x * _s32(0x846CA68B)
+    return x ^ _lsr(x, 16)
 
 
 def _scalar_key(seed: int, layer: int, expert: int, projection: str) -> int:
@@ -75,25 +88,34 @@ def version_mask(version: int) -> int:
 
 def bf16_bits(seed: int, version: int, layer: int, expert: int, projection: str,
               rows: torch.Tensor, cols: torch.Tensor, finite: bool = False) -> torch.Tensor:
-    """int64 tensor ``[len(rows), len(cols)]`` of the 16-bit patterns at those coordinates.
+    """int32 tensor ``[len(rows), len(cols)]`` of the 16-bit patterns at those coordinates.
 
     ``finite=True``: finite normal values with exponents in ``[2^-14, 2^15]`` (exact in FP16,
     safe to compute with); otherwise the full spread described in the module docstring.
     Pure tensor ops on ``rows``' device (no per-element Python)."""
-    key = _scalar_key(seed, layer, expert, projection)
-    r = rows.to(torch.int64).reshape(-1, 1)
-    c = cols.to(torch.int64).reshape(1, -1).to(r.device)
-    x = (key + r * 0x2545F491 + c * 0x9E3779B1) & _M32
-    x = _mix32(_mix32(x) ^ (r << 20 & _M32) ^ c)
+    key = _s32(_scalar_key(seed, layer, expert, projection))
+    r = rows.to(torch.int32).reshape(-1, 1)
+    c = cols.to(torch.int32).reshape(1, -1).to(r.device)
+    return _bits_at(key, version, r, c, finite)
+
+
+def _bits_at(key, version: int, r: torch.Tensor, c: torch.Tensor, finite: bool) -> torch.Tensor:
+    """The hash of :func:`bf16_bits` for int32 coordinates ``r``, ``c`` and ``key`` (a signed
+    32-bit Python int, or an int32 tensor of per-expert keys), all broadcast against each
+    other. Every operation is on 32-bit patterns: the result equals the same hash computed
+    in unsigned 32-bit arithmetic (``suites/selftest/test_mutations_values.py`` checks it
+    against a plain Python evaluation)."""
+    x = r * _s32(0x2545F491) + c * _s32(0x9E3779B1) + key
+    x = _mix32(_mix32(x) ^ (r << 20) ^ c)
     sign_mantissa = x & 0x807F  # bits 0-6 and 15: location-derived sign and mantissa
     if finite:
-        exponent = 0x71 + ((x >> 7) & 0xFF) % 30  # biased 113..142: normal in bf16 and fp16
+        exponent = 0x71 + (_lsr(x, 7) & 0xFF) % 30  # biased 113..142: normal in bf16 and fp16
         return (sign_mantissa | (exponent << 7)) ^ version_mask(version)
-    exponent = 1 + ((x >> 7) & 0xFF) % 254  # every finite binade, 2^-126 .. 2^127
+    exponent = 1 + (_lsr(x, 7) & 0xFF) % 254  # every finite binade, 2^-126 .. 2^127
     bits = (sign_mantissa | (exponent << 7)) ^ version_mask(version)
     # Special classes: the slot rotates with the version, so one place never holds the same
     # special pattern in two versions (and a special never equals a normal: exponent field).
-    slot = ((x >> 16) + version) & 0xFF
+    slot = (_lsr(x, 16) + version) & 0xFF
     sign = x & 0x8000
     rotated = 1 + ((x & 0x7F) + slot) % 127  # non-zero mantissa, distinct per slot in a class
     bits = torch.where(slot < _ZERO_SLOTS, slot << 15, bits)  # +0, -0
@@ -102,6 +124,17 @@ def bf16_bits(seed: int, version: int, layer: int, expert: int, projection: str,
     bits = torch.where((slot >= _INF_END) & (slot < _SUBNORMAL_END), sign | rotated, bits)
     bits = torch.where((slot >= _SUBNORMAL_END) & (slot < _NAN_END), sign | 0x7F80 | rotated, bits)
     return bits
+
+
+def expert_bits(seed: int, version: int, layer: int, experts, projection: str,
+                rows: torch.Tensor, cols: torch.Tensor, finite: bool = False) -> torch.Tensor:
+    """int32 tensor ``[len(experts), len(rows), len(cols)]``: :func:`bf16_bits` of several
+    experts of one layer and projection at once (the same bits, one set of launches)."""
+    keys = torch.tensor([_s32(_scalar_key(seed, layer, e, projection)) for e in experts],
+                        dtype=torch.int32, device=rows.device).reshape(-1, 1, 1)
+    r = rows.to(torch.int32).reshape(1, -1, 1)
+    c = cols.to(torch.int32).reshape(1, 1, -1).to(r.device)
+    return _bits_at(keys, version, r, c, finite)
 
 
 def _bits_to_dtype(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -119,6 +152,26 @@ def expert_block(spec: MoESpec, version: int, layer: int, expert: int, projectio
     finite = finite or spec.dtype not in _HOLDS_EVERY_BF16
     return _bits_to_dtype(bf16_bits(seed, version, layer, expert, projection, rows, cols,
                                     finite), spec.dtype)
+
+
+def expert_blocks(spec: MoESpec, version: int, layer: int, experts, projection: str,
+                  rows: torch.Tensor, cols: torch.Tensor, seed: int = 0,
+                  finite: bool = False) -> torch.Tensor:
+    """:func:`expert_block` of several experts of one layer at once:
+    ``[len(experts), len(rows), len(cols)]``, the same values as stacking them."""
+    finite = finite or spec.dtype not in _HOLDS_EVERY_BF16
+    return _bits_to_dtype(expert_bits(seed, version, layer, experts, projection, rows, cols,
+                                      finite), spec.dtype)
+
+
+#: Elements one batch of :func:`expert_blocks` computes in the grouped builders and checks:
+#: bounds its int64 temporaries (~10 of them) to a few GiB whatever the model's size.
+BATCH_ELEMENTS = 1 << 25
+
+
+def experts_per_batch(elements_per_expert: int) -> int:
+    """How many experts one :func:`expert_blocks` batch takes (at least one)."""
+    return max(1, BATCH_ELEMENTS // max(1, elements_per_expert))
 
 
 # Device handling: every function below takes ``device`` and builds its index tensors there,
@@ -152,6 +205,33 @@ def full_weights(spec: MoESpec, version: int, seed: int = 0,
             for layer in layers}
 
 
+def grouped_full_weights(spec: MoESpec, version: int, seed: int = 0, layers=None, *,
+                         device=None, finite: bool = False) -> dict[int, tuple[ExpertWeights, ...]]:
+    """:func:`full_weights` (the same bits) laid out the way a grouped-GEMM trainer holds its
+    experts: per layer one fc1 buffer ``[E, 2I, H]`` (``[gate; up]`` per expert) and one fc2
+    buffer ``[E, H, I]``, every :class:`ExpertWeights` tensor a view into them. Payloads whose
+    tensors keep this layout are shared without a staging copy
+    (:mod:`pytest_weightsync.reference_impl.zerocopy`); built in batches of experts, so a
+    whole model on a GPU takes seconds, not the minutes of one launch group per expert."""
+    layers = range(spec.num_layers) if layers is None else layers
+    size, hidden, n = spec.intermediate, spec.hidden, spec.num_experts
+    rows_i, cols_h = torch.arange(size, device=device), torch.arange(hidden, device=device)
+    out = {}
+    for layer in layers:
+        fc1 = torch.empty((n, 2 * size, hidden), dtype=spec.dtype, device=device)
+        fc2 = torch.empty((n, hidden, size), dtype=spec.dtype, device=device)
+        step = experts_per_batch(size * hidden)
+        for start in range(0, n, step):
+            chosen = range(start, min(n, start + step))
+            for half, projection in enumerate(("gate", "up")):
+                fc1[chosen.start:chosen.stop, half * size:(half + 1) * size] = expert_blocks(
+                    spec, version, layer, chosen, projection, rows_i, cols_h, seed, finite)
+            fc2[chosen.start:chosen.stop] = expert_blocks(
+                spec, version, layer, chosen, "down", cols_h, rows_i, seed, finite)
+        out[layer] = tuple(ExpertWeights(fc1[e, :size], fc1[e, size:], fc2[e]) for e in range(n))
+    return out
+
+
 def expected_receiver_params(spec: MoESpec, topo: ReceiverTopology, rank: int, version: int,
                              seed: int = 0, *, device=None,
                              finite: bool = False) -> dict[str, torch.Tensor]:
@@ -180,33 +260,52 @@ def expected_receiver_params(spec: MoESpec, topo: ReceiverTopology, rank: int, v
     return out
 
 
-#: Elements per poison chunk: bounds the int64 temporaries of :func:`bf16_bits` (~10 of them)
-#: to a few hundred MiB whatever the tensor's size.
-POISON_CHUNK = 1 << 24
+#: Period of the poison pattern, in elements: the pattern is one tile of this many hashed
+#: values repeated, so poisoning costs a copy, not a hash per element (a 36 MiB layer in
+#: milliseconds). An element's poison depends only on its flat index.
+POISON_TILE = 1 << 16
+_TILES: dict = {}
 
 
 def poison_values(start: int, stop: int, dtype: torch.dtype, seed: int = 0xBAD,
                   device=None) -> torch.Tensor:
     """Flat elements ``start .. stop - 1`` of the poison pattern, on ``device``."""
-    flat = torch.arange(start, stop, device=device)
-    bits = bf16_bits(seed, 0x55, -1, -1, "gate", flat,
-                     torch.zeros(1, dtype=torch.int64, device=device),
-                     finite=True)  # non-zero, finite: never equal to zero padding
-    return _bits_to_dtype(bits.reshape(-1), dtype)
+    tile = _poison_tile(dtype, seed, device)
+    index = torch.arange(start, stop, device=tile.device) % POISON_TILE
+    return tile[index]
+
+
+def _poison_tile(dtype: torch.dtype, seed: int, device) -> torch.Tensor:
+    key = (dtype, seed, POISON_TILE, str(torch.device(device) if device is not None else "cpu"))
+    tile = _TILES.get(key)
+    if tile is None:
+        flat = torch.arange(POISON_TILE, device=device)
+        bits = bf16_bits(seed, 0x55, -1, -1, "gate", flat,
+                         torch.zeros(1, dtype=torch.int64, device=device),
+                         finite=True)  # non-zero, finite: never equal to zero padding
+        tile = _TILES[key] = _bits_to_dtype(bits.reshape(-1), dtype)
+    return tile
 
 
 def poison_(tensor: torch.Tensor, seed: int = 0xBAD) -> torch.Tensor:
     """Fill ``tensor`` in place with an unrelated non-zero pattern, so an element a loader
     forgot to write (or a padding tail it forgot to zero) does not equal its expected value
-    by luck of a zero-initialised buffer. The pattern is built on the tensor's own device,
-    in bounded chunks, and depends only on each element's flat index."""
+    by luck of a zero-initialised buffer. The pattern is built on the tensor's own device and
+    depends only on each element's flat index (:data:`POISON_TILE`)."""
     with torch.no_grad():
-        flat = tensor.view(-1) if tensor.is_contiguous() else None
         n = tensor.numel()
-        if flat is None:  # strided: build whole, copy once (small tensors in practice)
+        if n == 0:
+            return tensor
+        tile = _poison_tile(tensor.dtype, seed, tensor.device)
+        if not tensor.is_contiguous():  # strided: build whole, copy once (small in practice)
             tensor.copy_(poison_values(0, n, tensor.dtype, seed, tensor.device).view(tensor.shape))
             return tensor
-        for start in range(0, n, POISON_CHUNK):
-            stop = min(n, start + POISON_CHUNK)
-            flat[start:stop].copy_(poison_values(start, stop, tensor.dtype, seed, tensor.device))
+        flat = tensor.view(-1)
+        whole = n // POISON_TILE
+        if whole:
+            flat[:whole * POISON_TILE].view(whole, POISON_TILE).copy_(
+                tile.expand(whole, POISON_TILE))
+        rest = n - whole * POISON_TILE
+        if rest:
+            flat[whole * POISON_TILE:].copy_(tile[:rest])
     return tensor

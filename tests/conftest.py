@@ -19,3 +19,54 @@ def _no_optional_builtins_in_pytester(request: pytest.FixtureRequest,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     if "pytester" in request.fixturenames:
         monkeypatch.setenv(OPTIONAL_BUILTINS_ENV, "none")
+
+
+class ShippedSuites:
+    """A copy of the shipped suites (conformance modules and harness, no self-tests) in a
+    fresh directory, run in ``pytest -p weightsync`` subprocesses there, with that directory on
+    ``PYTHONPATH`` (for test-local implementation modules) and no optional built-in rows."""
+
+    def __init__(self, path):
+        import shutil
+        from pathlib import Path
+
+        repo = Path(__file__).resolve().parents[1]
+        self.path = path
+        shutil.copytree(repo / "suites", path / "suites",
+                        ignore=shutil.ignore_patterns("selftest", "__pycache__"))
+
+    def env(self, **extra) -> dict:
+        import os
+
+        env = dict(os.environ, WEIGHTSYNC_OPTIONAL_BUILTINS="none",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(self.path),
+                                                            os.environ.get("PYTHONPATH")])))
+        env.pop("PYTEST_XDIST_WORKER", None)
+        env.update(extra)
+        return env
+
+    def command(self, *args: str) -> list:
+        import sys
+
+        return [sys.executable, "-m", "pytest", "-p", "weightsync", "-q",
+                "--weightsync-report", "report.json", *args]
+
+    def run(self, *args: str, timeout: float = 300, **env):
+        import subprocess
+
+        return subprocess.run(self.command(*args), cwd=self.path, env=self.env(**env),
+                              capture_output=True, text=True, timeout=timeout)
+
+    def report(self) -> dict:
+        import json
+
+        return json.loads((self.path / "report.json").read_text())
+
+    def verdicts(self) -> dict:
+        return {i["name"]: i for i in self.report()["implementations"]}
+
+
+@pytest.fixture
+def shipped(tmp_path) -> ShippedSuites:
+    """The shipped suites in a fresh directory (see :class:`ShippedSuites`)."""
+    return ShippedSuites(tmp_path)

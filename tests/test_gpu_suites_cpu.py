@@ -202,21 +202,27 @@ def test_weights_oracle_and_poison_at_qwen35_sizes_are_built_on_the_target_devic
     buffer = torch.empty(qwen.num_experts, 2 * qwen.intermediate, qwen.hidden, dtype=qwen.dtype, device="meta")
     assert synth.poison_(buffer) is buffer
     assert seen and set(seen) == {("meta", "meta")}, sorted(set(seen))
-    chunks = -(-buffer.numel() // synth.POISON_CHUNK)
-    # full weights: 3 per expert; MoE-TP rank 1 holds every expert: 3 each; poison: per chunk
-    assert len(seen) == 3 * spec.num_experts + 3 * spec.num_experts + chunks
+    # full weights: 3 per expert; MoE-TP rank 1 holds every expert: 3 each; poison: one tile
+    # per (dtype, device), hashed once and then copied (none when this process made it before)
+    assert len(seen) - 6 * spec.num_experts in (0, 1), len(seen)
 
 
-def test_poison_built_in_chunks_is_the_pattern_of_each_flat_index(monkeypatch):
-    """Chunking bounds the poison's temporaries; the pattern must not depend on the chunk size
-    (the GPU suite compares GPU slices against ``poison_values``) nor on the tensor's strides."""
+def test_poison_is_the_pattern_of_each_flat_index(monkeypatch):
+    """The poison is one hashed tile repeated: it must depend on the flat index alone - not
+    on where a tile boundary falls in the buffer (the GPU suite compares GPU slices against
+    ``poison_values``), nor on the tensor's strides or dtype."""
     whole = synth.poison_(torch.empty(5, 7, 11, dtype=torch.bfloat16))
     assert torch.equal(whole.view(torch.int16).reshape(-1),
                        synth.poison_values(0, 385, torch.bfloat16).view(torch.int16))
     assert not (whole == 0).any(), "the poison must never equal zero padding"
-    monkeypatch.setattr(synth, "POISON_CHUNK", 16)
-    chunked = synth.poison_(torch.empty(5, 7, 11, dtype=torch.bfloat16))
-    h.assert_bits_equal(chunked, whole, "poison in 16-element chunks")
+    monkeypatch.setattr(synth, "POISON_TILE", 16)  # many tiles, and a partial one at the end
+    tiled = synth.poison_(torch.empty(5, 7, 11, dtype=torch.bfloat16))
+    h.assert_bits_equal(tiled.reshape(-1), synth.poison_values(0, 385, torch.bfloat16),
+                        "poison across 16-element tiles")
+    h.assert_bits_equal(tiled.reshape(-1)[21:40], synth.poison_values(21, 40, torch.bfloat16),
+                        "a slice straddling a tile boundary")
+    assert len(set(tiled.reshape(-1)[:16].view(torch.int16).tolist())) > 8, "a varied tile"
+    monkeypatch.undo()
     strided = torch.empty(11, 7, 5, dtype=torch.bfloat16).permute(2, 1, 0)
     synth.poison_(strided)
     h.assert_bits_equal(strided.contiguous(), whole, "poison of a non-contiguous view")

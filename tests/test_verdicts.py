@@ -21,18 +21,13 @@ from __future__ import annotations
 
 import json
 import re
-import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SHIPPED = shutil.ignore_patterns("selftest", "__pycache__")
 
 TOY_IMPLS = '''
 import time
@@ -103,19 +98,10 @@ class WrongSignature(Tiny):
 
 
 @pytest.fixture
-def suites(tmp_path: Path) -> Path:
-    """The shipped suites plus ``toyimpls.py`` in a fresh directory."""
-    shutil.copytree(REPO / "suites", tmp_path / "suites", ignore=SHIPPED)
-    (tmp_path / "toyimpls.py").write_text(TOY_IMPLS)
-    return tmp_path
-
-
-def _env(work: Path, **extra) -> dict:
-    env = dict(os.environ, WEIGHTSYNC_OPTIONAL_BUILTINS="none",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(work), os.environ.get("PYTHONPATH")])))
-    env.pop("PYTEST_XDIST_WORKER", None)
-    env.update(extra)
-    return env
+def suites(shipped):
+    """The shipped suites plus ``toyimpls.py`` in a fresh directory (tests/conftest.py)."""
+    (shipped.path / "toyimpls.py").write_text(TOY_IMPLS)
+    return shipped
 
 
 def _args(*names: str) -> list[str]:
@@ -127,16 +113,12 @@ def _args(*names: str) -> list[str]:
     return out
 
 
-def run(work: Path, *args: str, timeout: float = 300, **env) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pytest", "-p", "weightsync", "-p", "no:randomly", "-q",
-           "--weightsync-report", "report.json", *args]
-    return subprocess.run(cmd, cwd=work, env=_env(work, **env), capture_output=True, text=True,
-                          timeout=timeout)
+def run(suites, *args: str, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    return suites.run("-p", "no:randomly", *args, timeout=timeout, **env)
 
 
-def verdicts(work: Path) -> dict:
-    data = json.loads((work / "report.json").read_text())
-    return {i["name"]: i for i in data["implementations"]}
+def verdicts(suites) -> dict:
+    return suites.verdicts()
 
 
 def test_full_run_passes_and_exits_zero(suites):
@@ -148,23 +130,23 @@ def test_full_run_passes_and_exits_zero(suites):
     assert "tiny" in out and "PASS" in out
     # no "got empty parameter set" skips for the roles tiny does not play: deselected
     assert "got empty parameter set" not in out
-    data = json.loads((suites / "report.json").read_text())
+    data = json.loads((suites.path / "report.json").read_text())
     assert data["selection"]["deselected"] > 0 and data["selection"]["keyword"] is None
 
 
-@pytest.mark.parametrize("selector", [("-k", "compat"), ("suites/conformance/test_loader.py",)],
-                         ids=["-k", "one-module"])
-def test_a_narrower_selection_is_partial_and_exits_one(suites, selector):
-    target = [] if selector[0].startswith("suites") else ["suites/"]
-    proc = run(suites, *target, *selector, *_args("tiny"), "-p", "no:cacheprovider")
+def test_a_narrower_selection_is_partial_and_exits_one(suites):
+    """-k leaves tests deselected; one path leaves conformance modules uncollected."""
+    proc = run(suites, "suites/conformance/test_loader.py", "-k", "compat", *_args("tiny"),
+               "-p", "no:cacheprovider")
     out = proc.stdout + proc.stderr
     tiny = verdicts(suites)["tiny"]
     assert tiny["verdict_word"] == "PARTIAL", out
+    assert "deselected" in tiny["verdict"] and "not collected: test_random" in tiny["verdict"]
     assert proc.returncode == 1, out
     assert "tiny" in out and "PARTIAL (" in out and "--weightsync-allow-partial" in out
     # accepted when asked for, and still said
-    proc = run(suites, *target, *selector, *_args("tiny"), "-p", "no:cacheprovider",
-               "--weightsync-allow-partial")
+    proc = run(suites, "suites/conformance/test_loader.py", "-k", "compat", *_args("tiny"),
+               "-p", "no:cacheprovider", "--weightsync-allow-partial")
     assert proc.returncode == 0, proc.stdout
     assert verdicts(suites)["tiny"]["verdict_word"] == "PARTIAL"
 
@@ -177,7 +159,7 @@ def test_last_failed_rerun_is_partial(suites):
     broken = verdicts(suites)["broken"]
     assert broken["verdict_word"] == "PARTIAL", out  # the failures pass now; the rest never ran
     assert again.returncode == 1, out
-    assert json.loads((suites / "report.json").read_text())["selection"]["last_failed"] is True
+    assert json.loads((suites.path / "report.json").read_text())["selection"]["last_failed"] is True
 
 
 def test_stopping_early_leaves_the_other_implementation_interrupted(suites):
@@ -188,7 +170,7 @@ def test_stopping_early_leaves_the_other_implementation_interrupted(suites):
     assert judged["broken"]["verdict_word"] == "FAIL", out
     assert judged["tiny"]["verdict_word"] in ("INTERRUPTED", "PARTIAL"), out
     assert judged["tiny"]["verdict_word"] != "PASS"
-    data = json.loads((suites / "report.json").read_text())
+    data = json.loads((suites.path / "report.json").read_text())
     assert data["interrupted"] and data["interrupted"].startswith("stopped early"), data
     assert proc.returncode == 1
 
@@ -197,7 +179,7 @@ def test_sigint_during_a_hung_loader_is_interrupted(suites, tmp_path):
     marker = tmp_path / "hanging"
     cmd = [sys.executable, "-m", "pytest", "-p", "weightsync", "-q", "-p", "no:cacheprovider",
            "--weightsync-report", "report.json", "suites/", *_args("hang")]
-    proc = subprocess.Popen(cmd, cwd=suites, env=_env(suites, TOY_HANG_FILE=str(marker)),
+    proc = subprocess.Popen(cmd, cwd=suites.path, env=suites.env(TOY_HANG_FILE=str(marker)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -220,7 +202,7 @@ def test_a_hung_in_process_loader_fails_within_the_call_limit_with_its_stack(sui
     started = time.monotonic()
     proc = run(suites, "suites/conformance/test_loader.py", "-k", "bit_exact",
                "--weightsync-call-timeout", "2", *_args("hang"), "-p", "no:cacheprovider",
-               TOY_HANG_FILE=str(suites / "hanging"))
+               TOY_HANG_FILE=str(suites.path / "hanging"))
     elapsed = time.monotonic() - started
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
@@ -237,28 +219,23 @@ def test_a_wrong_method_signature_is_one_usage_error_naming_the_method(suites):
     assert "load_weights" in err and "cannot be called as load_weights(params, payload, *, " \
         "format, spec, topology, rank)" in err, err
     assert err.count("cannot be called") == 1
-    data = json.loads((suites / "report.json").read_text())
+    data = json.loads((suites.path / "report.json").read_text())
     assert "cannot be called as load_weights" in data["usage_error"]
 
 
-def test_a_huge_message_is_cut_in_the_terminal_junit_and_json(suites):
+def test_a_huge_message_is_cut_and_the_failing_cell_reruns_from_its_command(suites):
     proc = run(suites, "suites/conformance/test_loader.py", "-k", "in_place", *_args("loud"),
                "--junitxml", "junit.xml", "-p", "no:cacheprovider")
     assert proc.returncode == 1
+    # a 2 MB exception message is cut in the terminal, the junit file and the JSON report
     assert len(proc.stdout) < 2_000_000, len(proc.stdout)
     assert "characters cut" in proc.stdout
-    assert (suites / "junit.xml").stat().st_size < 2_000_000
-    assert (suites / "report.json").stat().st_size < 2_000_000
-
-
-def test_the_rerun_command_of_a_failing_cell_reruns_exactly_it(suites):
-    proc = run(suites, "suites/conformance/test_loader.py", "-k", "in_place", *_args("broken"),
-               "-p", "no:cacheprovider")
-    assert proc.returncode == 1
-    data = json.loads((suites / "report.json").read_text())
-    failure = data["failures"][0]
-    assert failure["rerun"] in proc.stdout  # also shown in the terminal
-    again = subprocess.run(failure["rerun"], shell=True, env=_env(suites), capture_output=True,
+    assert (suites.path / "junit.xml").stat().st_size < 2_000_000
+    assert (suites.path / "report.json").stat().st_size < 2_000_000
+    # the failing cell's command (also shown in the terminal) reruns exactly it
+    failure = json.loads((suites.path / "report.json").read_text())["failures"][0]
+    assert failure["rerun"] in proc.stdout
+    again = subprocess.run(failure["rerun"], shell=True, env=suites.env(), capture_output=True,
                            text=True, timeout=300)
     assert again.returncode == 1, again.stdout + again.stderr
     assert "1 failed" in again.stdout and failure["nodeid"].split("::")[1] in again.stdout

@@ -32,9 +32,19 @@ def test_exporter_payload_lands_bit_exact(weightsync_exporter, moe_case, payload
     exporter.export_and_check(weightsync_exporter, moe_case, payload_format, version=1)
 
 
+@pytest.mark.weightsync_property("export_bit_exact")
+@pytest.mark.parametrize("payload_format", FORMATS)
+def test_exporter_payload_of_a_realistic_layer_lands_bit_exact(weightsync_exporter,
+                                                              payload_format):
+    """36 MiB an update from a TP 2 x EP 2 x ETP 2 trainer (``cases.REALISTIC``)."""
+    _require_claim(weightsync_exporter, cases.REALISTIC, payload_format)
+    exporter.export_and_check(weightsync_exporter, cases.REALISTIC, payload_format, version=1)
+
+
 @pytest.mark.weightsync_property("fallback_routing")
 @pytest.mark.parametrize("restriction", sorted(claims.RESTRICTIONS))
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in cases.ANCHORS])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id)
+                                  for c in (*cases.ANCHORS, cases.REALISTIC)])
 def test_exporter_fallback_path_lands_bit_exact(weightsync_exporter, case, restriction):
     _require_claim(weightsync_exporter, case)
     choice = claims.fallback_choice(weightsync_exporter, "exporter", case, restriction)

@@ -42,7 +42,8 @@ from pytest_weightsync.vocabulary import BUCKET_LIMITS, FORMATS
 
 from ..harness import cases, claims, hardening, inputs, judge, loader, quant_judge
 
-ANCHORS = [pytest.param(case, id=case.id) for case in cases.ANCHORS]
+#: The hand-picked cases, plus one of realistic size (``cases.REALISTIC``, 36 MiB an update).
+ANCHORS = [pytest.param(case, id=case.id) for case in (*cases.ANCHORS, cases.REALISTIC)]
 ENGINES = [pytest.param(case, id=case.id) for case in cases.ENGINE_CASES]
 FP8 = [pytest.param(case, id=case.id) for case in cases.FP8_CASES]
 
@@ -66,6 +67,50 @@ def test_loader_lands_bit_exact_on_every_rank(weightsync_loader, moe_case, paylo
         loader.load(weightsync_loader, params, payload_format, moe_case, rank, version=1,
                     bucket=_limit(rank))
         judge.check_rank(params, moe_case, rank, 1, before)
+
+
+@pytest.mark.weightsync_property("bit_exact")
+@pytest.mark.parametrize("payload_format", FORMATS)
+def test_loader_lands_a_realistic_update_in_one_bucket(weightsync_loader, payload_format):
+    """The whole 36 MiB update in one bucket: what only size shows (a fixed staging buffer
+    that drops the tail, offsets that overflow) cannot hide behind the matrix's small cases."""
+    case = cases.REALISTIC
+    _require_claim(weightsync_loader, case, payload_format)
+    params = inputs.receiver_params(case, 0)
+    before = compare.snapshot(params)
+    loader.load(weightsync_loader, params, payload_format, case, 0, version=1, bucket="whole")
+    judge.check_rank(params, case, 0, 1, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.weightsync_property("bit_exact")
+@pytest.mark.parametrize("payload_format", FORMATS)
+def test_loader_lands_a_qwen35_layer_on_the_gpu(weightsync_loader, payload_format):
+    """One real Qwen3.5-35B-A3B layer (1.5 GiB), parameters and payload on the GPU, in one
+    bucket; the expected state is built on the device and compared there."""
+    import torch
+
+    from pytest_weightsync.reference_impl import senders, synth
+
+    case = cases.QWEN35_LAYER
+    _require_claim(weightsync_loader, case, payload_format)
+    spec, receiver = case.spec, case.receiver
+    params = inputs.receiver_params(case, 0, device="cuda")
+    before = compare.snapshot(params)
+    full = synth.full_weights(spec, 1, device="cuda")
+    payload = senders.export(payload_format, spec, receiver, 0, full)
+    del full
+    loader.load_stream(weightsync_loader, params, [payload], payload_format, case, 0)
+    torch.cuda.synchronize()
+    del payload
+    expected = synth.expected_receiver_params(spec, receiver, 0, 1, device="cuda")
+    compare.assert_same_storage(before, params, rank=0)
+    for name, want in expected.items():
+        compare.assert_bitwise_equal(params[name], want, name=name, rank=0,
+                                     locate=inputs.locator(case, 0))
+    for name, record in before.records.items():
+        if name not in expected:
+            compare.assert_bitwise_equal(params[name], record.copy, name=name, rank=0)
 
 
 @pytest.mark.weightsync_property("in_place")

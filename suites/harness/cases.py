@@ -169,6 +169,19 @@ ANCHORS = (
 
 CASES: tuple[Case, ...] = ANCHORS + tuple(pairwise_cases())
 
+#: A realistically sized case: every tensor of the suites' matrix is a few KiB, so a bug that
+#: shows only at size (a loader staging buckets through a fixed 10 MB buffer and dropping the
+#: tail, 32-bit offsets, a chunked copy's last chunk) passes all of them. Two layers of 16
+#: experts at hidden 512 x intermediate 384: 18 MiB per layer, 36 MiB per update, one receiver
+#: rank holding all of it (the whole update in one bucket is 36 MiB); the trainer shards it
+#: TP 2 x EP 2 x ETP 2. Each conformance property runs it once per implementation.
+REALISTIC = Case(MoESpec(num_layers=2, num_experts=16, hidden=512, intermediate=384),
+                 TrainerTopology(tp=2, ep=2, etp=2), ReceiverTopology(tp=1))
+#: One real Qwen3.5-35B-A3B MoE layer (256 experts, hidden 2048, moe_ffn 512: 1.5 GiB in
+#: BF16) on one engine rank, trained at EP 4: the GPU suites' size.
+QWEN35_LAYER = Case(MoESpec(num_layers=1, num_experts=256, hidden=2048, intermediate=512),
+                    TrainerTopology(tp=2, ep=4), ReceiverTopology(tp=1))
+
 
 # --------------------------------------------------------------------------------------------
 # Engine topologies: layouts after loading, redundant experts, FP8 (test_loader's engine_layout)

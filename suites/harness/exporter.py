@@ -17,10 +17,10 @@ def export_and_check(exporter, case, fmt, version, ranks=None):
     """Export ``version`` for each receiver rank in ``ranks`` (default all; one call per rank),
     checking the trainer shards after every call, then judge each rank's stream."""
     from pytest_weightsync import distributed
-    from pytest_weightsync.reference_impl import synth, trainer
 
-    states = trainer.trainer_states(case.spec, case.trainer,
-                                    synth.full_weights(case.spec, version))
+    from . import inputs
+
+    states = inputs.trainer_states(case, version)
     shards_before = [distributed.snapshot(state) for state in states]
     for rank in (range(case.receiver.tp) if ranks is None else ranks):
         result = calls.call(exporter, "export_weights", states, format=fmt, spec=case.spec,

@@ -71,6 +71,21 @@ def gathered_weights(case, version):
     return trainer.gather_full_weights(case.spec, case.trainer, states)
 
 
+@functools.lru_cache(maxsize=16)
+def _clean_trainer_states(case, version):
+    from pytest_weightsync.reference_impl import trainer as trainer_side
+
+    return trainer_side.trainer_states(case.spec, case.trainer, synth.full_weights(case.spec, version))
+
+
+def trainer_states(case, version):
+    """Every trainer rank's Megatron expert shards of ``version``, as fresh tensors (an
+    exporter that modifies its input is caught after its call and cannot corrupt the next
+    test's input)."""
+    return [{name: t.clone() for name, t in state.items()}
+            for state in _clean_trainer_states(case, version)]
+
+
 @functools.lru_cache(maxsize=64)
 def cached_gathered(case, version):
     """:func:`gathered_weights`, kept for the next test of the same case (read only)."""
@@ -117,21 +132,22 @@ def stream(fmt, case, rank, version=None, layers=None, *, bucket=DEFAULT_BUCKET,
                          bucket_bytes(bucket, case.spec))
 
 
-def receiver_params(case, rank):
+def receiver_params(case, rank, device=None):
     """Receiver ``rank``'s pre-allocated parameters as an engine holds them: the expert
-    ``w13``/``w2`` of every layer plus a router weight (:data:`SENTINEL`), all poisoned."""
+    ``w13``/``w2`` of every layer plus a router weight (:data:`SENTINEL`), all poisoned, on
+    ``device`` (default the CPU)."""
     import torch
 
     spec = case.spec
     if case.receiver.weight_quant == "fp8_block":
         from pytest_weightsync.reference_impl import fp8
 
-        params = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype)
+        params = {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype)
                   in fp8.param_specs(spec, case.receiver, rank).items()}
     else:
-        params = {name: torch.empty(shape, dtype=spec.dtype)
+        params = {name: torch.empty(shape, dtype=spec.dtype, device=device)
                   for name, shape in receiver_param_shapes(spec, case.receiver, rank).items()}
-    params[SENTINEL] = torch.empty(spec.num_experts, spec.hidden, dtype=spec.dtype)
+    params[SENTINEL] = torch.empty(spec.num_experts, spec.hidden, dtype=spec.dtype, device=device)
     for tensor in params.values():
         synth.poison_(tensor)
     return params

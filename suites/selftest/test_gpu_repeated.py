@@ -82,7 +82,7 @@ def test_weights_expected_values_and_poison_built_on_the_gpu_equal_the_cpu_bits(
                          device="cuda")
     synth.poison_(buffer)
     flat, n = buffer.view(-1), buffer.numel()
-    for start in (0, synth.POISON_CHUNK - 5, n - 7):
+    for start in (0, synth.POISON_TILE - 5, n - 7):
         stop = min(n, start + 4096)
         h.assert_bits_equal(flat[start:stop].cpu(), synth.poison_values(start, stop, qwen.dtype),
                             f"poison [{start}:{stop}] of a {n}-element buffer")

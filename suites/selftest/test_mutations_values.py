@@ -151,3 +151,54 @@ def test_values_depend_on_coordinates_not_on_evaluation_order():
     a = synth.bf16_bits(3, 1, 0, 2, "down", rows, cols)
     b = synth.bf16_bits(3, 1, 0, 2, "down", rows.flip(0), cols).flip(0)
     assert torch.equal(a, b)
+
+
+def _hash_in_python(seed, version, layer, expert, projection, row, col, finite=False):
+    """The value function's bit pattern of one element, in plain unsigned Python arithmetic:
+    the definition the vectorized int32 code must equal."""
+    m32 = 0xFFFFFFFF
+
+    def mix(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & m32
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & m32
+        return x ^ (x >> 16)
+
+    key = synth._scalar_key(seed, layer, expert, projection)
+    x = (key + row * 0x2545F491 + col * 0x9E3779B1) & m32
+    x = mix(mix(x) ^ ((row << 20) & m32) ^ (col & m32))
+    sign_mantissa = x & 0x807F
+    if finite:
+        return (sign_mantissa | ((0x71 + ((x >> 7) & 0xFF) % 30) << 7)) ^ synth.version_mask(version)
+    bits = (sign_mantissa | ((1 + ((x >> 7) & 0xFF) % 254) << 7)) ^ synth.version_mask(version)
+    slot = ((x >> 16) + version) & 0xFF
+    rotated = 1 + ((x & 0x7F) + slot) % 127
+    if slot < 2:
+        return slot << 15
+    if slot < 4:
+        return 0x7F80 | ((slot - 2) << 15)
+    if slot < 20:
+        return (x & 0x8000) | rotated
+    if slot < 36:
+        return (x & 0x8000) | 0x7F80 | rotated
+    return bits
+
+
+@pytest.mark.parametrize("finite", [False, True])
+def test_vectorized_value_function_equals_its_unsigned_definition(finite):
+    """The int32 tensor code (wrapping multiplies, logical shifts) computes exactly the
+    unsigned 32-bit hash, also for coordinates beyond 2**31 (a flat poison index)."""
+    import random
+
+    rng = random.Random(7)
+    rows = torch.tensor([0, 1, 2, 3, 1000, 2**20 + 7, 2**31 - 1, 2**31 + 5, 2**33 + 3])
+    cols = torch.tensor([0, 1, 511, 2047, 12345])
+    for _ in range(12):
+        seed, version, layer, expert = (rng.randrange(1 << 16), rng.randrange(300),
+                                        rng.randrange(64), rng.randrange(512))
+        projection = rng.choice(("gate", "up", "down"))
+        got = synth.bf16_bits(seed, version, layer, expert, projection, rows, cols, finite)
+        want = [[_hash_in_python(seed, version, layer, expert, projection, int(r), int(c),
+                                 finite) for c in cols] for r in rows]
+        assert (got & 0xFFFF).tolist() == want, (seed, version, layer, expert, projection)

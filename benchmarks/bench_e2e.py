@@ -1,0 +1,412 @@
+"""End to end: a whole colocated weight update, trainer process to engine processes, against
+one plain device copy of the same bytes measured in the same run.
+
+What runs is what a user of the reference runs (docs/performance.md, "End to end"): the
+trainer holds the model's expert weights on the device (a grouped-GEMM layout: one buffer
+per layer and projection, ``synth.grouped_full_weights``), one engine process per receiver
+rank (``ipc.ReceiverProcess``: CUDA IPC on a GPU, shared memory on a CPU) holds SGLang's
+``w13``/``w2`` parameters, and every update goes
+
+    export (refill staging tensors; nothing where payloads are views of the trainer's memory)
+    -> serialize (the update messages; payloads were shared once, ``ColocatedSync.register``)
+    -> receive (the engine finds its registered payloads)
+    -> load (begin / load / end: the plan cache recognises the bucket, replays its copy plan)
+    -> synchronize (the engine waits for the device),
+
+timed per stage, per format (direct, packed, hf_fused, compat) and receiver MoE-TP (1, 2).
+Between updates the trainer changes every weight in place (each 16-bit pattern XORed with a
+new mask, untimed), so every update moves new bits; after the timed updates each engine
+checks every parameter bit for bit against the synthetic oracle (``oracle_check``) and
+reports the first wrong element, and parameter addresses must never change.
+
+The ratio is, per round, the time of one plain copy of the bytes the update writes into the
+engines (``limit``: a contiguous device copy, in chunks of ``--chunk-mib`` when the model is
+larger than memory allows twice) over the time of the whole update; the median over rounds
+is reported, with its spread. ``--per-update`` also times the path that shares every tensor
+every update (``senders.export`` + ``ipc.serialize``, SGLang's wire format; engines validate
+and plan every bucket, no plan cache) on the first ``--per-update-layers`` layers, which is
+what bounds the per-entry formats without registration: host time per entry.
+
+    python benchmarks/bench_e2e.py --device cpu --json e2e-cpu.json          # tiny, seconds
+    python benchmarks/bench_e2e.py --device cuda --json e2e-h200.json --per-update
+    python benchmarks/plot_e2e.py e2e-h200.json --out docs/e2e-cuda.png
+
+Model parts: the expert weights are one part (``ExpertsPart``); a part builds its trainer
+tensors, changes them in place, makes its sender for a format and topology, and checks the
+engines. Parts for the rest of the model join the same loop (``PARTS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from pytest_weightsync.throughput import machine_info
+
+#: Qwen3.5-35B-A3B's routed experts: 40 MoE layers x 256 experts, hidden 2048, moe_ffn 512
+#: (60 GiB of bf16).
+QWEN35 = dict(layers=40, experts=256, hidden=2048, moe_ffn=512)
+#: CPU default: a tiny model of the same structure (runs in seconds on one thread).
+TINY = dict(layers=2, experts=8, hidden=256, moe_ffn=128)
+FORMATS = ("direct", "packed", "hf_fused", "compat")
+#: Goals on one H200 for the whole model (docs/performance.md).
+GOALS = {("direct", 1): 0.8, ("packed", 1): 0.8, ("direct", 2): 0.7, ("packed", 2): 0.7,
+         ("hf_fused", 2): 0.7, ("compat", 1): 0.3, ("compat", 2): 0.3}
+
+
+def signed16(pattern: int) -> int:
+    pattern &= 0xFFFF
+    return pattern - 0x10000 if pattern >= 0x8000 else pattern
+
+
+class Masks:
+    """Distinct 15-bit XOR masks, one per update of the whole run: an element an update did
+    not write still holds an earlier mask and fails the check."""
+
+    def __init__(self):
+        self.current, self._next = 0, 0
+
+    def next(self) -> int:
+        self._next += 1
+        self.current = (self._next * 0x2F1B) & 0x7FFF or 0x7FFF
+        return self.current
+
+
+class ExpertsPart:
+    """The routed experts: trainer tensors, their in-place change, their sender, their check."""
+
+    name = "experts"
+
+    def __init__(self, spec, device, seed: int = 0):
+        from pytest_weightsync.reference_impl import synth
+
+        self.spec, self.seed = spec, seed
+        self.full = synth.grouped_full_weights(spec, 0, seed, device=device)
+        buffers = {}
+        for layer in self.full.values():
+            for w in layer:
+                for t in (w.gate, w.down):
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() not in buffers:
+                        flat = torch.empty(0, dtype=torch.int16, device=t.device)
+                        buffers[storage.data_ptr()] = flat.set_(storage, 0, (storage.nbytes() // 2,), (1,))
+        self.buffers = list(buffers.values())
+        self.mask = 0
+
+    def set_mask(self, mask: int) -> None:
+        """Every trainer element becomes ``synth bits ^ mask`` (in place)."""
+        delta = signed16(self.mask ^ mask)
+        for flat in self.buffers:
+            flat.bitwise_xor_(delta)
+        if self.buffers and self.buffers[0].device.type == "cuda":
+            torch.cuda.synchronize(self.buffers[0].device)  # not part of the next update's time
+        self.mask = mask
+
+    def written_bytes(self, topo) -> int:
+        """Bytes the engines' parameters receive per update (all ranks; no padding here)."""
+        spec = self.spec
+        per_layer = spec.num_experts * 3 * spec.intermediate * spec.hidden * spec.dtype.itemsize
+        return per_layer * spec.num_layers * topo.moe_dp
+
+    def sender(self, fmt, topo, staging_bytes, layers=None):
+        from pytest_weightsync.reference_impl.colocated import ColocatedSender
+
+        return ColocatedSender(fmt, self.spec, topo, self.full, layers=layers,
+                               staging_bytes=staging_bytes)
+
+    def check(self, engines) -> list:
+        return [engine.check(0, self.seed, self.mask) for engine in engines]
+
+
+PARTS = (ExpertsPart,)
+
+
+class PlainCopy:
+    """One contiguous device copy of ``nbytes`` bytes (in chunks of at most ``chunk`` bytes,
+    back to back, when two full-size buffers would not fit next to the model)."""
+
+    def __init__(self, nbytes: int, device, chunk: int):
+        n = max(1, min(nbytes, chunk))
+        self.src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 256)
+        self.dst = torch.empty_like(self.src)
+        self.reps, self.tail = divmod(nbytes, n)
+        self.cuda = torch.device(device).type == "cuda"
+
+    def _copy(self):
+        for _ in range(self.reps):
+            self.dst.copy_(self.src)
+        if self.tail:
+            self.dst[:self.tail].copy_(self.src[:self.tail])
+
+    def seconds(self) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._copy()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        self._copy()
+        return time.perf_counter() - t0
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def save(args, rows, failures, **extra) -> None:
+    """Write what has been measured so far (a run stopped at its time limit keeps it)."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(extra, results=rows, failures=failures), f, indent=2)
+
+
+def registered_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures) -> list:
+    """Per format: register once, warm up, time ``repeats`` updates against the plain copy,
+    check every bit."""
+    from pytest_weightsync.reference_impl.colocated import ColocatedSync
+
+    rows = []
+    nbytes = part.written_bytes(topo)
+    for fmt in args.formats:
+        for engine in engines:
+            engine.reset(plan_cache=True)
+        t0 = time.perf_counter()
+        sender = part.sender(fmt, topo, args.staging_mib << 20)
+        build = time.perf_counter() - t0
+        sync = ColocatedSync(sender, engines)
+        register = sync.register()
+        part.set_mask(masks.next())
+        first = sync.update()
+        for _ in range(args.warmup - 1):
+            part.set_mask(masks.next())
+            sync.update()
+        rounds = []
+        for _ in range(args.repeats):
+            part.set_mask(masks.next())
+            timing = sync.update()
+            rounds.append((timing, limit.seconds()))
+        t1 = time.perf_counter()
+        problems = part.check(engines)
+        check_s = time.perf_counter() - t1
+        moved = [r for reports in first.reports for r in reports]
+        for report in [r for timing, _ in rounds for reports in timing.reports for r in reports] + moved:
+            if dict(report.param_ptrs) != ptrs[report.rank]:
+                problems.append(f"rank {report.rank} parameters moved")
+        bits = "exact" if not any(problems) else "; ".join(p for p in problems if p)
+        if bits != "exact":
+            failures.append(f"{fmt} MoE-TP {tp}: {bits}")
+        sync.close()
+        ratios = [plain / timing.wall for timing, plain in rounds]
+        cache = [c for timing, _ in rounds for c in timing.cache]
+        row = dict(
+            path="registered", format=fmt, moe_tp=tp, layers=part.spec.num_layers,
+            entries=sender.entries, buckets=len(sender.buckets), nbytes=nbytes,
+            staged_bytes=sender.staged_bytes, storages=sum(len(b.shared[r].wholes)
+                                                           for b in sender.buckets for r in b.shared),
+            build_s=build, register_s=register, first_update_s=first.wall,
+            export_s=median([t.export for t, _ in rounds]),
+            serialize_s=median([t.serialize for t, _ in rounds]),
+            receive_s=median([t.stage("receive") for t, _ in rounds]),
+            load_s=median([t.stage("load") for t, _ in rounds]),
+            synchronize_s=median([t.stage("synchronize") for t, _ in rounds]),
+            wall_s=median([t.wall for t, _ in rounds]),
+            plain_copy_s=median([p for _, p in rounds]),
+            ratio=median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
+            cache_hits=cache.count("hit"), cache_other=len(cache) - cache.count("hit"),
+            goal=GOALS.get((fmt, tp)), bits=bits, check_s=check_s,
+        )
+        rows.append(row)
+        print_row(row)
+        if args.progress is not None:
+            args.progress(row)
+        del sender, sync
+        release(engines[0].device)
+    return rows
+
+
+def release(device) -> None:
+    """Give staging memory back between formats (IPC blocks the engines let go, then the
+    allocator's cache)."""
+    from pytest_weightsync.reference_impl import ipc
+
+    if torch.device(device).type == "cuda":
+        ipc.collect(device)
+        torch.cuda.empty_cache()
+
+
+def per_update_rows(part, engines, topo, tp, args, masks, device, failures) -> list:
+    """SGLang's wire format every update: export, serialize every tensor, engines validate and
+    plan every bucket (no plan cache), on the first ``per_update_layers`` layers."""
+    from pytest_weightsync.reference_impl import ipc, senders
+
+    rows = []
+    layers = list(range(min(args.per_update_layers, part.spec.num_layers)))
+    nbytes = part.written_bytes(topo) * len(layers) // part.spec.num_layers
+    limit = PlainCopy(nbytes, device, args.chunk_mib << 20)
+    for fmt in args.formats:
+        for engine in engines:
+            engine.reset(plan_cache=False)
+        rounds = []
+        for step in range(1 + args.per_update_repeats):
+            part.set_mask(masks.next())
+            start = time.perf_counter()
+            payloads = [senders.export(fmt, part.spec, topo, r, part.full, layers)
+                        for r in range(topo.world_size)]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t1 = time.perf_counter()
+            data = ipc.serialize_per_rank(payloads)
+            t2 = time.perf_counter()
+            for rank, engine in enumerate(engines):
+                engine.post_update(data[rank], senders_load_format(fmt), begin=False, end=False,
+                                   memory=False)
+            reports = [engine.result() for engine in engines]
+            wall = time.perf_counter() - start
+            del payloads, data
+            ipc.collect(device)
+            if step:
+                rounds.append(dict(export=t1 - start, serialize=t2 - t1, wall=wall,
+                                   reports=reports, plain=limit.seconds()))
+        entries = sum(r.entries for r in rounds[-1]["reports"])
+        stage = lambda name: median([max(r.seconds[name] for r in x["reports"]) for x in rounds])  # noqa: E731
+        ratios = [x["plain"] / x["wall"] for x in rounds]
+        host = median([x["export"] + x["serialize"] for x in rounds]) + stage("receive") + stage("load")
+        row = dict(
+            path="per_update", format=fmt, moe_tp=tp, layers=len(layers), entries=entries,
+            nbytes=nbytes, export_s=median([x["export"] for x in rounds]),
+            serialize_s=median([x["serialize"] for x in rounds]), receive_s=stage("receive"),
+            load_s=stage("load"), synchronize_s=stage("synchronize"),
+            wall_s=median([x["wall"] for x in rounds]), plain_copy_s=median([x["plain"] for x in rounds]),
+            ratio=median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
+            host_us_per_entry=1e6 * host / max(1, entries // topo.world_size),
+        )
+        rows.append(row)
+        print_row(row)
+        if args.progress is not None:
+            args.progress(row)
+        release(device)
+    del limit
+    return rows
+
+
+def senders_load_format(fmt: str):
+    return "direct" if fmt == "direct" else None
+
+
+def print_row(r) -> None:
+    ms = lambda k: f"{1e3 * r[k]:8.2f}" if r.get(k) is not None else "       -"  # noqa: E731
+    print(f"{r['path']:<10} {r['format']:<8} tp{r['moe_tp']} L{r['layers']:<3} "
+          f"{r['entries']:>6} entries {r['nbytes'] / 2**30:7.2f} GiB | export {ms('export_s')} "
+          f"serialize {ms('serialize_s')} receive {ms('receive_s')} load {ms('load_s')} "
+          f"sync {ms('synchronize_s')} | update {ms('wall_s')} ms  plain copy {ms('plain_copy_s')} ms "
+          f"ratio {r['ratio']:.3f} [{r['ratio_min']:.3f}, {r['ratio_max']:.3f}]"
+          + (f"  bits {r['bits']}" if "bits" in r else "")
+          + (f"  host {r['host_us_per_entry']:.1f} us/entry" if "host_us_per_entry" in r else ""),
+          flush=True)
+
+
+def run(args) -> dict:
+    from pytest_weightsync.reference_impl import ipc
+    from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology
+
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+        device = torch.device("cuda", torch.cuda.current_device())
+    spec = MoESpec(num_layers=args.layers, num_experts=args.experts, hidden=args.hidden,
+                   intermediate=args.moe_ffn)
+    t0 = time.perf_counter()
+    part = ExpertsPart(spec, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    print(f"trainer weights: {spec.num_layers} layers x {spec.num_experts} experts, "
+          f"{sum(b.numel() * 2 for b in part.buffers) / 2**30:.2f} GiB on {device}, built in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    masks = Masks()
+    rows, failures, timings = [], [], {}
+    header = dict(device=str(device), machine=machine_info(), timings=timings)
+    if getattr(args, "progress", None) is None:
+        collected: list = []
+
+        def progress(row):
+            collected.append(row)
+            save(args, collected, failures, **header)
+        args.progress = progress
+    for tp in args.tp:
+        topo = ReceiverTopology(tp=tp)
+        engines = [ipc.ReceiverProcess(str(device), timeout=args.timeout) for _ in range(tp)]
+        try:
+            t0 = time.perf_counter()
+            for engine in engines:
+                engine.start()  # the processes start side by side
+            ptrs = [engine.configure(spec, topo, rank) for rank, engine in enumerate(engines)]
+            timings[f"configure_tp{tp}_s"] = time.perf_counter() - t0
+            limit = PlainCopy(part.written_bytes(topo), device, args.chunk_mib << 20)
+            rows += registered_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures)
+            del limit
+            release(device)
+            if args.per_update:
+                rows += per_update_rows(part, engines, topo, tp, args, masks, device, failures)
+        finally:
+            for engine in engines:
+                engine.close()
+    return dict(
+        model=dict(layers=spec.num_layers, experts=spec.num_experts, hidden=spec.hidden,
+                   moe_ffn=spec.intermediate, dtype=str(spec.dtype), parts=[p.name for p in PARTS]),
+        device=str(device), repeats=args.repeats, warmup=args.warmup,
+        staging_mib=args.staging_mib, chunk_mib=args.chunk_mib, machine=machine_info(),
+        timings=timings, results=rows, failures=failures,
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    for key in ("layers", "experts", "hidden", "moe_ffn"):
+        p.add_argument(f"--{key.replace('_', '-')}", type=int)
+    p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="receiver MoE-TP sizes")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2, help="updates before timing (>= 2: the "
+                   "first plans, the second captures the CUDA graphs)")
+    p.add_argument("--staging-mib", type=int, default=6144,
+                   help="most staging memory the sender holds at once (direct at MoE-TP > 1)")
+    p.add_argument("--chunk-mib", type=int, default=1024, help="plain copy chunk")
+    p.add_argument("--per-update", action="store_true",
+                   help="also time SGLang's per-update wire format (no registration, no cache)")
+    p.add_argument("--per-update-layers", type=int, default=4)
+    p.add_argument("--per-update-repeats", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per engine request")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    if args.repeats < 3:
+        p.error("--repeats must be at least 3")
+    if args.warmup < 2:
+        p.error("--warmup must be at least 2")
+    default = QWEN35 if args.device == "cuda" else TINY
+    for key, value in default.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.progress = None
+    result = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    if result["failures"]:
+        print("BIT CHECK FAILED:\n  " + "\n  ".join(result["failures"]), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

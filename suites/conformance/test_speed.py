@@ -1,0 +1,117 @@
+"""What one update costs each implementation: a column of the conformance matrix, and a
+baseline a team can guard its own loader with.
+
+``speed`` is a report, like hardening, never a verdict: a slow loader is not a wrong one.
+Each loader runs one full update of a fixed topology (:data:`PROFILE_CASE`, every format it
+claims) after a warm-up update, and the update is bit-checked like ``bit_exact``; then:
+
+- on CPU, the deterministic profile of that update: the aten operations it dispatched, the
+  bytes it wrote, the temporaries it allocated (``pytest_weightsync.opcount``, exact and the
+  same on every machine), and the host time per payload entry (informational: it moves with
+  the machine). The counts ride to the report under ``speed/<implementation>/<format>``;
+  ``--weightsync-save-baseline FILE`` stores them and ``--weightsync-baseline FILE`` fails the
+  run when any count rose - a per-expert copy loop planted in a loader that used to batch its
+  copies is caught on any machine;
+- on a GPU (``gpu`` marker, skipped on CPU), the update's throughput as a ratio to one plain
+  device copy of the same bytes in the same run, median and spread over rounds, guarded the
+  same way (ratios within the tolerance).
+
+The matrix shows the CPU profile next to the reference's (ops and bytes written relative to
+the reference on the same formats).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+
+from pytest_weightsync import compare
+from pytest_weightsync.throughput import Measurement, interleaved_samples, plain_copy
+from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, TrainerTopology
+from pytest_weightsync.vocabulary import FORMATS
+
+from ..harness import claims, inputs, judge, loader
+from ..harness.cases import Case
+
+pytestmark = pytest.mark.weightsync_property("speed")
+
+#: The profiled topology: two layers of 16 experts, MoE-TP 2 x EP 2, a layer's experts split
+#: across buckets (per-expert formats), so batching, slicing and bucket handling all show.
+PROFILE_CASE = Case(MoESpec(num_layers=2, num_experts=16, hidden=64, intermediate=32),
+                    TrainerTopology(tp=2, ep=2, etp=2), ReceiverTopology(tp=4, moe_ep=2))
+#: The receiver rank profiled (MoE-TP rank 1, MoE-EP rank 1: slices and expert offsets).
+PROFILE_RANK = 3
+#: Rounds of the GPU ratio.
+GPU_ROUNDS = 7
+
+
+def _claimed(impl, fmt, case=PROFILE_CASE):
+    claims.require_claim(impl, "loader", case, fmt)
+
+
+def _entries(stream) -> int:
+    return sum(len(bucket) for bucket in stream)
+
+
+@pytest.mark.parametrize("payload_format", FORMATS)
+def test_loader_update_profile(weightsync_loader, payload_format, throughput, record_property):
+    _claimed(weightsync_loader, payload_format)
+    case, rank = PROFILE_CASE, PROFILE_RANK
+    params = inputs.receiver_params(case, rank)
+    before = compare.snapshot(params)
+    warm = inputs.stream(payload_format, case, rank, 1)
+    loader.load_stream(weightsync_loader, params, warm, payload_format, case, rank)
+    stream = inputs.stream(payload_format, case, rank, 2)
+    name = f"speed/{weightsync_loader.name}/{payload_format}"
+    started = time.perf_counter()
+    counts = throughput.count_ops(name, lambda: loader.load_stream(
+        weightsync_loader, params, stream, payload_format, case, rank))
+    seconds = time.perf_counter() - started
+    judge.check_rank(params, case, rank, 2, before, previous_version=1)
+    entries = _entries(stream)
+    payload = sum(t.numel() * t.element_size() for bucket in stream for _, t in bucket)
+    record_property("weightsync_speed", json.dumps({
+        "format": payload_format, "ops": sum(counts.ops.values()),
+        "bytes_written": counts.bytes_written, "allocations": counts.allocations,
+        "allocated_bytes": counts.allocated_bytes, "payload_bytes": payload,
+        "entries": entries, "host_us_per_entry": round(1e6 * seconds / max(1, entries), 3)}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("payload_format", FORMATS)
+def test_loader_update_throughput_on_gpu(weightsync_loader, payload_format, throughput,
+                                         record_property):
+    """The update moved onto the GPU (parameters and payload on the device): its ratio to a
+    plain device copy of the bytes it writes, median and spread over rounds."""
+    import torch
+
+    _claimed(weightsync_loader, payload_format)
+    case, rank = PROFILE_CASE, PROFILE_RANK
+    params = {n: t.to("cuda") for n, t in inputs.receiver_params(case, rank).items()}
+    stream = [[(n, t.to("cuda")) for n, t in bucket]
+              for bucket in inputs.stream(payload_format, case, rank, 1)]
+    before = compare.snapshot(params)
+
+    def update():
+        loader.load_stream(weightsync_loader, params, stream, payload_format, case, rank)
+
+    update()
+    torch.cuda.synchronize()
+    expected = inputs.expected(case, rank, 1)
+    written = sum(t.numel() * t.element_size() for t in expected.values())
+    rounds = interleaved_samples({"path": update, "copy": plain_copy(written, "cuda")}, "cuda",
+                                 repeats=GPU_ROUNDS, warmup=2, best_of=3)
+    ratios = [c / p for c, p in zip(rounds["copy"], rounds["path"])]
+    name = f"speed-gpu/{weightsync_loader.name}/{payload_format}"
+    throughput.record(Measurement(name, written, statistics.median(rounds["path"]),
+                                  statistics.median(rounds["copy"]), "cuda",
+                                  statistics.median(ratios)))
+    judge.check_rank({n: t.cpu() for n, t in params.items()}, case, rank, 1)
+    compare.assert_same_storage(before, params)
+    record_property("weightsync_speed", json.dumps({
+        "format": payload_format, "gpu_ratio": round(statistics.median(ratios), 4),
+        "gpu_ratio_min": round(min(ratios), 4), "gpu_ratio_max": round(max(ratios), 4),
+        "bytes": written}))
