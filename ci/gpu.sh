@@ -212,6 +212,7 @@ ONE_GPU_FILES=(
     "suites/selftest/test_throughput_guard.py 180"
     "suites/selftest/test_gpu_cuda_graph.py 120"
     "suites/selftest/test_gpu_repeated.py 150"
+    "suites/selftest/test_gpu_engine_layouts.py 120"
     "suites/selftest/test_fastcopy.py 120"
     "suites/selftest/test_gpu_ipc.py 240"
     "suites/selftest/test_e2e_sync.py 180"

@@ -118,15 +118,18 @@ MoESpec = ReceiverTopology = TrainerTopology = Any
 
 from pytest_weightsync.vocabulary import (  # noqa: F401 - re-exported for implementations
     DELIVERIES,
+    ENGINE_LAYOUTS,
     EXPERT_IMPLS,
     EXPERT_MODULES,
     FORMATS,
     MODEL_PARTS,
     ORDERS,
+    QUANTIZERS,
     RECEIVER_AXES,
     ROLES,
     TARGETS,
     TRAINER_AXES,
+    WEIGHT_QUANTS,
 )
 
 #: How the harness calls each protocol method: ``(positional parameters, keyword-only
@@ -177,6 +180,22 @@ class Capabilities:
         Largest receiver MoE parallel sizes it supports (``None``: no limit).
     ``topology``
         Optional predicate ``topology(spec, receiver) -> bool`` for anything finer.
+    ``engine_layouts``
+        What the engine may hold between updates (:data:`ENGINE_LAYOUTS`,
+        ``ReceiverTopology.engine_layout``); default only ``checkpoint``, the layout loaders
+        write. A loader that claims ``trtllm_block`` restores the checkpoint layout in
+        ``begin_update`` and re-applies the block layout in ``end_update``; one that claims
+        ``transposed`` gets ``[E, H, 2I]`` / ``[E, I, H]`` parameters.
+    ``redundant_experts``
+        Whether it handles EPLB receivers (physical expert slots != logical experts,
+        ``ReceiverTopology.redundant_experts`` / ``placement``): every physical copy written,
+        by the placement of the call's topology. Default ``False``.
+    ``weight_quants``
+        Receiver weight quantizations it handles (:data:`WEIGHT_QUANTS`); default ``none``.
+    ``quantizers``
+        For a quantized receiver, who may quantize (:data:`QUANTIZERS`): ``sender`` (it loads
+        FP8 weights plus ``weight_scale_inv``), ``loader`` (it quantizes model-dtype weights
+        itself). Default ``sender``.
 
     Trainer-side claims (exporters only; an unclaimed trainer layout skips with the reason):
 
@@ -215,6 +234,10 @@ class Capabilities:
     max_moe_ep: Optional[int] = None
     max_moe_dp: Optional[int] = None
     topology: Optional[Callable[[Any, Any], bool]] = field(default=None, compare=False)
+    engine_layouts: frozenset = frozenset(("checkpoint",))
+    redundant_experts: bool = False
+    weight_quants: frozenset = frozenset(("none",))
+    quantizers: frozenset = frozenset(("sender",))
     expert_impls: frozenset = frozenset(EXPERT_IMPLS)
     max_trainer_tp: Optional[int] = None
     max_trainer_ep: Optional[int] = None
@@ -228,7 +251,9 @@ class Capabilities:
     def __post_init__(self) -> None:
         for name, allowed in (("formats", FORMATS), ("orders", ORDERS),
                               ("expert_impls", EXPERT_IMPLS), ("deliveries", DELIVERIES),
-                              ("model_parts", MODEL_PARTS), ("targets", TARGETS)):
+                              ("model_parts", MODEL_PARTS), ("targets", TARGETS),
+                              ("engine_layouts", ENGINE_LAYOUTS),
+                              ("weight_quants", WEIGHT_QUANTS), ("quantizers", QUANTIZERS)):
             value = getattr(self, name)
             if isinstance(value, str):
                 value = (value,)
@@ -267,6 +292,9 @@ class Capabilities:
             limit = getattr(self, f"max_{axis}")
             if limit is not None and getattr(receiver, axis) > limit:
                 return f"claims {axis} <= {limit}, receiver has {axis}={getattr(receiver, axis)}"
+        reason = self._engine_refusal(receiver)
+        if reason is not None:
+            return reason
         if role == "loader":
             if receiver.order not in self.orders:
                 return (f"claims gate/up orders {sorted(self.orders)}, receiver order is "
@@ -278,6 +306,32 @@ class Capabilities:
             why = getattr(self.topology, "refusal", None)  # optional (spec, receiver) -> str
             detail = why(spec, receiver) if callable(why) else None
             return "its topology predicate refuses this receiver" + (f": {detail}" if detail else "")
+        return None
+
+    def _engine_refusal(self, receiver) -> Optional[str]:
+        """Why the engine side of ``receiver`` (layout after loading, redundant experts,
+        weight quantization) is not claimed; ``None`` when it is. Topologies from before these
+        fields existed (no such attributes) are plain checkpoint-layout engines."""
+        layout = getattr(receiver, "engine_layout", "checkpoint")
+        if layout not in self.engine_layouts:
+            return (f"claims engine layouts {sorted(self.engine_layouts)}, the receiver engine "
+                    f"holds {layout!r}")
+        if getattr(receiver, "eplb", False) and not self.redundant_experts:
+            return ("does not claim redundant experts (EPLB: the receiver has "
+                    f"{getattr(receiver, 'redundant_experts', 0)} redundant physical slots "
+                    f"or an explicit placement)")
+        quant = getattr(receiver, "weight_quant", "none")
+        if quant not in self.weight_quants:
+            return (f"claims weight quantizations {sorted(self.weight_quants)}, the receiver "
+                    f"holds {quant!r}")
+        return None
+
+    def quantizer_refusal(self, quantizer: str) -> Optional[str]:
+        """Why a quantized receiver is not fed with weights quantized by ``quantizer``
+        (:data:`QUANTIZERS`); ``None`` when claimed."""
+        if quantizer not in self.quantizers:
+            return (f"does not claim weights quantized by the {quantizer} (claims "
+                    f"{sorted(self.quantizers)})")
         return None
 
     def trainer_refusal(self, spec, trainer) -> Optional[str]:

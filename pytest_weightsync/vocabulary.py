@@ -32,6 +32,26 @@ ORDERS = ("gate_up", "up_gate")
 #: How a receiver with padded buffers slices the intermediate dimension: ``even`` (SGLang's
 #: default loader) or ``blocked`` (its padded loader).
 PAD_MODES = ("even", "blocked")
+#: What the engine holds in ``w13_weight`` / ``w2_weight`` between updates (SGLang 0.5.23's
+#: MoE runners; docs/layout.md gives each one's source):
+#:
+#: ``checkpoint``    the layout the loader writes, kept as is (triton, flashinfer_cutlass);
+#: ``trtllm_block``  FlashInfer TRT-LLM BF16: after loading, rows of each expert permuted
+#:                   (gate/up interleaved, then shuffled in blocks of 32) and split into
+#:                   128-byte column blocks (``process_weights_after_loading``), restored to
+#:                   the checkpoint layout before the next update
+#:                   (``restore_weights_before_loading``);
+#: ``transposed``    triton_kernels: both parameters allocated transposed
+#:                   (``w13 [E, H, 2I]``, ``w2 [E, I, H]``), each loaded tensor transposed.
+ENGINE_LAYOUTS = ("checkpoint", "trtllm_block", "transposed")
+#: Quantization of the receiver's expert weights: ``none`` (the model dtype) or ``fp8_block``
+#: (SGLang ``Fp8MoEMethod`` with ``weight_block_size``: float8_e4m3fn weights and one float32
+#: ``weight_scale_inv`` per block).
+WEIGHT_QUANTS = ("none", "fp8_block")
+#: Who quantizes the weights of a quantized receiver: the ``sender`` (float8_e4m3fn weights
+#: and their float32 ``weight_scale_inv`` on the wire, as FP8 checkpoints and FP8 refits send)
+#: or the ``loader`` (model-dtype weights on the wire, quantized while loading).
+QUANTIZERS = ("sender", "loader")
 #: Megatron-Core expert modules a trainer can hold its experts in (parameter spellings):
 #: ``sequential`` = ``SequentialMLP`` (``experts.local_experts.{i}.linear_fc1.weight``),
 #: ``te_grouped`` = ``TEGroupedMLP`` (``experts.linear_fc1.weight{i}``).
@@ -94,6 +114,7 @@ PROPERTIES = {
     "model_bit_exact": None,   # every parameter bit-exact, dtype kept, two versions
     "tied_embeddings": None,   # one source, both views equal
     "targets": None,           # the draft updated when claimed, a frozen draft untouched
+    "engine_layout": "loader",
     "hardening": "loader",
     "speed": "loader",
 }

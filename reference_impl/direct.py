@@ -48,9 +48,10 @@ def layer_payload(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
     w13 = w2 = None
     if not padded:
         halves = gate_up_halves(topo.order)
-        w13 = zerocopy.tiled_view([experts[e][p][lo:hi] for e in shard.experts for p in halves],
+        held = shard.slot_experts(layer)  # the expert of every slot (EPLB: physical copies)
+        w13 = zerocopy.tiled_view([experts[e][p][lo:hi] for e in held for p in halves],
                                   w13_shape, spec.dtype, device)
-        w2 = zerocopy.tiled_view([experts[e].down[:, lo:hi] for e in shard.experts],
+        w2 = zerocopy.tiled_view([experts[e].down[:, lo:hi] for e in held],
                                  w2_shape, spec.dtype, device)
     stage13, stage2 = w13 is None, w2 is None
     if stage13:
@@ -58,7 +59,7 @@ def layer_payload(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
     if stage2:
         w2 = alloc(w2_shape, spec.dtype, device, padded)
     pairs = []
-    for slot, expert in enumerate(shard.experts):
+    for slot, expert in enumerate(shard.slot_experts(layer)):  # every physical copy (EPLB)
         weights = experts[expert]
         if stage13:
             for projection in ("gate", "up"):
@@ -76,6 +77,8 @@ def export_layer(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
     ``experts`` holds every expert of the layer, indexed by global expert id."""
     entries, pairs = layer_payload(spec, topo, rank, layer, experts, device)
     fastcopy.copy_pairs(pairs)
+    if topo.engine_layout == "transposed":  # the rank's parameters are stored transposed
+        return [(name, t.transpose(-2, -1).contiguous()) for name, t in entries]
     return entries
 
 

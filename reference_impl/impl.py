@@ -124,7 +124,10 @@ class ReferenceImplementation:
     """Loader and exporter of every format, gate/up order, padding and topology."""
 
     name = "reference"
-    capabilities = Capabilities(model_parts=MODEL_PARTS, targets=TARGETS)
+    capabilities = Capabilities(model_parts=MODEL_PARTS, targets=TARGETS,
+                                engine_layouts=("checkpoint", "trtllm_block", "transposed"),
+                                redundant_experts=True, weight_quants=("none", "fp8_block"),
+                                quantizers=("sender", "loader"))
 
     def __init__(self):
         self._open: dict[int, _OpenUpdate] = {}  # id(params) -> the update open on them
@@ -135,9 +138,9 @@ class ReferenceImplementation:
             from pytest_weightsync.reference_impl.model_receiver import ModelReceiver
 
             return ModelReceiver(spec, topology, rank, params=params, targets=targets)
-        from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
+        from pytest_weightsync.reference_impl.engine_receivers import make_receiver
 
-        return ReferenceReceiver(spec, topology, rank, params=params)
+        return make_receiver(spec, topology, rank, params=params)
 
     def _release_with(self, token: int, key: int):
         """A weakref callback that drops update ``token`` once one of its parameters dies
@@ -164,13 +167,14 @@ class ReferenceImplementation:
         targets = _targets(spec, targets)
         receiver = self._receiver(params, spec, topology, rank, targets)
         receiver.begin_update()
-        tensors = {id(t) for t in receiver.params.values()}
+        own = dict(receiver.named_parameters())  # the stored tensors (not planning views)
+        tensors = {id(t) for t in own.values()}
         for key, entry in list(self._open.items()):
             if any(id(ref()) in tensors for _, ref in entry.refs):
                 del self._open[key]
         token, key = next(self._tokens), id(params)
         release = self._release_with(token, key)
-        refs = tuple((name, weakref.ref(tensor, release)) for name, tensor in receiver.params.items())
+        refs = tuple((name, weakref.ref(tensor, release)) for name, tensor in own.items())
         bound = dict(format=format, spec=spec, topology=topology, rank=rank, targets=targets)
         self._open[key] = _OpenUpdate(receiver.update_state, bound, refs, token)
 

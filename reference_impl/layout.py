@@ -22,7 +22,13 @@ from typing import NamedTuple, Optional
 import torch
 
 from pytest_weightsync.reference_impl.errors import WeightSyncError
-from pytest_weightsync.vocabulary import EXPERT_IMPLS, ORDERS, PAD_MODES
+from pytest_weightsync.vocabulary import (
+    ENGINE_LAYOUTS,
+    EXPERT_IMPLS,
+    ORDERS,
+    PAD_MODES,
+    WEIGHT_QUANTS,
+)
 
 #: Projections of one gated expert, in Hugging Face terms.
 PROJECTIONS = ("gate", "up", "down")
@@ -357,6 +363,26 @@ class ReceiverTopology:
     ``[r * I/moe_tp, (r+1) * I/moe_tp)`` and zeroes the tail of its buffer) or ``"blocked"``
     (SGLang's padded loader on CPU / trtllm: rank r takes ``[r * P, min((r+1) * P, I))`` with
     ``P = intermediate_padded``, so uneven intermediate sizes are allowed).
+
+    The fields below default to today's checkpoint-layout engine; each models what an engine
+    really holds (docs/layout.md):
+
+    ``engine_layout``: what the parameters hold between updates (``ENGINE_LAYOUTS``):
+    ``"checkpoint"``, ``"trtllm_block"`` (post-processed after every update, restored before
+    the next; needs order ``up_gate``, blocked padding to a multiple of 128, hidden a multiple
+    of 64, BF16) or ``"transposed"`` (triton_kernels: ``w13 [E, H, 2I]``, ``w2 [E, I, H]``,
+    order ``gate_up``).
+
+    ``redundant_experts`` / ``placement``: EPLB. The engine holds ``num_experts +
+    redundant_experts`` physical expert slots, ``(E + R) / moe_ep`` per rank; ``placement[L][p]``
+    is the logical expert physical slot ``p`` of layer ``L`` holds (SGLang's
+    ``ExpertLocationMetadata.physical_to_logical_map``; ``None``: SGLang's trivial map,
+    ``p % num_experts``). Every physical copy holds its logical expert's weights. A rebalance
+    between updates is a new topology with another placement.
+
+    ``weight_quant`` / ``quant_block``: ``"fp8_block"`` holds float8_e4m3fn weights plus one
+    float32 ``weight_scale_inv`` per ``quant_block = (block_n, block_k)`` block (SGLang
+    ``Fp8MoEMethod``; its default block is 128 x 128).
     """
 
     tp: int = 1
@@ -365,6 +391,11 @@ class ReceiverTopology:
     order: str = "gate_up"
     intermediate_padded: Optional[int] = None
     pad_mode: str = "even"
+    engine_layout: str = "checkpoint"
+    redundant_experts: int = 0
+    placement: Optional[tuple] = None
+    weight_quant: str = "none"
+    quant_block: tuple = (128, 128)
 
     def __post_init__(self) -> None:
         for name in ("tp", "moe_ep", "moe_dp"):
@@ -385,6 +416,45 @@ class ReceiverTopology:
         _require(self.pad_mode == "even" or self.intermediate_padded is not None,
                  "pad_mode='blocked' needs intermediate_padded", pad_mode=self.pad_mode,
                  intermediate_padded=self.intermediate_padded)
+        _require(self.engine_layout in ENGINE_LAYOUTS,
+                 f"ReceiverTopology.engine_layout must be one of {ENGINE_LAYOUTS}",
+                 engine_layout=self.engine_layout)
+        if self.engine_layout == "trtllm_block":
+            # FusedMoE with a flashinfer_trtllm runner: w1/w3 shard ids swapped on load (up
+            # first), padded loading, intermediate rounded up to a multiple of 128.
+            _require(self.order == "up_gate" and self.pad_mode == "blocked"
+                     and self.intermediate_padded % 128 == 0,
+                     "engine_layout='trtllm_block' is SGLang's flashinfer_trtllm BF16 layout: "
+                     "order 'up_gate', pad_mode 'blocked', intermediate_padded a multiple of 128",
+                     order=self.order, pad_mode=self.pad_mode,
+                     intermediate_padded=self.intermediate_padded)
+        if self.engine_layout == "transposed":
+            _require(self.order == "gate_up", "engine_layout='transposed' is SGLang's "
+                     "triton_kernels runner, which loads gate first (order 'gate_up')",
+                     order=self.order)
+        _require(isinstance(self.redundant_experts, int) and self.redundant_experts >= 0,
+                 "ReceiverTopology.redundant_experts must be an int >= 0",
+                 redundant_experts=self.redundant_experts)
+        if self.placement is not None:
+            ok = (isinstance(self.placement, tuple)
+                  and all(isinstance(row, tuple) and all(isinstance(v, int) for v in row)
+                          for row in self.placement))
+            _require(ok, "ReceiverTopology.placement must be a tuple (per layer) of tuples of "
+                     "logical expert ids (hashable, like the rest of the topology)",
+                     placement=type(self.placement).__name__)
+        _require(self.weight_quant in WEIGHT_QUANTS,
+                 f"ReceiverTopology.weight_quant must be one of {WEIGHT_QUANTS}",
+                 weight_quant=self.weight_quant)
+        _require(isinstance(self.quant_block, tuple) and len(self.quant_block) == 2
+                 and all(isinstance(b, int) and b >= 1 for b in self.quant_block),
+                 "ReceiverTopology.quant_block must be a pair of ints >= 1 (block_n, block_k)",
+                 quant_block=self.quant_block)
+        special = [name for name, on in (("engine_layout", self.engine_layout != "checkpoint"),
+                                         ("redundant experts", self.eplb),
+                                         ("weight_quant", self.weight_quant != "none")) if on]
+        _require(len(special) <= 1, "one of engine_layout, redundant experts (EPLB) and "
+                 "weight_quant per receiver topology (their combinations are not modelled)",
+                 set=special)
 
     @property
     def moe_tp(self) -> int:
@@ -397,6 +467,31 @@ class ReceiverTopology:
     @property
     def padded(self) -> bool:
         return self.intermediate_padded is not None
+
+    @property
+    def eplb(self) -> bool:
+        """Whether physical expert slots differ from logical experts (redundant copies or an
+        explicit placement)."""
+        return self.redundant_experts > 0 or self.placement is not None
+
+    @property
+    def default_engine(self) -> bool:
+        """Whether this is the plain checkpoint-layout engine every suite has always run."""
+        return (self.engine_layout == "checkpoint" and not self.eplb
+                and self.weight_quant == "none")
+
+    def num_physical_experts(self, spec: "MoESpec") -> int:
+        """Expert slots of the whole engine: ``num_experts + redundant_experts``."""
+        return spec.num_experts + self.redundant_experts
+
+    def physical_to_logical(self, spec: "MoESpec") -> tuple:
+        """``placement``, or SGLang's trivial map (``ExpertLocationMetadata.init_trivial``:
+        physical slot ``p`` holds logical expert ``p % num_experts``), one row per layer."""
+        if self.placement is not None:
+            return self.placement
+        n = self.num_physical_experts(spec)
+        return tuple(tuple(p % spec.num_experts for p in range(n))
+                     for _ in range(spec.num_layers))
 
 
 @dataclass(frozen=True)
@@ -413,12 +508,32 @@ class ReceiverShard:
     row_start: int
     rows: int
     buffer_rows: int
+    #: EPLB only: per layer, the logical expert each local slot holds (``experts`` then
+    #: holds physical slot ids, as SGLang's ``FusedMoE`` built with E + R experts sees them).
+    slot_logical: Optional[tuple] = None
 
     def local_expert(self, expert: int) -> Optional[int]:
         """Global -> local expert slot; ``None`` for an expert this rank does not hold."""
         if expert in self.experts:
             return expert - self.experts.start
         return None
+
+    def logical_expert(self, layer: int, slot: int) -> int:
+        """The (logical) expert whose weights local ``slot`` of ``layer`` holds."""
+        if self.slot_logical is None:
+            return self.experts[slot]
+        return self.slot_logical[layer][slot]
+
+    def slot_experts(self, layer: int) -> tuple:
+        """The logical expert of every local slot of ``layer``, in slot order."""
+        if self.slot_logical is None:
+            return tuple(self.experts)
+        return self.slot_logical[layer]
+
+    def slots_of(self, layer: int, expert: int) -> list[int]:
+        """Every local slot of ``layer`` holding logical ``expert`` (all its physical copies on
+        this rank; empty when the rank holds none)."""
+        return [slot for slot, e in enumerate(self.slot_experts(layer)) if e == expert]
 
     def half_offset(self, projection: str, order: str) -> int:
         """Row offset of ``projection`` (gate/up) inside one expert's ``w13`` buffer."""
@@ -428,8 +543,48 @@ class ReceiverShard:
         return 0 if projection == first else self.buffer_rows
 
 
+def _validate_engine(spec: MoESpec, topo: ReceiverTopology) -> None:
+    """The constraints of the non-checkpoint receiver fields that involve the model shape."""
+    if topo.eplb:
+        physical = topo.num_physical_experts(spec)
+        _require(physical % topo.moe_ep == 0,
+                 "num_experts + redundant_experts must be divisible by the receiver's moe_ep",
+                 num_experts=spec.num_experts, redundant_experts=topo.redundant_experts,
+                 moe_ep=topo.moe_ep)
+        rows = topo.physical_to_logical(spec)
+        _require(len(rows) == spec.num_layers and all(len(r) == physical for r in rows),
+                 "placement needs one row per layer of num_experts + redundant_experts slots",
+                 layers=len(rows), slots=sorted({len(r) for r in rows}),
+                 num_layers=spec.num_layers, physical=physical)
+        for layer, row in enumerate(rows):
+            _require(all(0 <= e < spec.num_experts for e in row),
+                     "placement holds logical expert ids in range(num_experts)",
+                     layer=layer, row=row)
+            _require(len(set(row)) == spec.num_experts, "every logical expert needs at least "
+                     "one physical slot in every layer", layer=layer,
+                     missing=sorted(set(range(spec.num_experts)) - set(row)))
+    if topo.engine_layout == "trtllm_block":
+        _require(spec.dtype == torch.bfloat16 and spec.hidden % 64 == 0,
+                 "engine_layout='trtllm_block' (TRT-LLM BF16) needs bfloat16 weights and hidden "
+                 "a multiple of 64 (128-byte column blocks; w2 rows shuffled in blocks of 32)",
+                 dtype=spec.dtype, hidden=spec.hidden)
+    if topo.weight_quant == "fp8_block":
+        block_n, block_k = topo.quant_block
+        _require(block_n == block_k, "fp8_block: only square blocks are modelled (SGLang's "
+                 "default weight_block_size is [128, 128])", quant_block=topo.quant_block)
+        rows = topo.intermediate_padded or spec.intermediate // max(topo.moe_tp, 1)
+        _require(rows % block_n == 0 and (topo.moe_tp == 1 or rows % block_k == 0),
+                 "fp8_block: rows per MoE-TP rank must be divisible by block_n (and by block_k "
+                 "when moe_tp > 1), as SGLang's create_fp8_moe_weight_ requires",
+                 rows=rows, quant_block=topo.quant_block, moe_tp=topo.moe_tp)
+        _require(not topo.padded, "fp8_block receivers are unpadded here",
+                 intermediate_padded=topo.intermediate_padded)
+
+
 def validate_receiver(spec: MoESpec, topo: ReceiverTopology) -> None:
-    _require(spec.num_experts % topo.moe_ep == 0,
+    _validate_engine(spec, topo)
+    experts = topo.num_physical_experts(spec) if topo.eplb else spec.num_experts
+    _require(experts % topo.moe_ep == 0,
              "num_experts must be divisible by the receiver's moe_ep",
              num_experts=spec.num_experts, moe_ep=topo.moe_ep)
     if topo.pad_mode == "blocked":
@@ -456,7 +611,8 @@ def receiver_shard(spec: MoESpec, topo: ReceiverTopology, rank: int) -> Receiver
     moe_tp_rank = rank % topo.moe_tp
     moe_ep_rank = (rank // topo.moe_tp) % topo.moe_ep
     moe_dp_rank = rank // (topo.moe_tp * topo.moe_ep)
-    per_rank = spec.num_experts // topo.moe_ep
+    physical = topo.num_physical_experts(spec) if topo.eplb else spec.num_experts
+    per_rank = physical // topo.moe_ep
     if topo.pad_mode == "blocked":
         buffer_rows = topo.intermediate_padded
         start = min(buffer_rows * moe_tp_rank, spec.intermediate)
@@ -465,10 +621,15 @@ def receiver_shard(spec: MoESpec, topo: ReceiverTopology, rank: int) -> Receiver
         rows = spec.intermediate // topo.moe_tp
         start = rows * moe_tp_rank
         buffer_rows = topo.intermediate_padded if topo.intermediate_padded is not None else rows
+    experts = range(moe_ep_rank * per_rank, (moe_ep_rank + 1) * per_rank)
+    slot_logical = None
+    if topo.eplb:
+        slot_logical = tuple(tuple(row[p] for p in experts)
+                             for row in topo.physical_to_logical(spec))
     return ReceiverShard(
         rank=rank, moe_tp_rank=moe_tp_rank, moe_ep_rank=moe_ep_rank, moe_dp_rank=moe_dp_rank,
-        experts=range(moe_ep_rank * per_rank, (moe_ep_rank + 1) * per_rank),
-        row_start=start, rows=rows, buffer_rows=buffer_rows,
+        experts=experts, row_start=start, rows=rows, buffer_rows=buffer_rows,
+        slot_logical=slot_logical,
     )
 
 
@@ -477,9 +638,14 @@ def receiver_param_shapes(spec: MoESpec, topo: ReceiverTopology, rank: int) -> d
     shard = receiver_shard(spec, topo, rank)
     e_local = len(shard.experts)
     shapes = {}
+    transposed = topo.engine_layout == "transposed"
     for layer in range(spec.num_layers):
-        shapes[fused_name(layer, "w13")] = (e_local, 2 * shard.buffer_rows, spec.hidden)
-        shapes[fused_name(layer, "w2")] = (e_local, spec.hidden, shard.buffer_rows)
+        w13 = (e_local, 2 * shard.buffer_rows, spec.hidden)
+        w2 = (e_local, spec.hidden, shard.buffer_rows)
+        if transposed:  # triton_kernels allocates both transposed
+            w13, w2 = (w13[0], w13[2], w13[1]), (w2[0], w2[2], w2[1])
+        shapes[fused_name(layer, "w13")] = w13
+        shapes[fused_name(layer, "w2")] = w2
     return shapes
 
 
@@ -531,7 +697,12 @@ def locate_receiver_element(spec: MoESpec, topo: ReceiverTopology, rank: int, na
         return None
     shard = receiver_shard(spec, topo, rank)
     slot, i, j = (int(x) for x in index)
-    expert = shard.experts[slot]
+    if topo.engine_layout != "checkpoint":  # the engine's element -> its checkpoint element
+        from pytest_weightsync.reference_impl import engine_layout
+
+        slot, i, j = engine_layout.checkpoint_index(spec, topo, rank, parsed.projection,
+                                                    (slot, i, j))
+    expert = shard.logical_expert(parsed.layer, slot)
     if parsed.projection == "w13":
         first, second = gate_up_halves(topo.order)
         half, local_row = divmod(i, shard.buffer_rows)

@@ -152,6 +152,10 @@ class ModelReceiver:
 
     # -- update framing ----------------------------------------------------------------------
 
+    def named_parameters(self):
+        """``(name, tensor)`` of every engine parameter this receiver writes into."""
+        return self.params.items()
+
     @property
     def update_state(self) -> Optional[ModelUpdateState]:
         return self._update

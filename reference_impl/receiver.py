@@ -240,6 +240,13 @@ class ReferenceReceiver:
     def _half_offset(self, projection: str) -> int:
         return self.shard.half_offset(projection, self.topo.order)
 
+    def _owed_units(self) -> list[tuple[int, int, str]]:
+        """Every (layer, expert, projection) a complete update must carry to this rank."""
+        return [(layer, expert, projection)
+                for layer in range(self.spec.num_layers)
+                for expert in self.shard.experts
+                for projection in PROJECTIONS]
+
     def _tp_rows(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's MoE-TP slice of a full tensor along ``dim``."""
         return loaded.narrow(dim, self.shard.row_start, self.shard.rows)
@@ -292,11 +299,7 @@ class ReferenceReceiver:
         update, self._update = self._update, None
         if update is None:
             raise IncompleteUpdateError("end_update() without begin_update()")
-        missing = [(layer, expert, projection)
-                   for layer in range(self.spec.num_layers)
-                   for expert in self.shard.experts
-                   for projection in PROJECTIONS
-                   if (layer, expert, projection) not in update.seen]
+        missing = [unit for unit in self._owed_units() if unit not in update.seen]
         if missing:
             listed = ", ".join(f"layer {l} expert {e} {p}_proj" for l, e, p in missing[:MAX_LISTED])
             more = f", ... ({len(missing) - MAX_LISTED} more)" if len(missing) > MAX_LISTED else ""

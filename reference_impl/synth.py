@@ -255,7 +255,7 @@ def expected_receiver_params(spec: MoESpec, topo: ReceiverTopology, rank: int, v
                           device=device)
         w2 = torch.zeros(len(shard.experts), spec.hidden, shard.buffer_rows, dtype=spec.dtype,
                          device=device)
-        for slot, expert in enumerate(shard.experts):
+        for slot, expert in enumerate(shard.slot_experts(layer)):  # every physical copy
             for projection in ("gate", "up"):
                 off = shard.half_offset(projection, topo.order)
                 w13[slot, off:off + shard.rows] = expert_block(

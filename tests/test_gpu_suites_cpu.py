@@ -387,7 +387,7 @@ def test_nccl_suite_checks_can_fail():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip behaviour without CUDA")
 def test_gpu_suites_collect_and_skip_cleanly_without_cuda():
     files = sorted(str(p) for p in SUITES.glob("test_gpu_*.py"))
-    assert len(files) == 4, files
+    assert len(files) == 5, files
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "weightsync", "-q", "-rs", "-p", "no:cacheprovider",
                           *files], cwd=ROOT, capture_output=True, text=True, timeout=300)
     out = run.stdout + run.stderr
@@ -447,3 +447,16 @@ def test_ci_gpu_summary_counts_a_killed_run_from_its_log_and_names_two_gpu_tests
                      run.stdout.splitlines()[0]), run.stdout
     assert "not run, needs 2 GPUs: suites.test_gpu_ipc::test_two" in run.stdout
     assert "skipped 1: megatron-bridge is not installed" in run.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Engine layouts (suites/selftest/test_gpu_engine_layouts.py), same steps on CPU
+# --------------------------------------------------------------------------------------------
+
+_engine_cases = importlib.import_module("pytest_weightsync.suites.harness.cases").ENGINE_CASES
+
+
+@pytest.mark.parametrize("case", _engine_cases, ids=lambda c: c.id)
+def test_engine_layout_update_steps_on_cpu(case):
+    log = h.run_engine_updates(case, "compat", "cpu", updates=3)
+    assert log.updates == 3 and log.outputs_checked >= 3 * case.spec.num_layers

@@ -30,7 +30,7 @@ from typing import Iterable, Iterator
 #: MoE runner backend -> receiver layout it implies for unquantized weights.
 #: ``triton``: w13 = [gate | up]; ``flashinfer_cutlass``: w13 = [up | gate]
 #: (``load_up_proj_weight_first``); ``triton_kernels``: both parameters stored transposed.
-RUNNERS = ("triton", "flashinfer_cutlass", "triton_kernels")
+RUNNERS = ("triton", "flashinfer_cutlass", "triton_kernels", "flashinfer_trtllm")
 
 _PARAM_NAMES = ("w13_weight", "w2_weight")
 
@@ -226,6 +226,7 @@ def _activated(context, runner: str) -> Iterator[None]:
         "triton": MoeRunnerBackend.TRITON,
         "flashinfer_cutlass": MoeRunnerBackend.FLASHINFER_CUTLASS,
         "triton_kernels": MoeRunnerBackend.TRITON_KERNELS,
+        "flashinfer_trtllm": MoeRunnerBackend.FLASHINFER_TRTLLM,
     }[runner]
     with use_context(context):
         with context.flags.moe.override(runner_backend=backend):
@@ -239,6 +240,7 @@ RUNNER_MODULES = {
     "triton": (),
     "flashinfer_cutlass": ("sglang.srt.layers.moe.moe_runner.flashinfer_cutlass",),
     "triton_kernels": (),
+    "flashinfer_trtllm": (),
 }
 
 

@@ -48,6 +48,13 @@ What is stand-in (the smallest object the real method body needs):
   per layer; for blocked receivers it is set on the layer to ``True``, as those deployments
   compute it - the loading code that then runs is SGLang's.
 
+Engines (``ReceiverTopology.engine_layout``, redundant experts, FP8 blocks): the runner that
+keeps the layout (``flashinfer_trtllm``, ``triton_kernels``), ``FusedMoE`` with ``E + R``
+physical slots and SGLang's ``ExpertLocationMetadata`` of the placement, or an ``Fp8Config``;
+``begin_update`` / ``end_update`` run SGLang's own ``restore_weights_before_loading`` /
+``postprocess_weights`` (what ``begin_weight_update`` / ``end_weight_update`` call), so the
+TRT-LLM BF16 block layout really is applied after every update and undone before the next.
+
 Claims (:data:`Capabilities`): formats ``compat`` and ``direct`` for both, ``hf_fused`` only for
 Qwen3.5 (Qwen3-MoE's ``load_weights`` has no fused-experts branch: ``experts.gate_up_proj``
 matches no mapping and is skipped silently). Never ``packed`` (no stock path). Every order and
@@ -80,6 +87,29 @@ from pytest_weightsync.protocols import Capabilities
 
 #: Receiver gate/up order -> the SGLang MoE runner whose weight layout stores it.
 RUNNER_FOR_ORDER = {"gate_up": "triton", "up_gate": "flashinfer_cutlass"}
+#: Receiver engine layout -> the SGLang MoE runner that keeps it (checkpoint: by order).
+RUNNER_FOR_ENGINE_LAYOUT = {"trtllm_block": "flashinfer_trtllm", "transposed": "triton_kernels"}
+
+
+def runner_for(topology) -> str:
+    """The SGLang MoE runner of a receiver topology."""
+    layout = getattr(topology, "engine_layout", "checkpoint")
+    return RUNNER_FOR_ENGINE_LAYOUT.get(layout) or RUNNER_FOR_ORDER[topology.order]
+
+
+def _flashinfer_importable() -> bool:
+    """Whether flashinfer (which SGLang's TRT-LLM BF16 post-processing calls) is installed;
+    asked without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def engine_layouts_served() -> tuple:
+    """The engine layouts whose real SGLang code runs here: ``trtllm_block`` only where
+    flashinfer is installed (its permutation functions run on CPU)."""
+    served = ("checkpoint", "transposed")
+    return served + ("trtllm_block",) if _flashinfer_importable() else served
 
 
 class SGLangPlacementError(RuntimeError):
@@ -96,6 +126,10 @@ def sglang_refusal(spec, receiver) -> Optional[str]:
     if receiver.moe_dp > 1 and receiver.moe_ep > 1 and receiver.moe_tp > 1:
         return (f"SGLang requires ep_size * moe_dp_size == tp_size when both exceed 1 (receiver "
                 f"moe_tp={receiver.moe_tp}, moe_ep={receiver.moe_ep}, moe_dp={receiver.moe_dp})")
+    if getattr(receiver, "weight_quant", "none") == "fp8_block" and receiver.order == "up_gate":
+        return ("SGLang's Fp8MoEMethod loads gate first (no load_up_proj_weight_first); only "
+                "its flashinfer_trtllm runner swaps w1/w3, with an FP8 post-load layout not "
+                "modelled here")
     return None
 
 
@@ -150,25 +184,56 @@ def _context(receiver, rank: int):
 
 
 class _BuiltModel:
-    """One receiver rank's model object (real class, minimal attributes) and its layers."""
+    """One receiver rank's model object (real class, minimal attributes) and its layers.
 
-    def __init__(self, model, layers, context, runner):
+    ``expert_location``: SGLang's ``ExpertLocationMetadata`` of an EPLB receiver (``None``
+    otherwise), published in the layers' runtime context while SGLang code runs."""
+
+    def __init__(self, model, layers, context, runner, expert_location=None):
         self.model = model
         self.layers = layers
         self.context = context
         self.runner = runner
+        self.expert_location = expert_location
+        self._bound: dict = {}  # name -> weak reference to the harness tensor bound last
 
     def bind(self, params: dict) -> None:
-        """Point every parameter of the model at the harness tensor of the same name."""
+        """Point every parameter of the model at the harness tensor of the same name.
+
+        SGLang's post-processing may give a parameter another shape over the same storage (the
+        TRT-LLM block layout), and restores by that shape before the next update. So a tensor
+        bound again is viewed in the shape SGLang left; a new tensor (a fresh buffer, in the
+        checkpoint layout) resets the parameter to its own shape."""
+        import weakref
+
         import torch
 
         own = dict(self.model.named_parameters(remove_duplicate=False))
         for name, tensor in params.items():
             data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
             if name in own:
+                current = own[name].data
+                last = self._bound.get(name)
+                again = last is not None and last() is tensor
+                if again and current.shape != data.shape and current.numel() == data.numel():
+                    data = data.view(current.shape)
                 own[name].data = data
+                self._bound[name] = weakref.ref(tensor)
             else:
                 _attach(self.model, name, torch.nn.Parameter(data, requires_grad=False))
+
+    def running(self):
+        """SGLang's runtime context (runner flag, expert location) while its code runs."""
+        import contextlib
+
+        from pytest_weightsync.reference_impl.backends.sglang import _activated
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(_activated(self.context, self.runner))
+        if self.expert_location is not None:
+            stack.enter_context(self.context.resources.override(
+                expert_location_metadata=self.expert_location))
+        return stack
 
 
 def _attach(root, name: str, param) -> None:
@@ -219,9 +284,7 @@ class _SGLangModelLoader:
         built = self.model_for(spec, topology, rank)
         built.bind(params)
         payload = list(payload)
-        from pytest_weightsync.reference_impl.backends.sglang import _activated
-
-        with _activated(built.context, built.runner):
+        with built.running():
             if format == "direct":
                 from sglang.srt.model_executor.model_runner_components.weight_updater import (
                     _model_load_weights_direct,
@@ -230,6 +293,26 @@ class _SGLangModelLoader:
                 _model_load_weights_direct(built.model, payload)
             else:
                 type(built.model).load_weights(built.model, payload)
+
+    def begin_update(self, params, *, format, spec, topology, rank) -> None:
+        """SGLang's ``begin_weight_update``: ``DefaultModelLoader.restore_weights_before_loading``
+        (undoes in-place post-processing such as the TRT-LLM BF16 block layout)."""
+        self._run_loader_hook("restore_weights_before_loading", params, spec, topology, rank)
+
+    def end_update(self, params, *, format, spec, topology, rank) -> None:
+        """SGLang's ``end_weight_update``: ``DefaultModelLoader.postprocess_weights`` (every
+        layer's ``quant_method.process_weights_after_loading``)."""
+        self._run_loader_hook("postprocess_weights", params, spec, topology, rank)
+
+    def _run_loader_hook(self, hook: str, params, spec, topology, rank) -> None:
+        import torch
+        from sglang.srt.model_loader.loader import DefaultModelLoader
+
+        built = self.model_for(spec, topology, rank)
+        built.bind(params)
+        device = next(iter(params.values())).device if params else torch.device("cpu")
+        with built.running():
+            getattr(DefaultModelLoader, hook)(built.model, device)
 
     # -- building --------------------------------------------------------------------------
 
@@ -278,17 +361,21 @@ class _SGLangModelLoader:
         reason = sglang_refusal(spec, topology)
         if reason is not None:
             raise SGLangPlacementError(reason)
-        runner = RUNNER_FOR_ORDER[topology.order]
+        runner = runner_for(topology)
         preload_runner_modules((runner,))
         shard = receiver_shard(spec, topology, rank)
         context = _context(topology, rank)
         layers = []
+        # EPLB: the model builds its FusedMoE with num_experts + ep_num_redundant_experts
+        # physical slots (Qwen3MoeSparseMoeBlock); its config keeps the logical count.
+        slots = topology.num_physical_experts(spec) if topology.eplb else spec.num_experts
+        quant_config = _quant_config(topology)
         with _activated(context, runner):
             for layer_id in range(spec.num_layers):
-                layer = FusedMoE(num_experts=spec.num_experts, hidden_size=spec.hidden,
+                layer = FusedMoE(num_experts=slots, hidden_size=spec.hidden,
                                  intermediate_size=shard.buffer_rows * topology.moe_tp,
                                  layer_id=layer_id, top_k=min(2, spec.num_experts),
-                                 params_dtype=spec.dtype,
+                                 params_dtype=spec.dtype, quant_config=quant_config,
                                  prefix=f"model.layers.{layer_id}.mlp.experts")
                 if topology.pad_mode == "blocked":
                     layer.use_padded_loading = True  # see the module docstring
@@ -301,9 +388,33 @@ class _SGLangModelLoader:
                 f"local experts)={placed}, moe_dp_rank={context.parallel.moe_dp_rank}; the "
                 f"reference layout says {wanted}, moe_dp_rank={shard.moe_dp_rank}")
         up_first = bool(getattr(_weight_layout(layers[0]), "load_up_proj_weight_first", False))
+        # flashinfer_trtllm stores up first by swapping the w1/w3 shard ids in the loader
+        # (FusedMoE._weight_loader_impl), not through load_up_proj_weight_first.
+        up_first = up_first or bool(layers[0].use_flashinfer_trtllm_moe)
         if up_first != (topology.order == "up_gate"):
             raise SGLangPlacementError(f"runner {runner} stores up first={up_first}, receiver "
                                        f"order is {topology.order!r}")
+        from pytest_weightsync.reference_impl.layout import receiver_param_shapes
+
+        shapes = {name: (shape, spec.dtype)
+                  for name, shape in receiver_param_shapes(spec, topology, rank).items()}
+        if topology.weight_quant == "fp8_block":
+            from pytest_weightsync.reference_impl import fp8
+
+            shapes = fp8.param_specs(spec, topology, rank)
+        for layer_id, layer in enumerate(layers):
+            own = {f"model.layers.{layer_id}.mlp.experts.{n}": p
+                   for n, p in layer.named_parameters()}
+            for name, (want, dtype) in shapes.items():
+                if not name.startswith(f"model.layers.{layer_id}."):
+                    continue
+                got = own.get(name)
+                if got is None or tuple(got.shape) != tuple(want) or got.dtype != dtype:
+                    raise SGLangPlacementError(
+                        f"runner {runner} allocated {name} "
+                        f"{None if got is None else (tuple(got.shape), got.dtype)} on receiver "
+                        f"rank {rank} of {topology}; the reference layout says {want} {dtype}")
+        expert_location = _expert_location(spec, topology, shard, context) if topology.eplb else None
         cls = self.model_cls()
         model = cls.__new__(cls)
         torch.nn.Module.__init__(model)
@@ -316,7 +427,40 @@ class _SGLangModelLoader:
             block.mlp.experts = layer
             blocks.append(block)
         model.model.layers = torch.nn.ModuleList(blocks)
-        return _BuiltModel(model, layers, context, runner)
+        return _BuiltModel(model, layers, context, runner, expert_location)
+
+
+def _quant_config(topology):
+    """SGLang's ``Fp8Config`` of an FP8 block-quantized receiver (an FP8-serialized checkpoint,
+    dynamic activation scales, ``weight_block_size`` = the topology's block), else ``None``."""
+    if topology.weight_quant != "fp8_block":
+        return None
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    return Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
+                     weight_block_size=list(topology.quant_block))
+
+
+def _expert_location(spec, topology, shard, context):
+    """SGLang's ``ExpertLocationMetadata`` of an EPLB receiver, built by the two functions its
+    ``init_by_mapping`` ends with (``_compute_logical_to_all_physical_map``, ``_init_raw``) from
+    the topology's physical -> logical map (the model-config lookup ``init_by_mapping`` starts
+    with needs a real checkpoint config)."""
+    import torch
+    from sglang.srt.eplb.expert_location import (
+        ExpertLocationMetadata,
+        _compute_logical_to_all_physical_map,
+    )
+    from sglang.srt.runtime_context import use_context
+
+    physical_to_logical = torch.tensor(topology.physical_to_logical(spec), dtype=torch.int64)
+    with use_context(context):
+        logical_to_all = _compute_logical_to_all_physical_map(
+            physical_to_logical, num_logical_experts=spec.num_experts,
+            ep_size=topology.moe_ep, moe_ep_rank=shard.moe_ep_rank)
+        return ExpertLocationMetadata._init_raw(
+            ep_size=topology.moe_ep, physical_to_logical_map=physical_to_logical,
+            logical_to_all_physical_map=logical_to_all, moe_ep_rank=shard.moe_ep_rank)
 
 
 def _weight_layout(layer):
@@ -333,7 +477,9 @@ class Qwen3MoeLoader(_SGLangModelLoader):
     model_class = "Qwen3MoeForCausalLM"
     capabilities = Capabilities(formats=("compat", "direct"), topology=_serving("qwen3_moe"),
                                 model_parts=("experts", "attention", "router", "norms",
-                                             "embeddings"))
+                                             "embeddings"),
+                                engine_layouts=engine_layouts_served(), redundant_experts=True,
+                                weight_quants=("none", "fp8_block"))
 
 
 class Qwen35MoeLoader(_SGLangModelLoader):
@@ -347,7 +493,9 @@ class Qwen35MoeLoader(_SGLangModelLoader):
                                 model_parts=("experts", "attention", "gdn", "router",
                                              "shared_expert", "norms", "embeddings",
                                              "tied_embeddings"),
-                                targets=("target", "draft"))
+                                targets=("target", "draft"),
+                                engine_layouts=engine_layouts_served(), redundant_experts=True,
+                                weight_quants=("none", "fp8_block"))
 
     def _configure(self, model, spec) -> None:
         super()._configure(model, spec)

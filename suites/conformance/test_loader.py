@@ -20,7 +20,16 @@ the test id carries its name) and states one property:
   a missing expert) at the end of a valid update; what the loader did is recorded as a finding
   (``suites/harness/hardening.py``). Only refusing a bucket after writing part of it fails;
 - ``fallback_routing``: with a capability taken away, ``pytest_weightsync.reference_impl.select`` routes the
-  update down a path the loader claims, and that path lands bit-exact too.
+  update down a path the loader claims, and that path lands bit-exact too;
+- ``engine_layout``: receivers as engines hold them (``cases.ENGINE_CASES``: the TRT-LLM BF16
+  block layout applied after every update, triton_kernels' transposed parameters, redundant
+  expert copies under a placement that changes between updates): three framed updates, each
+  checked bit for bit in the engine's layout, every physical copy included. A loader that
+  does not claim an engine layout (``Capabilities.engine_layouts`` / ``redundant_experts``)
+  is not run on it. FP8 block-quantized engines (``cases.FP8_CASES``): three updates, weights
+  and block scales bit-exact against the reference quantizer when the sender quantizes, the
+  dequantized values within one FP8 unit when the loader does (``Capabilities.weight_quants``
+  / ``quantizers``).
 
 What an implementation does not claim is skipped with the reason - never passed.
 """
@@ -33,10 +42,12 @@ from pytest_weightsync import compare
 from pytest_weightsync.reference_impl.layout import fused_name
 from pytest_weightsync.vocabulary import BUCKET_LIMITS, FORMATS
 
-from ..harness import cases, claims, hardening, inputs, judge, loader
+from ..harness import cases, claims, hardening, inputs, judge, loader, quant_judge
 
 #: The hand-picked cases, plus one of realistic size (``cases.REALISTIC``, 36 MiB an update).
 ANCHORS = [pytest.param(case, id=case.id) for case in (*cases.ANCHORS, cases.REALISTIC)]
+ENGINES = [pytest.param(case, id=case.id) for case in cases.ENGINE_CASES]
+FP8 = [pytest.param(case, id=case.id) for case in cases.FP8_CASES]
 
 
 def _require_claim(impl, case, fmt=None):
@@ -176,3 +187,63 @@ def test_loader_fallback_path_lands_bit_exact(weightsync_loader, case, restricti
         before = compare.snapshot(params)
         loader.load(weightsync_loader, params, choice.path, case, rank, version=4)
         judge.check_rank(params, case, rank, 4, before)
+
+
+# --- engines: layouts after loading, redundant experts ------------------------------------------
+
+
+@pytest.mark.weightsync_property("engine_layout")
+@pytest.mark.parametrize("payload_format", FORMATS)
+@pytest.mark.parametrize("case", ENGINES)
+def test_loader_engine_layout_holds_after_every_update(weightsync_loader, case, payload_format):
+    """Three updates into the same buffers, each a framed bucket stream at another limit; after
+    each, every rank holds the new version in the engine's layout. An EPLB engine is rebalanced
+    before the second and third update (weights moved to the new placement, as the engine's
+    expert location updater does) and the loader gets the new placement's topology."""
+    updates = cases.engine_updates(case)
+    for _, update in updates:
+        _require_claim(weightsync_loader, update, payload_format)
+    world = case.receiver.world_size
+    params = [inputs.receiver_params(case, rank) for rank in range(world)]
+    before = [compare.snapshot(p) for p in params]
+    previous = None
+    for version, update in updates:
+        if previous is not None and update.receiver != previous.receiver:
+            inputs.rebalance(params, case.spec, previous.receiver, update.receiver)
+        for rank in range(world):
+            loader.load(weightsync_loader, params[rank], payload_format, update, rank, version,
+                        bucket=_limit(rank + version))
+            judge.check_rank(params[rank], update, rank, version, before[rank],
+                             previous_version=version - 1 if version > 1 else None)
+        previous = update
+
+
+@pytest.mark.weightsync_property("engine_layout")
+@pytest.mark.parametrize("quantizer, payload_format",
+                         [("sender", "compat"), ("sender", "direct"), ("loader", "compat")])
+@pytest.mark.parametrize("case", FP8)
+def test_loader_fp8_block_weights_and_scales_after_every_update(weightsync_loader, case,
+                                                                quantizer, payload_format):
+    """Three updates into an FP8 block-quantized engine, each a framed bucket stream (weights
+    and their scales may travel in different buckets). Sender-quantized: every weight and
+    every block scale bit-exact against the reference quantizer, each scale beside its own
+    block. Loader-quantized: every weight read with its scales within one FP8 unit of the
+    reference, its scales rebuilt from each update's weights."""
+    _require_claim(weightsync_loader, case, payload_format)
+    reason = weightsync_loader.capabilities.quantizer_refusal(quantizer)
+    if reason is not None:
+        claims.skip_unclaimed(f"{weightsync_loader.name} {reason}")
+    for rank in range(case.receiver.world_size):
+        params = inputs.receiver_params(case, rank)
+        before = compare.snapshot(params)
+        for version in (1, 2, 3):
+            stream = inputs.fp8_stream(payload_format, case, rank, version, quantizer,
+                                       bucket=_limit(rank + version))
+            loader.load_stream(weightsync_loader, params, stream, payload_format, case, rank)
+            if quantizer == "sender":
+                judge.check_rank(params, case, rank, version, before,
+                                 previous_version=version - 1 if version > 1 else None)
+            else:
+                quant_judge.check_dequantized(params, case, rank, version, before,
+                                              previous_version=version - 1 if version > 1
+                                              else None)

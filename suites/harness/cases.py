@@ -53,7 +53,25 @@ class Case:
         pad = "" if r.intermediate_padded is None else f"-pad{r.intermediate_padded}{r.pad_mode[0]}"
         return (f"L{s.num_layers}E{s.num_experts}H{s.hidden}I{s.intermediate}"
                 f"-T.tp{t.tp}ep{t.ep}etp{t.etp}pp{t.pp}{'te' if t.expert_impl == 'te_grouped' else 'seq'}"
-                f"-R.tp{r.moe_tp}ep{r.moe_ep}dp{r.moe_dp}{'gu' if r.order == 'gate_up' else 'ug'}{pad}")
+                f"-R.tp{r.moe_tp}ep{r.moe_ep}dp{r.moe_dp}{'gu' if r.order == 'gate_up' else 'ug'}{pad}"
+                f"{engine_tag(r)}")
+
+
+def engine_tag(r: ReceiverTopology) -> str:
+    """The id suffix of a receiver's engine fields ("" for a checkpoint-layout engine, so the
+    ids of the plain matrix never change): ``-trtllm_block``, ``-transposed``, ``-eplbR2`` (and
+    ``m`` plus a short digest of an explicit placement), ``-fp8b4x4``."""
+    layout = getattr(r, "engine_layout", "checkpoint")
+    tag = "" if layout == "checkpoint" else f"-{layout}"
+    if getattr(r, "eplb", False):
+        tag += f"-eplbR{r.redundant_experts}"
+        if r.placement is not None:
+            import zlib
+
+            tag += f"m{zlib.crc32(repr(r.placement).encode()) % 10000:04d}"
+    if getattr(r, "weight_quant", "none") != "none":
+        tag += f"-fp8b{r.quant_block[0]}x{r.quant_block[1]}"
+    return tag
 
 
 def build_case(t_tp, t_ep, t_etp, t_pp, impl, r_moe_tp, r_moe_ep, r_moe_dp, order, padding,
@@ -164,6 +182,78 @@ REALISTIC = Case(MoESpec(num_layers=2, num_experts=16, hidden=512, intermediate=
 #: BF16) on one engine rank, trained at EP 4: the GPU suites' size.
 QWEN35_LAYER = Case(MoESpec(num_layers=1, num_experts=256, hidden=2048, intermediate=512),
                     TrainerTopology(tp=2, ep=4), ReceiverTopology(tp=1))
+
+
+# --------------------------------------------------------------------------------------------
+# Engine topologies: layouts after loading, redundant experts, FP8 (test_loader's engine_layout)
+# --------------------------------------------------------------------------------------------
+
+#: Updates every engine case runs (each checked in the engine's layout).
+ENGINE_UPDATES = 3
+
+
+def _engine_case(spec: MoESpec, receiver: ReceiverTopology) -> Case:
+    from pytest_weightsync.reference_impl.layout import receiver_shard
+
+    for rank in range(receiver.world_size):
+        receiver_shard(spec, receiver, rank)  # validates
+    return Case(spec, TrainerTopology(), receiver)
+
+
+#: Few and tiny (the CPU budget): each engine layout, EPLB with the trivial map and with two
+#: copies of one expert on one rank (MoE-TP 2), FP8 blocks.
+ENGINE_CASES: tuple[Case, ...] = (
+    # TRT-LLM BF16 block layout: MoE-TP 2 x EP 2, intermediate 160 padded to 128 per rank
+    # (rank 0 takes rows 0..127, rank 1 rows 128..159 and zeros), hidden 64.
+    _engine_case(MoESpec(1, 4, 64, 160),
+                 ReceiverTopology(tp=4, moe_ep=2, order="up_gate", intermediate_padded=128,
+                                  pad_mode="blocked", engine_layout="trtllm_block")),
+    # triton_kernels: transposed parameters, MoE-TP 2 x EP 2, padded buffers.
+    _engine_case(MoESpec(2, 4, 5, 8),
+                 ReceiverTopology(tp=4, moe_ep=2, intermediate_padded=6,
+                                  engine_layout="transposed")),
+    # EPLB, SGLang's trivial map: 4 logical experts in 6 physical slots over EP 2.
+    _engine_case(MoESpec(2, 4, 8, 4), ReceiverTopology(tp=2, moe_ep=2, redundant_experts=2)),
+    # EPLB, an explicit map with two copies of one expert on one rank, MoE-TP 2, up/gate.
+    _engine_case(MoESpec(2, 3, 5, 4),
+                 ReceiverTopology(tp=4, moe_ep=2, order="up_gate", redundant_experts=1,
+                                  placement=((2, 2, 0, 1), (1, 0, 2, 0)))),
+)
+
+
+#: FP8 block-quantized engines (SGLang Fp8MoEMethod): 4 x 4 blocks with a partial last block
+#: column (hidden 10), MoE-TP 2 x EP 2; and SGLang's default 128 x 128 blocks.
+FP8_CASES: tuple[Case, ...] = (
+    _engine_case(MoESpec(1, 4, 10, 16),
+                 ReceiverTopology(tp=4, moe_ep=2, weight_quant="fp8_block", quant_block=(4, 4))),
+    _engine_case(MoESpec(1, 2, 128, 256),
+                 ReceiverTopology(tp=2, weight_quant="fp8_block", quant_block=(128, 128))),
+)
+
+
+def rebalanced(receiver: ReceiverTopology, spec: MoESpec, step: int) -> ReceiverTopology:
+    """``receiver`` after the engine's ``step``-th rebalance (EPLB only; others unchanged):
+    every layer's physical -> logical map rotated by ``step`` slots and its logical ids
+    shifted by ``step``, so most slots change their expert (a loader that keeps the first map
+    writes wrong experts) and some move between EP ranks."""
+    if not receiver.eplb or step == 0:
+        return receiver
+    from dataclasses import replace
+
+    rows = receiver.physical_to_logical(spec)
+    moved = tuple(tuple((row[(p + step) % len(row)] + step) % spec.num_experts
+                        for p in range(len(row)))
+                  for row in rows)
+    return replace(receiver, placement=moved)
+
+
+def engine_updates(case: Case) -> list[tuple[int, Case]]:
+    """``(version, case of that update)`` for the :data:`ENGINE_UPDATES` updates of an engine
+    case: versions 1, 2, 3; an EPLB engine rebalanced before every update after the first."""
+    from dataclasses import replace
+
+    return [(step + 1, replace(case, receiver=rebalanced(case.receiver, case.spec, step)))
+            for step in range(ENGINE_UPDATES)]
 
 
 @dataclass(frozen=True)

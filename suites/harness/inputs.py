@@ -54,7 +54,12 @@ def bucket_bytes(limit, spec):
 
 
 def locator(case, rank):
-    """``locate(name, index)`` for compare messages on receiver ``rank``."""
+    """``locate(name, index)`` for compare messages on receiver ``rank`` (an FP8 scale is
+    located by its block)."""
+    if case.receiver.weight_quant == "fp8_block":
+        from pytest_weightsync.reference_impl import fp8
+
+        return functools.partial(fp8.locate, case.spec, case.receiver, rank)
     return functools.partial(locate_receiver_element, case.spec, case.receiver, rank)
 
 
@@ -89,7 +94,16 @@ def cached_gathered(case, version):
 
 def expected_uncached(case, rank, version):
     """The state receiver ``rank`` must hold after a complete update to ``version``, computed
-    from the synthetic value function at layout coordinates."""
+    from the synthetic value function at layout coordinates - in the engine's layout for
+    receivers that do not keep the checkpoint layout (``engine_layout``)."""
+    if case.receiver.weight_quant == "fp8_block":
+        from pytest_weightsync.reference_impl import fp8
+
+        return fp8.expected_params(case.spec, case.receiver, rank, version)
+    if not case.receiver.default_engine:
+        from pytest_weightsync.reference_impl import engine_layout
+
+        return engine_layout.expected_engine_params(case.spec, case.receiver, rank, version)
     return synth.expected_receiver_params(case.spec, case.receiver, rank, version)
 
 
@@ -140,8 +154,14 @@ def receiver_params(case, rank, device=None):
     import torch
 
     spec = case.spec
-    params = {name: torch.empty(shape, dtype=spec.dtype, device=device)
-              for name, shape in receiver_param_shapes(spec, case.receiver, rank).items()}
+    if case.receiver.weight_quant == "fp8_block":
+        from pytest_weightsync.reference_impl import fp8
+
+        params = {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype)
+                  in fp8.param_specs(spec, case.receiver, rank).items()}
+    else:
+        params = {name: torch.empty(shape, dtype=spec.dtype, device=device)
+                  for name, shape in receiver_param_shapes(spec, case.receiver, rank).items()}
     params[SENTINEL] = torch.empty(spec.num_experts, spec.hidden, dtype=spec.dtype, device=device)
     for tensor in params.values():
         synth.poison_(tensor)
@@ -149,12 +169,65 @@ def receiver_params(case, rank, device=None):
 
 
 def fresh_receivers(case, receiver_cls=None):
-    """One reference receiver per rank, every buffer (padding included) poisoned."""
-    from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
+    """One reference receiver per rank (of the class its engine layout needs), every buffer
+    (padding included) poisoned."""
+    from pytest_weightsync.reference_impl.engine_receivers import receiver_class
 
-    receiver_cls = ReferenceReceiver if receiver_cls is None else receiver_cls
+    receiver_cls = receiver_class(case.receiver) if receiver_cls is None else receiver_cls
     receivers = [receiver_cls(case.spec, case.receiver, r) for r in range(case.receiver.tp)]
     for rec in receivers:
-        for tensor in rec.params.values():
+        for _, tensor in rec.named_parameters():
             synth.poison_(tensor)
     return receivers
+
+
+def rebalance(params_by_rank, spec, old, new) -> None:
+    """Move expert weights between physical slots the way an EPLB rebalance does (SGLang's
+    expert location updater copies each slot's new expert from a slot, on any rank, that held
+    it): afterwards every slot of ``new`` holds what some slot of the same logical expert held
+    under ``old``. ``params_by_rank`` is every receiver rank's parameters, in rank order."""
+    import torch
+
+    from pytest_weightsync.reference_impl.layout import fused_name, receiver_shard
+
+    shards_old = [receiver_shard(spec, old, r) for r in range(old.world_size)]
+    shards_new = [receiver_shard(spec, new, r) for r in range(new.world_size)]
+    for layer in range(spec.num_layers):
+        for param in ("w13", "w2"):
+            name = fused_name(layer, param)
+            sources = [params[name].clone() for params in params_by_rank]
+            for rank, shard in enumerate(shards_new):
+                for slot, expert in enumerate(shard.slot_experts(layer)):
+                    # the same MoE-TP rows: a rank's peer of equal moe_tp_rank
+                    src = next((r, s) for r, sh in enumerate(shards_old)
+                               if sh.moe_tp_rank == shard.moe_tp_rank
+                               for s in sh.slots_of(layer, expert))
+                    with torch.no_grad():
+                        params_by_rank[rank][name][slot].copy_(sources[src[0]][src[1]])
+
+
+@functools.lru_cache(maxsize=16)
+def fp8_quantized(case, version):
+    """Every projection of ``version`` of an FP8 case's weights, quantized by the reference
+    quantizer: ``{(layer, expert, projection): fp8.Quantized}`` (read only)."""
+    from pytest_weightsync.reference_impl import fp8
+
+    return fp8.quantize_full(fp8.source_weights(case.spec, case.receiver, version),
+                             fp8.block_of(case.receiver))
+
+
+def fp8_stream(fmt, case, rank, version, quantizer, *, bucket=DEFAULT_BUCKET):
+    """The update of an FP8 block-quantized receiver ``rank`` to ``version``, cut into buckets:
+    quantized by the ``sender`` (``fmt`` ``compat``: per-expert FP8 names plus
+    ``weight_scale_inv``; ``direct``: the rank's four parameters per layer) or left to the
+    ``loader`` (``compat`` in the model dtype). Fresh tensors."""
+    from pytest_weightsync.reference_impl import compat, fp8
+
+    if quantizer == "loader":
+        payload = compat.export(fp8.source_weights(case.spec, case.receiver, version))
+    elif fmt == "direct":
+        payload = fp8.export_direct(case.spec, case.receiver, rank, fp8_quantized(case, version))
+    else:
+        payload = fp8.export_compat(fp8_quantized(case, version))
+    payload = [(name, tensor.clone()) for name, tensor in payload]
+    return split_buckets(payload, bucket_bytes(bucket, case.spec))

@@ -107,10 +107,19 @@ def expert_placement(name, actual, case, rank, version):
 
 def diagnose(name, actual, expected, case, rank, before=None, previous=None, version=None):
     """A one-line name for a recognizable wrong result of parameter ``name``, else ``None``."""
+    if not case.receiver.default_engine:
+        from . import engine_diagnosis
+
+        named = engine_diagnosis.diagnose(name, actual, expected, case, rank, version,
+                                          before, previous)
+        if named is not None:
+            return named
     if before is not None and same_bits(actual, before):
         return "never written: it still holds the bits it held before the update"
     if previous is not None and same_bits(actual, previous):
         return "stale: it still holds the previous version's values, not the new ones"
+    if not case.receiver.default_engine:
+        return None
     shard = receiver_shard(case.spec, case.receiver, rank)
     buf, rows = shard.buffer_rows, shard.rows
     if name.endswith("w13_weight") and rows > 0:
@@ -167,7 +176,10 @@ def check_rank(params, case, rank, version, before=None, touched=None, previous_
                         if previous_version is not None else None)
             old = before.records[name].copy if before is not None else None
             kind = getattr(getattr(error, "kinds", None), "kind", "value")
-            if kind in VALUE_CONVERSIONS:
+            if not case.receiver.default_engine:  # engine bugs first; bit kinds are BF16's
+                hint = diagnose(name, params[name], expected[name], case, rank, old, previous,
+                                version)
+            elif kind in VALUE_CONVERSIONS:
                 hint = (f"not a placement bug: {error.kinds.describe()} - the loader converts "
                         f"values on the way ({VALUE_CONVERSIONS[kind]})")
             else:

@@ -306,3 +306,76 @@ def run_ipc_updates(processes: list, spec: MoESpec, topo: ReceiverTopology, path
                 assert_params_exact(params, spec, topo, rank, version, seed)
                 del params
     return log
+
+
+# --------------------------------------------------------------------------------------------
+# Engines that do not keep the checkpoint layout (post-load layouts, redundant experts)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineLog:
+    """What :func:`run_engine_updates` checked: parameters and per-slot expert outputs."""
+
+    updates: int
+    params_checked: int
+    outputs_checked: int
+
+
+def run_engine_updates(case, path: str, device, *, updates: int = 3, tokens: int = 8
+                       ) -> EngineLog:
+    """``updates`` complete updates of every rank of an engine case (``cases.ENGINE_CASES``)
+    along ``path``, an EPLB engine rebalanced before each later one (``cases.rebalanced``).
+    After each: every parameter bit-exact in the engine's layout at an unchanged address, and
+    every local slot's expert output, computed from the engine buffer read through the layout
+    coordinates (``engine_layout.checkpoint_view``), bit-equal to the same forward over the
+    expected weights of the logical expert the slot holds (every physical copy serves)."""
+    from pytest_weightsync.reference_impl import engine_layout
+    from pytest_weightsync.reference_impl.engine_receivers import make_receiver
+
+    from ..harness import cases, inputs
+
+    spec, device = case.spec, resolve(device)
+    topo = case.receiver
+    receivers = [make_receiver(spec, topo, r, device) for r in range(topo.world_size)]
+    for receiver in receivers:
+        for _, tensor in receiver.named_parameters():
+            synth.poison_(tensor)
+    before = [addresses(dict(r.named_parameters())) for r in receivers]
+    gen = torch.Generator().manual_seed(7)
+    hidden = (torch.randn(tokens, spec.hidden, generator=gen) * 0.5).to(spec.dtype).to(device)
+    log = EngineLog(0, 0, 0)
+    for step in range(updates):
+        version = step + 1
+        new = cases.rebalanced(case.receiver, spec, step)
+        if new != topo:
+            inputs.rebalance([dict(r.named_parameters()) for r in receivers], spec, topo, new)
+            receivers = [make_receiver(spec, new, r, device, dict(old.named_parameters()))
+                         for r, old in enumerate(receivers)]
+            topo = new
+        full = full_weights(spec, version, device, finite=True)
+        update(receivers, path, full)
+        del full
+        for receiver in receivers:
+            rank, params = receiver.rank, dict(receiver.named_parameters())
+            where = f"{path} path, update {step} (version {version}), receiver rank {rank}"
+            assert addresses(params) == before[rank], f"{where}: a parameter was reallocated"
+            want = engine_layout.expected_engine_params(spec, topo, rank, version,
+                                                        device=device, finite=True)
+            for name, tensor in want.items():
+                assert_bits_equal(params[name], tensor, f"{where} {name}",
+                                  locator(spec, topo, rank), rank)
+                log.params_checked += 1
+            live = engine_layout.checkpoint_view(spec, topo, rank, params)
+            canonical = synth.expected_receiver_params(spec, topo, rank, version,
+                                                       device=device, finite=True)
+            for layer in range(spec.num_layers):
+                w13, w2 = fused_name(layer, "w13"), fused_name(layer, "w2")
+                got = moe_forward.expert_outputs(hidden, live[w13], live[w2], topo.order)
+                ref = moe_forward.expert_outputs(hidden, canonical[w13], canonical[w2],
+                                                 topo.order)
+                assert_bits_equal(got, ref, f"{where} layer {layer}: every slot's expert "
+                                  f"output from the engine buffer vs the expected weights")
+                log.outputs_checked += got.shape[0]
+        log.updates += 1
+    return log
