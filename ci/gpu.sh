@@ -13,6 +13,8 @@
 #   bench  benchmarks/bench_expert_sync.py and bench_e2e.py --device cuda on one GPU,
 #          bench_gather.py on two
 #
+# GPU_FILES="FILE LIMIT,FILE LIMIT" limits stage one to those files, in that order.
+#
 # Stage one also runs the GPU throughput guard (suites/selftest/test_throughput_guard.py -m gpu): its
 # ratios are saved as RESULTS_DIR/h200.json and compared with ci/baselines/h200.json (tolerance
 # 0.10) when the visible GPU is the one that file names.
@@ -205,7 +207,7 @@ run_pytest() {
     fi
 }
 
-# File and per-file wall-clock limit (seconds). Any other suites/selftest/test_*.py with GPU tests
+# File and per-file wall-clock limit (seconds). Any other suites/{selftest,conformance}/test_*.py with GPU tests
 # (e.g. the Megatron-Bridge / DeepEP suites, which skip unless those packages are installed) is
 # appended with the default limit, so a new GPU suite cannot be forgotten.
 ONE_GPU_FILES=(
@@ -219,9 +221,14 @@ ONE_GPU_FILES=(
     "suites/selftest/test_gpu_nccl.py 60"
     "tests/test_ranks_gpu.py 90"
 )
-for f in $(grep -l "pytest.mark.gpu" suites/selftest/test_*.py 2>/dev/null); do
+for f in $(grep -l "pytest.mark.gpu" suites/selftest/test_*.py suites/conformance/test_*.py 2>/dev/null); do
     printf '%s\n' "${ONE_GPU_FILES[@]}" | grep -q "^$f " || ONE_GPU_FILES+=("$f 120")
 done
+# GPU_FILES="FILE LIMIT,FILE LIMIT": stage one runs just these, in this order (a short device
+# session spent on what changed).
+if [ -n "${GPU_FILES:-}" ]; then
+    IFS=, read -r -a ONE_GPU_FILES <<<"$GPU_FILES"
+fi
 
 # The GPU throughput guard: ratios of the reused copy plans to a plain copy, saved as
 # $RESULTS/h200.json every run and compared (tolerance 0.10, counts exact) with the committed
@@ -257,11 +264,16 @@ if has_stage one; then
         fi
         if [ "$file" = "suites/selftest/test_throughput_guard.py" ]; then
             run_pytest "$file" 0 "$limit" -m gpu "$file" "${GUARD_ARGS[@]}"
+        elif [[ "$file" == suites/conformance/* ]]; then
+            # -m gpu selects part of the conformance set: its verdict is PARTIAL by definition
+            run_pytest "$file" 0 "$limit" -m gpu "$file" --weightsync-allow-partial
         else
             run_pytest "$file" 0 "$limit" -m gpu "$file"
         fi
     done
-    if [ "$XDIST" -eq 1 ]; then
+    if ! printf '%s\n' "${ONE_GPU_FILES[@]}" | grep -q "^tests/test_ranks_gpu.py "; then
+        :  # a GPU_FILES selection without the rank tests
+    elif [ "$XDIST" -eq 1 ]; then
         run_pytest "tests/test_ranks_gpu.py -n 2" 0 120 -m gpu -n 2 tests/test_ranks_gpu.py
     else
         say "   tests/test_ranks_gpu.py -n 2: not run, pytest-xdist is not installed"

@@ -136,7 +136,7 @@ matrix ok.txt
 import json, sys
 report = json.load(open(sys.argv[1]))
 (impl,) = report["implementations"]
-assert impl["name"] == "example" and impl["verdict"] == "PASS", impl
+assert impl["name"] == "example" and impl["verdict_word"] == "PASS", impl
 assert set(impl["roles"]) == {"loader", "distributed_exporter"}, impl
 props = set(report["properties"])
 for prop in ("bit_exact", "in_place", "no_stale_values", "distributed_export_bit_exact",

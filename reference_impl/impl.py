@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from pytest_weightsync.protocols import Capabilities
@@ -77,6 +78,9 @@ def _check_payload_type(payload) -> None:
         raise PayloadTypeError(f"payload is a {type(payload).__name__}; expected a list of "
                                f"(name, tensor) pairs")
 
+
+#: GPU parameter sets whose copy plans the reference keeps (see ``_plan_cache_for``).
+PLAN_CACHES = 4
 
 #: The begin_update arguments an open update is bound to, in message order.
 _BOUND = ("format", "spec", "topology", "rank", "targets")
@@ -131,7 +135,32 @@ class ReferenceImplementation:
 
     def __init__(self):
         self._open: dict[int, _OpenUpdate] = {}  # id(params) -> the update open on them
+        self._plan_caches: OrderedDict = OrderedDict()  # GPU parameter set -> its LoadCache
         self._tokens = itertools.count()
+
+    def _plan_cache_for(self, receiver, spec, topology):
+        """The copy-plan cache of ``receiver``'s parameters when they live on a GPU: a bucket is
+        still validated and planned in full on every call, but a copy plan seen before at the
+        same addresses is replayed (a CUDA graph from its second run) instead of launching one
+        copy per piece (:mod:`pytest_weightsync.reference_impl.plan_cache`). Checkpoint-layout
+        expert receivers only; on CPU nothing is cached (the profile counts every copy). At most
+        :data:`PLAN_CACHES` parameter sets are kept, least recently used dropped first: a cache
+        keeps its last payload alive."""
+        if is_model_spec(spec) or (topology.engine_layout, topology.weight_quant,
+                                   topology.redundant_experts) != ("checkpoint", "none", 0):
+            return None
+        first = next(iter(receiver.params.values()), None)
+        if first is None or first.device.type != "cuda":
+            return None
+        from pytest_weightsync.reference_impl.plan_cache import LoadCache
+
+        key = tuple((name, t.data_ptr(), tuple(t.shape), t.dtype)
+                    for name, t in receiver.params.items())
+        cache = self._plan_caches.pop(key, None) or LoadCache()
+        self._plan_caches[key] = cache
+        while len(self._plan_caches) > PLAN_CACHES:
+            self._plan_caches.popitem(last=False)
+        return cache
 
     def _receiver(self, params, spec, topology, rank, targets=None):
         if is_model_spec(spec):
@@ -212,6 +241,7 @@ class ReferenceImplementation:
                 entry.state.count_refused()  # the sender's bucket numbering goes on
                 raise UpdateMismatchError(problem)
         receiver = self._receiver(params, spec, topology, rank, targets)
+        receiver.plan_cache = self._plan_cache_for(receiver, spec, topology)
         if entry is not None:
             receiver.resume_update(entry.state)
         try:

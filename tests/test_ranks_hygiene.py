@@ -9,6 +9,7 @@ that leaks restarts it, which the next test's first call pays.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -119,6 +120,24 @@ def megatron_reinitialized():
     ps.destroy_model_parallel()
 
 
+_HELD = []
+
+
+def opens_a_log_file_and_a_plain_file():
+    """A library's log handler (kept for the process's life, like flashinfer's JIT log) and a
+    file a call forgets to close."""
+    import logging
+    import tempfile
+
+    paths = []
+    for suffix in (".log", ".leaked"):
+        fd, path = tempfile.mkstemp(suffix=suffix)
+        os.close(fd)
+        paths.append(path)
+    logging.getLogger("weightsync-test-library").addHandler(logging.FileHandler(paths[0]))
+    _HELD.append(open(paths[1]))
+
+
 # -- the tests ----------------------------------------------------------------------------------
 
 
@@ -190,3 +209,9 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_log_handlers_file_is_not_a_leak_a_forgotten_file_is(pool):
+    _, found = run_recording(pool, opens_a_log_file_and_a_plain_file)
+    assert found and all(re.search(r"\+1 fd \(1 file: \S+\.leaked\)", line) for line in found), found
+    assert not any(re.search(r"\.log\b", line) for line in found), found

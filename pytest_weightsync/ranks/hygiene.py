@@ -51,8 +51,32 @@ def warm_up(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _logging_fds() -> set[int]:
+    """Descriptors held by ``logging`` handlers: a library that opens its log file when first
+    imported (flashinfer's JIT log) keeps it for the life of the process, by design - not a
+    leak of the call that happened to import it."""
+    import logging
+
+    held = set()
+    # Every handler ever created, also those of loggers made without getLogger (flashinfer's
+    # JIT logger is a Logger subclass built directly): logging keeps weak references to all
+    # of them for its shutdown.
+    handlers = [ref() for ref in list(getattr(logging, "_handlerList", ()))]
+    loggers = [logging.getLogger()] + [obj for obj in list(logging.Logger.manager.loggerDict.values())
+                                       if isinstance(obj, logging.Logger)]
+    handlers += [handler for logger in loggers for handler in list(logger.handlers)]
+    for handler in handlers:
+        stream = getattr(handler, "stream", None)
+        try:
+            held.add(stream.fileno())
+        except (AttributeError, OSError, ValueError):
+            continue
+    return held
+
+
 def _fds() -> dict[int, str]:
-    """Open descriptor -> what it points at (``socket:[...]``, a path ...)."""
+    """Open descriptor -> what it points at (``socket:[...]``, a path ...); the log files of
+    ``logging`` handlers left out (:func:`_logging_fds`)."""
     found = {}
     try:
         names = os.listdir("/proc/self/fd")
@@ -63,6 +87,8 @@ def _fds() -> dict[int, str]:
             found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
         except (OSError, ValueError):
             continue  # the descriptor listdir itself used, already closed
+    for fd in _logging_fds():
+        found.pop(fd, None)
     return found
 
 

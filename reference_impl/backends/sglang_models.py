@@ -311,6 +311,11 @@ class _SGLangModelLoader:
         built = self.model_for(spec, topology, rank)
         built.bind(params)
         device = next(iter(params.values())).device if params else torch.device("cpu")
+        if _is_model(spec):  # a whole model: the served model and its draft, each its runner's
+            with built.active():
+                for model in built.models().values():
+                    getattr(DefaultModelLoader, hook)(model, device)
+            return
         with built.running():
             getattr(DefaultModelLoader, hook)(built.model, device)
 

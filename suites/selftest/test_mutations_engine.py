@@ -81,7 +81,7 @@ class _Mutant(ReferenceImplementation):
         self.stale = stale
         self.first_topology: dict = {}
 
-    def _receiver(self, params, spec, topology, rank):
+    def _receiver(self, params, spec, topology, rank, targets=None):
         if self.stale:  # the placement the first update saw, whatever the call says
             key = id(next(t for n, t in params.items() if n.endswith("w13_weight")))
             topology = self.first_topology.setdefault(key, topology)
