@@ -155,20 +155,40 @@ def payload_bytes(named_tensors) -> int:
 class MemoryStats:
     """``allocated``: bytes of live tensors of this process on the device (CUDA only);
     ``device_free``: free bytes of the whole device (CUDA only, every process counts);
-    ``open_fds``: open file descriptors (shared-memory handles on CPU)."""
+    ``open_fds``: open file descriptors; ``shared_fds``: those of them that are shared-memory
+    handles (``/dev/shm`` files, memfds: what CPU tensors shared between processes hold), the
+    count a leak of payload mappings grows - the whole count also moves with a library opening
+    a log file or a socket on first use."""
 
     allocated: Optional[int]
     device_free: Optional[int]
     open_fds: int
+    shared_fds: int = -1
+
+
+def _descriptors() -> tuple[int, int]:
+    """(open descriptors, shared-memory ones) of this process; (-1, -1) without /proc."""
+    if not os.path.isdir("/proc/self/fd"):
+        return -1, -1
+    total = shared = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # the descriptor listdir itself used
+        total += 1
+        shared += target.startswith(("/dev/shm/", "memfd:"))
+    return total, shared
 
 
 def memory_stats(device) -> MemoryStats:
     device = torch.device(device)
-    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else -1
+    fds, shared = _descriptors()
     if device.type != "cuda":
-        return MemoryStats(None, None, fds)
+        return MemoryStats(None, None, fds, shared)
     torch.cuda.synchronize(device)
-    return MemoryStats(torch.cuda.memory_allocated(device), torch.cuda.mem_get_info(device)[0], fds)
+    return MemoryStats(torch.cuda.memory_allocated(device), torch.cuda.mem_get_info(device)[0],
+                       fds, shared)
 
 
 # --------------------------------------------------------------------------------------------
