@@ -271,13 +271,14 @@ if has_stage one; then
             run_pytest "$file" 0 "$limit" -m gpu "$file"
         fi
     done
-    if ! printf '%s\n' "${ONE_GPU_FILES[@]}" | grep -q "^tests/test_ranks_gpu.py "; then
-        :  # a GPU_FILES selection without the rank tests
-    elif [ "$XDIST" -eq 1 ]; then
-        run_pytest "tests/test_ranks_gpu.py -n 2" 0 120 -m gpu -n 2 tests/test_ranks_gpu.py
-    else
-        say "   tests/test_ranks_gpu.py -n 2: not run, pytest-xdist is not installed"
-        STATUS=1
+    # the rank tests again under xdist, unless a GPU_FILES selection left them out
+    if printf '%s\n' "${ONE_GPU_FILES[@]}" | grep -q "^tests/test_ranks_gpu.py "; then
+        if [ "$XDIST" -eq 1 ]; then
+            run_pytest "tests/test_ranks_gpu.py -n 2" 0 120 -m gpu -n 2 tests/test_ranks_gpu.py
+        else
+            say "   tests/test_ranks_gpu.py -n 2: not run, pytest-xdist is not installed"
+            STATUS=1
+        fi
     fi
 fi
 

@@ -168,17 +168,12 @@ class MemoryStats:
 
 def _descriptors() -> tuple[int, int]:
     """(open descriptors, shared-memory ones) of this process; (-1, -1) without /proc."""
+    from pytest_weightsync.ranks.hygiene import descriptor_targets
+
     if not os.path.isdir("/proc/self/fd"):
         return -1, -1
-    total = shared = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue  # the descriptor listdir itself used
-        total += 1
-        shared += target.startswith(("/dev/shm/", "memfd:"))
-    return total, shared
+    targets = descriptor_targets().values()
+    return len(targets), sum(t.startswith(("/dev/shm/", "memfd:")) for t in targets)
 
 
 def memory_stats(device) -> MemoryStats:

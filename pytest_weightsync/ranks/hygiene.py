@@ -57,26 +57,28 @@ def _logging_fds() -> set[int]:
     leak of the call that happened to import it."""
     import logging
 
+    # logging keeps a weak reference to every handler ever made, also those of loggers built
+    # without getLogger (flashinfer's JIT logger is a Logger subclass built directly); the
+    # walk over the named loggers is for a Python without that list.
+    refs = getattr(logging, "_handlerList", None)
+    if refs is not None:
+        handlers = [ref() for ref in list(refs)]
+    else:
+        loggers = [logging.getLogger()] + [obj for obj in list(logging.Logger.manager.loggerDict.values())
+                                           if isinstance(obj, logging.Logger)]
+        handlers = [handler for logger in loggers for handler in list(logger.handlers)]
     held = set()
-    # Every handler ever created, also those of loggers made without getLogger (flashinfer's
-    # JIT logger is a Logger subclass built directly): logging keeps weak references to all
-    # of them for its shutdown.
-    handlers = [ref() for ref in list(getattr(logging, "_handlerList", ()))]
-    loggers = [logging.getLogger()] + [obj for obj in list(logging.Logger.manager.loggerDict.values())
-                                       if isinstance(obj, logging.Logger)]
-    handlers += [handler for logger in loggers for handler in list(logger.handlers)]
     for handler in handlers:
-        stream = getattr(handler, "stream", None)
         try:
-            held.add(stream.fileno())
+            held.add(handler.stream.fileno())
         except (AttributeError, OSError, ValueError):
             continue
     return held
 
 
-def _fds() -> dict[int, str]:
-    """Open descriptor -> what it points at (``socket:[...]``, a path ...); the log files of
-    ``logging`` handlers left out (:func:`_logging_fds`)."""
+def descriptor_targets() -> dict[int, str]:
+    """Every open descriptor of this process -> what it points at (``socket:[...]``, a path,
+    ``/dev/shm/...``); empty without /proc."""
     found = {}
     try:
         names = os.listdir("/proc/self/fd")
@@ -87,6 +89,13 @@ def _fds() -> dict[int, str]:
             found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
         except (OSError, ValueError):
             continue  # the descriptor listdir itself used, already closed
+    return found
+
+
+def _fds() -> dict[int, str]:
+    """:func:`descriptor_targets` without the log files of ``logging`` handlers
+    (:func:`_logging_fds`)."""
+    found = descriptor_targets()
     for fd in _logging_fds():
         found.pop(fd, None)
     return found

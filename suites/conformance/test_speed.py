@@ -13,8 +13,8 @@ claims) after a warm-up update, and the update is bit-checked like ``bit_exact``
   run when any count rose - a per-expert copy loop planted in a loader that used to batch its
   copies is caught on any machine;
 - on a GPU (``gpu`` marker, skipped on CPU), the update of one real Qwen3.5-35B-A3B layer
-  (:data:`GPU_CASE`) as a ratio to one plain device copy of the same bytes in the same run, median and spread over rounds, guarded the
-  same way (ratios within the tolerance).
+  (:data:`GPU_CASE`) as a ratio to one plain device copy of the same bytes in the same run,
+  median and spread over rounds, guarded the same way (ratios within the tolerance).
 
 The matrix shows the CPU profile next to the reference's (ops and bytes written relative to
 the reference on the same formats).
