@@ -16,7 +16,12 @@ there, before anything is pickled back, that
 * the result has the shape the delivery mode promises (a stream per colocated rank; a
   ``{engine_rank: stream}`` map from rank 0 and nothing from the others);
 * every entry carries a plain tensor (a lock, a list or a DTensor is named by bucket and
-  entry, not met later as an ``AttributeError`` of a copy).
+  entry, not met later as an ``AttributeError`` of a copy);
+* every bucket sent on a wire format (a flattened bucket, a serialized update:
+  :mod:`pytest_weightsync.wire`) decodes, with the harness's own decoder, into what the engine
+  rank it was sent to reads - an offset, size or dtype-grouping bug of the encoder is named
+  here, by bucket and entry. Broadcasts (:mod:`pytest_weightsync.broadcast`) are received by
+  engine ranks played in the sender's process, and what they received is the stream.
 
 The bucket limit is judged apart, in the pytest process, from the streams that come back
 (:func:`pytest_weightsync.reference_impl.buckets.bucket_limit_findings`): a finding, never a
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from pytest_weightsync.protocols import DELIVERIES, as_stream, colocated_engine_rank
+from pytest_weightsync.wire import WireFormatError, decode_bucket, transport_of
 
 
 class DistributedExportError(AssertionError):
@@ -43,10 +49,12 @@ class DistributedExportError(AssertionError):
 @dataclass
 class RankExport:
     """What one trainer rank's exporter call produced: ``streams`` maps an engine rank to the
-    bucket stream this trainer rank sent it (empty for a non-sender in distributed mode)."""
+    bucket stream this trainer rank sent it (empty for a non-sender in distributed mode),
+    ``transports`` the wire formats its buckets travelled on."""
 
     trainer_rank: int
     streams: dict
+    transports: frozenset = frozenset()
 
 
 def snapshot(named: Mapping) -> dict:
@@ -166,18 +174,52 @@ def _copied(stream) -> list:
     return [[(name, tensor.detach().clone()) for name, tensor in bucket] for bucket in stream]
 
 
-def normalize_result(result, *, delivery: str, rank: int, receiver, source: str) -> dict:
+def decoded_stream(result, *, engine_rank: int, engine_tp: int, source: str,
+                   transports: set) -> object:
+    """``result`` (a stream, or one bucket) with every wire-format bucket decoded into the
+    ``(name, tensor)`` pairs engine rank ``engine_rank`` reads (:mod:`pytest_weightsync.wire`);
+    the transports met are added to ``transports``. Anything else is left for
+    :func:`pytest_weightsync.protocols.as_stream` to judge."""
+    if result is None or isinstance(result, (str, bytes)) or transport_of(result) != "tensors":
+        items = None if result is None else [result]
+    else:
+        items = list(result) if hasattr(result, "__iter__") else result
+    if not isinstance(items, list):
+        return items
+    out = []
+    for index, bucket in enumerate(items):
+        kind = transport_of(bucket)
+        if kind == "tensors":
+            out.append(bucket)
+            continue
+        try:
+            pairs, _ = decode_bucket(bucket, engine_rank=engine_rank, engine_tp=engine_tp,
+                                     where=f"{source}: bucket {index} ({kind})")
+        except WireFormatError as error:
+            raise DistributedExportError(str(error)) from None
+        transports.add(kind)
+        out.append(list(pairs))
+    return out
+
+
+def normalize_result(result, *, delivery: str, rank: int, receiver, source: str,
+                     transports: set = None) -> dict:
     """The exporter's ``result`` in trainer rank ``rank`` as ``{engine_rank: stream}``
-    (tensors copied), or :class:`DistributedExportError` naming what is wrong with it."""
+    (wire buckets decoded, tensors copied), or :class:`DistributedExportError` naming what is
+    wrong with it. The wire formats met are added to ``transports``."""
+    transports = set() if transports is None else transports
     if delivery not in DELIVERIES:
         raise ValueError(f"delivery must be one of {DELIVERIES}, got {delivery!r}")
     if delivery == "colocated":
+        engine_rank = colocated_engine_rank(rank, receiver.tp)
+        result = decoded_stream(result, engine_rank=engine_rank, engine_tp=receiver.tp,
+                                source=source, transports=transports)
         try:
             stream = as_stream(result, source=source)
         except TypeError as error:
             raise DistributedExportError(f"{error} (colocated delivery: every trainer rank "
                                          f"returns the stream of its colocated engine rank)") from None
-        streams = {colocated_engine_rank(rank, receiver.tp): stream}
+        streams = {engine_rank: stream}
     elif rank != 0:
         if result:
             raise DistributedExportError(f"{source}: distributed delivery sends from trainer "
@@ -194,8 +236,10 @@ def normalize_result(result, *, delivery: str, rank: int, receiver, source: str)
             raise DistributedExportError(f"{source}: streams for engine ranks {sorted(result)}, "
                                          f"expected every engine rank {sorted(wanted)}")
         try:
-            streams = {int(k): as_stream(v, source=f"{source} (engine rank {k})")
-                       for k, v in result.items()}
+            streams = {int(k): as_stream(decoded_stream(
+                v, engine_rank=int(k), engine_tp=receiver.tp, source=f"{source} (engine rank "
+                f"{k})", transports=transports), source=f"{source} (engine rank {k})")
+                for k, v in result.items()}
         except TypeError as error:
             raise DistributedExportError(str(error)) from None
     for engine_rank, stream in streams.items():
@@ -203,28 +247,62 @@ def normalize_result(result, *, delivery: str, rank: int, receiver, source: str)
     return {k: _copied(v) for k, v in streams.items()}
 
 
+def _broadcast_streams(engine, result, *, source: str) -> dict:
+    """The streams the engine ranks of ``engine`` received (the exporter broadcast instead of
+    returning streams), or :class:`DistributedExportError` naming what went wrong."""
+    from pytest_weightsync.broadcast import BroadcastError
+
+    if result:
+        raise DistributedExportError(f"{source}: it broadcast to the engine AND returned "
+                                     f"{type(result).__name__}; a sender does one of the two")
+    try:
+        streams = engine.finish()
+    except BroadcastError as error:
+        raise DistributedExportError(f"{source}: {error}") from None
+    return {k: _copied(v) for k, v in streams.items()}
+
+
 def call_exporter(exporter, model_state: Mapping, *, config, format: str, spec, trainer,
                   receiver, delivery: str, bucket_bytes: Optional[int], rank: int,
                   update: int, model=None) -> RankExport:
     """One update: call ``exporter.export_weights_distributed`` in this rank (``model``, the
-    list of model chunks, reaches exporters that take the optional keyword), check that it
-    left ``model_state`` alone - values and storage - and return its streams. Collective
-    (every rank calls it)."""
+    list of model chunks, reaches exporters that take the optional keyword; so does
+    ``engine``, a :class:`pytest_weightsync.broadcast.BroadcastEngine` in the sending rank of
+    distributed delivery and ``None`` elsewhere), check that it left ``model_state`` alone -
+    values and storage - and return its streams. Collective (every rank calls it)."""
+    from pytest_weightsync.broadcast import BroadcastEngine
     from pytest_weightsync.protocols import SIGNATURES, accepts_keyword
+    from pytest_weightsync.wire import release_shared_handles
 
     call = f"export call for update {update} ({format}, {delivery} delivery) in trainer rank {rank}"
     owner = f"trainer rank {rank}"
+    source = f"{exporter.name}: {call}"
     before = snapshot(model_state)
     placed = storage_snapshot(model_state)
     kwargs = dict(config=config, format=format, spec=spec, trainer=trainer, receiver=receiver,
                   delivery=delivery, bucket_bytes=bucket_bytes)
     method = exporter.export_weights_distributed
-    if model is not None and "model" in SIGNATURES["export_weights_distributed"][2] and \
-            accepts_keyword(method, "model"):
+    optional = SIGNATURES["export_weights_distributed"][2]
+    if model is not None and "model" in optional and accepts_keyword(method, "model"):
         kwargs["model"] = model
-    result = method(model_state, **kwargs)
-    check_storage_unchanged(placed, model_state, model, call=call, owner=owner)
-    check_inputs_unchanged(before, model_state, call=call, owner=owner)
-    streams = normalize_result(result, delivery=delivery, rank=rank, receiver=receiver,
-                               source=f"{exporter.name}: {call}")
-    return RankExport(rank, streams)
+    engine = None
+    if accepts_keyword(method, "engine"):
+        engine = BroadcastEngine(receiver.tp) if delivery == "distributed" and rank == 0 \
+            else None
+        kwargs["engine"] = engine
+    transports: set = set()
+    try:
+        result = method(model_state, **kwargs)
+        check_storage_unchanged(placed, model_state, model, call=call, owner=owner)
+        check_inputs_unchanged(before, model_state, call=call, owner=owner)
+        if engine is not None and engine.used:
+            streams = _broadcast_streams(engine, result, source=source)
+            transports.add("broadcast")
+        else:
+            streams = normalize_result(result, delivery=delivery, rank=rank, receiver=receiver,
+                                       source=source, transports=transports)
+    finally:
+        if engine is not None:
+            engine.close()
+        release_shared_handles()  # entries for other engine ranks are never fetched here
+    return RankExport(rank, streams, frozenset(transports))

@@ -35,7 +35,7 @@ spec, topology, rank)`` (optional)
     checks after every call that no trainer shard was modified.
 
 ``export_weights_distributed(model_state, *, config, format, spec, trainer, receiver, delivery,
-bucket_bytes[, model]) -> streams``
+bucket_bytes[, model][, engine]) -> streams``
     The sender side as a real trainer runs it: called once per update in EVERY rank of a
     ``torch.distributed`` (gloo) job of ``trainer.world_size`` ranks, after the harness ran
     Megatron-Core's ``parallel_state.initialize_model_parallel`` for ``trainer`` (the exporter
@@ -68,6 +68,18 @@ bucket_bytes[, model]) -> streams``
       trainer world larger than the engine means several engine replicas, each fed whole);
     * ``delivery="distributed"``: trainer rank 0 returns ``{engine_rank: stream}`` for every
       engine rank of ``receiver``; every other rank returns ``None``.
+
+    A bucket may travel on any wire format of :data:`TRANSPORTS`
+    (:mod:`pytest_weightsync.wire`): a list of ``(name, tensor)`` pairs, a flattened bucket
+    (``{"flattened_tensor", "metadata"}``, SGLang's ``load_format="flattened_bucket"``) or a
+    serialized update (``serialized_named_tensors``: one ``MultiprocessingSerializer`` entry
+    per engine TP rank, as ``update_weights_from_tensor`` takes it); the harness decodes each
+    with its own decoder into what the engine rank reads. ``engine`` (optional keyword) is,
+    in trainer rank 0 under distributed delivery, a
+    :class:`pytest_weightsync.broadcast.BroadcastEngine` (``None`` elsewhere): an exporter
+    that calls its ``update_weights_from_distributed(names, dtypes, shapes[, load_format])``
+    and then ``torch.distributed.broadcast(tensor, src=0, group=engine.group)`` for each tensor
+    returns ``None``, and what the engine ranks received is its stream.
 
     Between two calls the harness writes the next version of the weights into the same
     parameters in place (an optimizer step), so every call must read the parameters afresh.
@@ -119,6 +131,7 @@ MoESpec = ReceiverTopology = TrainerTopology = Any
 from pytest_weightsync.vocabulary import (  # noqa: F401 - re-exported for implementations
     DELIVERIES,
     ENGINE_LAYOUTS,
+    LOADER_TRANSPORTS,
     EXPERT_IMPLS,
     EXPERT_MODULES,
     FORMATS,
@@ -129,6 +142,7 @@ from pytest_weightsync.vocabulary import (  # noqa: F401 - re-exported for imple
     ROLES,
     TARGETS,
     TRAINER_AXES,
+    TRANSPORTS,
     WEIGHT_QUANTS,
 )
 
@@ -146,7 +160,7 @@ SIGNATURES = {
     "export_weights_distributed": (
         ("model_state",),
         ("config", "format", "spec", "trainer", "receiver", "delivery", "bucket_bytes"),
-        ("model",)),
+        ("model", "engine")),
 }
 
 
@@ -196,6 +210,15 @@ class Capabilities:
         For a quantized receiver, who may quantize (:data:`QUANTIZERS`): ``sender`` (it loads
         FP8 weights plus ``weight_scale_inv``), ``loader`` (it quantizes model-dtype weights
         itself). Default ``sender``.
+
+    ``transports``
+        Loaders: the wire formats (:data:`TRANSPORTS`) a ``load_weights`` payload may arrive
+        on. Every loader takes ``tensors`` (a list of ``(name, tensor)`` pairs); one that
+        claims ``flattened_bucket`` is also handed buckets as SGLang's ``ModelRunner`` gets
+        them with ``load_format="flattened_bucket"`` - ``{"flattened_tensor": uint8 tensor,
+        "metadata": [FlattenedTensorMetadata]}`` (:mod:`pytest_weightsync.wire`) - and must
+        decode them itself. (Serialized updates and broadcasts are decoded by the engine's
+        TP worker before its loader runs: exporters send them, loaders never see them.)
 
     Trainer-side claims (exporters only; an unclaimed trainer layout skips with the reason):
 
@@ -247,13 +270,15 @@ class Capabilities:
     trainer_topology: Optional[Callable[[Any, Any], bool]] = field(default=None, compare=False)
     model_parts: frozenset = frozenset()
     targets: frozenset = frozenset({"target"})
+    transports: frozenset = frozenset({"tensors"})
 
     def __post_init__(self) -> None:
         for name, allowed in (("formats", FORMATS), ("orders", ORDERS),
                               ("expert_impls", EXPERT_IMPLS), ("deliveries", DELIVERIES),
                               ("model_parts", MODEL_PARTS), ("targets", TARGETS),
                               ("engine_layouts", ENGINE_LAYOUTS),
-                              ("weight_quants", WEIGHT_QUANTS), ("quantizers", QUANTIZERS)):
+                              ("weight_quants", WEIGHT_QUANTS), ("quantizers", QUANTIZERS),
+                              ("transports", LOADER_TRANSPORTS)):
             value = getattr(self, name)
             if isinstance(value, str):
                 value = (value,)
@@ -263,6 +288,9 @@ class Capabilities:
                 raise ValueError(f"Capabilities.{name}: unknown value(s) {unknown}; "
                                  f"expected a subset of {allowed}")
             object.__setattr__(self, name, value)
+        if "tensors" not in self.transports:
+            raise ValueError(f"Capabilities.transports must include 'tensors' (every loader is "
+                             f"handed (name, tensor) pairs), got {sorted(self.transports)}")
         for name in (*(f"max_{axis}" for axis in RECEIVER_AXES),
                      *(f"max_trainer_{axis}" for axis in TRAINER_AXES)):
             value = getattr(self, name)
@@ -366,6 +394,13 @@ class Capabilities:
         lacking = [t for t in TARGETS if t in targets and t not in self.targets]
         if lacking:
             return f"does not claim updates of the {' and '.join(lacking)} model"
+        return None
+
+    def transport_refusal(self, transport: str) -> Optional[str]:
+        """Why a loader is not handed buckets on ``transport``; ``None`` when it claims it."""
+        if transport not in self.transports:
+            return (f"does not claim the {transport} transport (claims "
+                    f"{sorted(self.transports)})")
         return None
 
     def delivery_refusal(self, delivery: str) -> Optional[str]:

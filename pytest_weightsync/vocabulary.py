@@ -66,6 +66,15 @@ RECEIVER_AXES = ("moe_tp", "moe_ep", "moe_dp")
 #: returns the stream of the engine rank colocated with it) or ``distributed`` (trainer rank
 #: 0 returns every engine rank's stream).
 DELIVERIES = ("colocated", "distributed")
+#: How one bucket travels (``pytest_weightsync.wire``, ``docs/transports.md``): ``tensors``
+#: (``(name, tensor)`` pairs), ``flattened_bucket`` (one uint8 tensor plus SGLang's
+#: ``FlattenedTensorMetadata``), ``serialized`` (``update_weights_from_tensor``'s
+#: ``serialized_named_tensors``, one entry per engine TP rank) and ``broadcast`` (names,
+#: dtypes and shapes, then a broadcast from the sender: ``pytest_weightsync.broadcast``).
+TRANSPORTS = ("tensors", "flattened_bucket", "serialized", "broadcast")
+#: The transports a loader's ``load_weights`` can be handed (the engine's TP worker decodes
+#: the others before its loader runs); ``Capabilities.transports`` of a loader.
+LOADER_TRANSPORTS = ("tensors", "flattened_bucket")
 #: The roles an implementation can play, by the method that provides each.
 ROLES = {"loader": "load_weights", "exporter": "export_weights",
          "distributed_exporter": "export_weights_distributed"}

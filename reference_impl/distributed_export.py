@@ -95,32 +95,109 @@ def gather_full(spec: MoESpec, model_state: Mapping, *, etp=None, ep=None, pp=No
                           pp=ps.get_pipeline_model_parallel_group() if pp is None else pp)
 
 
-def engine_streams(full, *, format, spec, receiver, delivery, bucket_bytes: Optional[int]):
+def encoded(stream: list, transport: str, *, engine_rank: int, engine_tp: int) -> list:
+    """``stream`` (buckets of ``(name, tensor)``) on the wire ``transport``
+    (:mod:`pytest_weightsync.wire`): each bucket a flattened bucket, or a serialized update
+    whose entry for ``engine_rank`` holds it (the other engine ranks' entries are empty: each
+    stream is one engine rank's)."""
+    from pytest_weightsync import wire
+
+    if transport == "tensors":
+        return stream
+    if transport == "flattened_bucket":
+        return [wire.flattened_bucket(bucket) for bucket in stream]
+    if transport in ("serialized", "serialized_flattened"):
+        return [wire.serialized_update([bucket if r == engine_rank else []
+                                        for r in range(engine_tp)],
+                                       flattened=transport == "serialized_flattened")
+                for bucket in stream]
+    raise WeightSyncError(f"unknown transport {transport!r}")
+
+
+def broadcast(engine, stream: list, *, flattened: bool) -> None:
+    """Send ``stream`` to every engine rank of ``engine`` as SGLang's distributed path takes
+    it: per bucket, names/dtypes/shapes announced, then each tensor broadcast from this rank
+    (with ``flattened``: the bucket ordered by item size, largest first, so that densely
+    packed offsets stay aligned, and broadcast as one uint8 buffer)."""
+    import torch
+    import torch.distributed as dist
+
+    from pytest_weightsync import wire
+
+    for bucket in stream:
+        if flattened:
+            bucket = sorted(bucket, key=lambda pair: -pair[1].element_size())
+        engine.update_weights_from_distributed(
+            [n for n, _ in bucket], [t.dtype for _, t in bucket],
+            [tuple(t.shape) for _, t in bucket],
+            load_format="flattened_bucket" if flattened else None)
+        if flattened:
+            flat = torch.cat([wire.tensor_bytes(t) for _, t in bucket]) if bucket else \
+                torch.empty(0, dtype=torch.uint8)
+            dist.broadcast(flat, src=0, group=engine.group)
+            continue
+        for _, tensor in bucket:
+            dist.broadcast(tensor.contiguous(), src=0, group=engine.group)
+
+
+#: Formats whose payload is the same for every engine rank: the only ones a broadcast to all
+#: of them can carry (a ``direct`` payload is each rank's own slice).
+BROADCAST_FORMATS = ("compat", "hf_fused", "packed")
+
+
+def engine_streams(full, *, format, spec, receiver, delivery, bucket_bytes: Optional[int],
+                   transport: str = "tensors", engine=None):
     """What this trainer rank returns for ``delivery`` (see the module docstring) from the
     full weights: one stream for its colocated engine rank, or every engine rank's stream
-    from rank 0 (``None`` elsewhere)."""
+    from rank 0 (``None`` elsewhere), on ``transport``. ``transport="broadcast"`` (distributed
+    delivery, given the ``engine``) broadcasts instead of returning, for the formats of
+    :data:`BROADCAST_FORMATS`; ``broadcast_flattened`` broadcasts one buffer per bucket."""
     import torch.distributed as dist
 
     from pytest_weightsync.reference_impl import senders
     from pytest_weightsync.reference_impl.buckets import split_buckets
 
     rank = dist.get_rank()
+
+    def stream_for(engine_rank):
+        return split_buckets(senders.export(format, spec, receiver, engine_rank, full),
+                             bucket_bytes)
+
     if delivery == "colocated":
         engine_rank = colocated_engine_rank(rank, receiver.tp)
-        return split_buckets(senders.export(format, spec, receiver, engine_rank, full), bucket_bytes)
+        if transport.startswith("broadcast"):
+            transport = "tensors"  # nobody to broadcast to: every rank feeds its own engine rank
+        return encoded(stream_for(engine_rank), transport, engine_rank=engine_rank,
+                       engine_tp=receiver.tp)
     if delivery == "distributed":
         if rank != 0:
             return None
-        return {r: split_buckets(senders.export(format, spec, receiver, r, full), bucket_bytes)
+        if transport.startswith("broadcast") and engine is not None and \
+                format in BROADCAST_FORMATS:
+            broadcast(engine, stream_for(0), flattened=transport == "broadcast_flattened")
+            return None
+        if transport.startswith("broadcast"):
+            transport = "tensors"
+        return {r: encoded(stream_for(r), transport, engine_rank=r, engine_tp=receiver.tp)
                 for r in range(receiver.tp)}
     raise WeightSyncError(f"unknown delivery {delivery!r}; expected 'colocated' or 'distributed'")
 
 
+#: The ways the reference can put its buckets on the wire (:func:`engine_streams`).
+REFERENCE_TRANSPORTS = ("tensors", "flattened_bucket", "serialized", "serialized_flattened",
+                        "broadcast", "broadcast_flattened")
+
+
 def export_weights_distributed(model_state, *, config, format, spec, trainer, receiver,
-                               delivery, bucket_bytes: Optional[int]):
+                               delivery, bucket_bytes: Optional[int], transport: str = "tensors",
+                               engine=None):
     """See the module docstring. Collective over every rank of the trainer world."""
     if delivery not in ("colocated", "distributed"):
         raise WeightSyncError(f"unknown delivery {delivery!r}; expected 'colocated' or "
                               f"'distributed'")
+    if transport not in REFERENCE_TRANSPORTS:
+        raise WeightSyncError(f"unknown transport {transport!r}; expected one of "
+                              f"{REFERENCE_TRANSPORTS}")
     return engine_streams(gather_full(spec, model_state), format=format, spec=spec,
-                          receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes)
+                          receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes,
+                          transport=transport, engine=engine)

@@ -79,6 +79,20 @@ def _check_payload_type(payload) -> None:
                                f"(name, tensor) pairs")
 
 
+def _decoded(payload):
+    """A flattened bucket (``load_format="flattened_bucket"``) as its ``(name, tensor)``
+    pairs, decoded and checked whole before anything is written; anything else as it is."""
+    from pytest_weightsync import wire
+    from pytest_weightsync.reference_impl.receiver import PayloadError
+
+    if wire.transport_of(payload) != "flattened_bucket":
+        return payload
+    try:
+        return wire.decode_flattened(payload)
+    except wire.WireFormatError as error:
+        raise PayloadError(str(error)) from None
+
+
 #: GPU parameter sets whose copy plans the reference keeps (see ``_plan_cache_for``).
 PLAN_CACHES = 4
 
@@ -131,7 +145,11 @@ class ReferenceImplementation:
     capabilities = Capabilities(model_parts=MODEL_PARTS, targets=TARGETS,
                                 engine_layouts=("checkpoint", "trtllm_block", "transposed"),
                                 redundant_experts=True, weight_quants=("none", "fp8_block"),
-                                quantizers=("sender", "loader"))
+                                quantizers=("sender", "loader"),
+                                transports=("tensors", "flattened_bucket"))
+    #: How the distributed exporter puts its buckets on the wire (one of
+    #: ``distributed_export.REFERENCE_TRANSPORTS``); the self-tests run every one.
+    transport = "tensors"
 
     def __init__(self):
         self._open: dict[int, _OpenUpdate] = {}  # id(params) -> the update open on them
@@ -245,6 +263,7 @@ class ReferenceImplementation:
         if entry is not None:
             receiver.resume_update(entry.state)
         try:
+            payload = _decoded(payload)
             _check_payload_type(payload)
             payload = list(payload)
             _check_format(format, payload, receiver.describe_entry)
@@ -269,12 +288,14 @@ class ReferenceImplementation:
                               gather_full_weights(spec, trainer, trainer_states))
 
     def export_weights_distributed(self, model_state, *, config, format, spec, trainer, receiver,
-                                   delivery, bucket_bytes):
-        """Run in every trainer rank: gather over Megatron's EP/ETP/PP groups, then send
-        (:mod:`pytest_weightsync.reference_impl.distributed_export`)."""
+                                   delivery, bucket_bytes, engine=None):
+        """Run in every trainer rank: gather over Megatron's EP/ETP/PP groups, then send on
+        :attr:`transport` (:mod:`pytest_weightsync.reference_impl.distributed_export`;
+        ``engine``: where a broadcast goes, :mod:`pytest_weightsync.broadcast`)."""
         from pytest_weightsync.reference_impl.distributed_export import export_weights_distributed
 
         check_format(format)
         return export_weights_distributed(model_state, config=config, format=format, spec=spec,
                                           trainer=trainer, receiver=receiver, delivery=delivery,
-                                          bucket_bytes=bucket_bytes)
+                                          bucket_bytes=bucket_bytes, transport=self.transport,
+                                          engine=engine)

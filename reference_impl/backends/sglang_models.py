@@ -252,6 +252,27 @@ def _attach(root, name: str, param) -> None:
     module.register_parameter(leaf, param)
 
 
+def _reconstructed(payload):
+    """A flattened bucket decoded as SGLang 0.5.23's ``ModelRunner`` decodes one
+    (``WeightUpdater._update_weights_from_flattened_bucket``: the metadata copied into
+    ``FlattenedTensorMetadata``, then ``FlattenedTensorBucket.reconstruct_tensors``); any
+    other payload as it is."""
+    from pytest_weightsync.wire import transport_of
+
+    if transport_of(payload) != "flattened_bucket":
+        return payload
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+    if not isinstance(payload, dict):
+        payload = {"flattened_tensor": payload.get_flattened_tensor(),
+                   "metadata": payload.get_metadata()}
+    metadata = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype,
+                                        start_idx=m.start_idx, end_idx=m.end_idx, numel=m.numel)
+                for m in payload["metadata"]]
+    return FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"],
+                                 metadata=metadata).reconstruct_tensors()
+
+
 class _SGLangModelLoader:
     """A stock SGLang model's ``load_weights`` over real ``FusedMoE`` layers (see the module
     docstring for what is real and what is stand-in)."""
@@ -275,6 +296,7 @@ class _SGLangModelLoader:
         if format not in self.capabilities.formats:
             raise ValueError(f"{self.name} does not load the {format!r} format (claims "
                              f"{sorted(self.capabilities.formats)})")
+        payload = _reconstructed(payload)
         if _is_model(spec):
             engine = self.model_for(spec, topology, rank)
             engine.bind(params)
@@ -484,7 +506,8 @@ class Qwen3MoeLoader(_SGLangModelLoader):
                                 model_parts=("experts", "attention", "router", "norms",
                                              "embeddings"),
                                 engine_layouts=engine_layouts_served(), redundant_experts=True,
-                                weight_quants=("none", "fp8_block"))
+                                weight_quants=("none", "fp8_block"),
+                                transports=("tensors", "flattened_bucket"))
 
 
 class Qwen35MoeLoader(_SGLangModelLoader):
@@ -500,7 +523,8 @@ class Qwen35MoeLoader(_SGLangModelLoader):
                                              "tied_embeddings"),
                                 targets=("target", "draft"),
                                 engine_layouts=engine_layouts_served(), redundant_experts=True,
-                                weight_quants=("none", "fp8_block"))
+                                weight_quants=("none", "fp8_block"),
+                                transports=("tensors", "flattened_bucket"))
 
     def _configure(self, model, spec) -> None:
         super()._configure(model, spec)

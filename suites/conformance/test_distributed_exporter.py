@@ -16,6 +16,12 @@ and, where SGLang imports, by every stock SGLang row that claims the format and 
   call each rank checks that its trainer parameters are bit-identical and on the same storage
   (the failure names the call, rank, parameter, row, col - or "rebound").
 
+  Buckets may travel on any transport (``pytest_weightsync.wire``: pairs, flattened buckets,
+  serialized updates with one entry per engine TP rank; or broadcasts to the engine ranks of
+  ``pytest_weightsync.broadcast``): each is decoded by the harness's own decoder into what the
+  engine rank reads, and a bucket no engine could decode fails naming bucket and entry. Each
+  test records the transports used (``weightsync_transports``).
+
   Buckets that exceed ``bucket_bytes`` by more than one unit (the tensors converted from one
   source parameter) do not fail the test: each test records a ``bucket_limit`` finding
   (``within`` or ``over``, with the first offending bucket), reported in its own column.
@@ -40,4 +46,5 @@ def test_distributed_exporter_streams_land_bit_exact(weightsync_distributed_expo
     dh.require_megatron()
     result = dh.run_and_judge(rank_pool, exporter, dcase, formats)
     dh.record_bucket_limit(record_property, dcase, result)
+    record_property("weightsync_transports", " ".join(sorted(result.transports)))
     assert result.formats == set(formats)

@@ -8,7 +8,9 @@ the test id carries its name) and states one property:
   update is a bucket stream framed by the loader's optional ``begin_update``/``end_update``;
   receiver ranks take turns through the bucket limits (one tensor per bucket, a layer's
   experts split over buckets, several layers in a bucket, the whole update), so every case
-  sees several of them;
+  sees several of them. A loader that claims the ``flattened_bucket`` transport also gets
+  each bucket as SGLang's flattened bucket (``docs/transports.md``), its buffer refilled
+  after each load;
 - ``in_place``: a payload of one layer writes that layer at unchanged addresses and leaves
   every other parameter (other layers, the router weight) bit-identical;
 - ``no_stale_values``: three successive versions into the same buffers, each fully visible,
@@ -144,6 +146,28 @@ def test_loader_repeated_updates_leave_no_stale_value(weightsync_loader, case, p
             loader.load_and_check(weightsync_loader, params, payload_format, case, rank, version,
                                   before=before, bucket=_limit(rank + version),
                                   previous_version=version - 1 if version > 1 else None)
+
+
+@pytest.mark.weightsync_property("bit_exact")
+@pytest.mark.parametrize("payload_format", FORMATS)
+@pytest.mark.parametrize("case", ANCHORS[:3])
+def test_loader_flattened_buckets_land_bit_exact(weightsync_loader, case, payload_format):
+    """For loaders that claim the ``flattened_bucket`` transport: two updates, each bucket
+    handed over as SGLang's flattened bucket (one uint8 tensor of mixed dtypes, aligned
+    offsets, ``FlattenedTensorMetadata``), its flat buffer refilled as soon as the load
+    returns (a real sender reuses it for the next bucket)."""
+    _require_claim(weightsync_loader, case, payload_format)
+    reason = weightsync_loader.capabilities.transport_refusal("flattened_bucket")
+    if reason is not None:
+        claims.skip_unclaimed(f"{weightsync_loader.name} {reason}")
+    for rank in range(case.receiver.world_size):
+        params = inputs.receiver_params(case, rank)
+        before = compare.snapshot(params)
+        for version in (1, 2):
+            loader.load_and_check(weightsync_loader, params, payload_format, case, rank, version,
+                                  before=before, bucket=_limit(rank + version),
+                                  previous_version=version - 1 if version > 1 else None,
+                                  transport="flattened_bucket")
 
 
 # --- hardening (bad input: a report, never a verdict) -------------------------------------------

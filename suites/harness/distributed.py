@@ -126,6 +126,8 @@ def _engine_streams(dcase: DistCase, rank_results: list) -> list:
                    f"{result.trainer_rank // dcase.case.receiver.tp} rank {engine_rank}"
                    if dcase.delivery == "colocated"
                    else f"trainer rank {result.trainer_rank} (sender) -> engine rank {engine_rank}")
+            if result.transports:  # the wire formats it travelled on, where not plain tensors
+                who += f", sent as {' + '.join(sorted(result.transports))}"
             out.append((who, engine_rank, stream))
     return out
 
@@ -269,10 +271,12 @@ def judge_streams(dcase: DistCase, fmt: str, rank_results: list, version: int,
 class DistResult:
     """What one distributed case produced: ``checked`` maps each ``(update, version, format)``
     to the engine ranks judged; ``bucket_findings`` lists every bucket (any update, any rank)
-    that exceeds ``bucket_bytes`` by more than one unit."""
+    that exceeds ``bucket_bytes`` by more than one unit; ``transports`` the wire formats the
+    buckets travelled on (:data:`pytest_weightsync.vocabulary.TRANSPORTS`)."""
 
     checked: dict = field(default_factory=dict)
     bucket_findings: list = field(default_factory=list)
+    transports: set = field(default_factory=set)
 
     @property
     def formats(self) -> set:
@@ -304,6 +308,8 @@ def run_and_judge(pool, exporter, dcase: DistCase, formats) -> DistResult:
         previous = updates[i - 1][0] if i else None
         result.checked[i + 1, version, fmt] = judge_streams(dcase, fmt, rank_results, version,
                                                             previous)
+        for r in rank_results:
+            result.transports |= r.transports or {"tensors"} if r.streams else set()
         result.bucket_findings += [
             line for who, _, stream in _engine_streams(dcase, rank_results)
             for line in bucket_limit_findings(stream, dcase.bucket_bytes,

@@ -18,14 +18,26 @@ from pytest_weightsync import compare
 from . import calls, inputs
 
 
-def load_stream(impl, params, stream, fmt, case, rank, *, framed=True, refill=False) -> None:
+def load_stream(impl, params, stream, fmt, case, rank, *, framed=True, refill=False,
+                transport="tensors") -> None:
     """Load ``stream`` (a list of buckets) into ``params`` through ``impl``; with ``refill``,
-    each bucket's tensors are overwritten as soon as its ``load_weights`` call returns."""
+    each bucket's tensors are overwritten as soon as its ``load_weights`` call returns. With
+    ``transport="flattened_bucket"`` each bucket is handed over as SGLang's flattened bucket
+    (:func:`pytest_weightsync.wire.flattened_bucket`), and the refill overwrites its one flat
+    buffer."""
+    from pytest_weightsync import wire
+
     kwargs = dict(format=fmt, spec=case.spec, topology=case.receiver, rank=rank)
     if framed:
         calls.call_optional(impl, "begin_update", params, **kwargs)
     for bucket in stream:
         bucket = list(bucket)
+        if transport == "flattened_bucket":
+            bucket = wire.flattened_bucket(bucket)
+            calls.call(impl, "load_weights", params, bucket, **kwargs)
+            if refill:
+                inputs.refill_([("flattened_tensor", bucket["flattened_tensor"])])
+            continue
         calls.call(impl, "load_weights", params, bucket, **kwargs)
         if refill:
             inputs.refill_(bucket)
@@ -34,29 +46,30 @@ def load_stream(impl, params, stream, fmt, case, rank, *, framed=True, refill=Fa
 
 
 def load(impl, params, fmt, case, rank, version, layers=None, *, bucket=inputs.DEFAULT_BUCKET,
-         refill=False):
+         refill=False, transport="tensors"):
     """Send ``version`` (of ``layers``, default all) to ``impl`` as a bucket stream cut at
-    ``bucket``; a full update is framed by the loader's hooks."""
+    ``bucket`` on ``transport``; a full update is framed by the loader's hooks."""
     stream = inputs.stream(fmt, case, rank, version, layers, bucket=bucket)
-    load_stream(impl, params, stream, fmt, case, rank, framed=layers is None, refill=refill)
+    load_stream(impl, params, stream, fmt, case, rank, framed=layers is None, refill=refill,
+                transport=transport)
 
 
 def load_and_check(impl, params, fmt, case, rank, version, *, before, bucket,
-                   previous_version=None) -> None:
+                   previous_version=None, transport="tensors") -> None:
     """One full update of ``version`` whose buckets are refilled after each ``load_weights``
     returns, then judged (:func:`suites.harness.judge.check_rank`). When that fails and the
     same update, not refilled, into fresh buffers passes, the loader read a bucket's tensors
     after its ``load_weights`` call returned: the failure is named "deferred copy"."""
     from . import judge
 
-    load(impl, params, fmt, case, rank, version, bucket=bucket, refill=True)
+    load(impl, params, fmt, case, rank, version, bucket=bucket, refill=True, transport=transport)
     try:
         judge.check_rank(params, case, rank, version, before, previous_version=previous_version)
     except judge.ConformanceError as error:
         fresh = inputs.receiver_params(case, rank)
         fresh_before = compare.snapshot(fresh)
         try:
-            load(impl, fresh, fmt, case, rank, version, bucket=bucket)
+            load(impl, fresh, fmt, case, rank, version, bucket=bucket, transport=transport)
             judge.check_rank(fresh, case, rank, version, fresh_before)
         except AssertionError:
             raise error from None

@@ -1,7 +1,8 @@
 """A loader that defers its copies without cloning is caught by ``no_stale_values``, and named.
 
 Real senders refill their staging buffer (a flattened bucket, an IPC buffer) with the next
-bucket's bytes as soon as the engine's load returns (ms-swift#10204). The mutant is the
+bucket's bytes as soon as the engine's load returns (ms-swift#10204); with the
+``flattened_bucket`` transport the one flat buffer of each bucket is refilled. The mutant is the
 reference loader with its copies deferred to ``end_update``: it keeps references to each
 bucket's tensors and copies them at the end - right when nobody touches the buffers, wrong
 under a real sender. The harness refills every bucket after ``load_weights`` returns, so the
@@ -36,6 +37,10 @@ class DefersCopies(ReferenceImplementation):
         super().begin_update(params, **kwargs)
 
     def load_weights(self, params, payload, **kwargs):
+        from pytest_weightsync import wire
+
+        if wire.transport_of(payload) == "flattened_bucket":  # views into the flat buffer
+            payload = wire.decode_flattened(payload)
         self.kept.append([(n, t.clone() if self.clone else t) for n, t in payload])
 
     def end_update(self, params, **kwargs):
@@ -49,15 +54,17 @@ class DefersClonedCopies(DefersCopies):
     clone = True
 
 
-def _update(impl, version=1):
+def _update(impl, version=1, transport="tensors"):
     params = inputs.receiver_params(CASE, 0)
     loader.load_and_check(impl, params, "compat", CASE, 0, version,
-                          before=compare.snapshot(params), bucket="split_layer")
+                          before=compare.snapshot(params), bucket="split_layer",
+                          transport=transport)
 
 
-def test_a_deferred_copy_of_refilled_buckets_is_killed_and_named():
+@pytest.mark.parametrize("transport", ["tensors", "flattened_bucket"])
+def test_a_deferred_copy_of_refilled_buckets_is_killed_and_named(transport):
     with pytest.raises(judge.ConformanceError) as info:
-        _update(DefersCopies())
+        _update(DefersCopies(), transport=transport)
     message = str(info.value)
     assert message.startswith("deferred copy: mutant-deferred-copy read bucket tensors after "
                               "its load_weights call returned"), message
@@ -68,5 +75,6 @@ def test_a_deferred_copy_of_clones_passes():
     _update(DefersClonedCopies())
 
 
-def test_the_reference_loader_passes_with_refilled_buckets():
-    _update(ReferenceImplementation(), version=2)
+@pytest.mark.parametrize("transport", ["tensors", "flattened_bucket"])
+def test_the_reference_loader_passes_with_refilled_buckets(transport):
+    _update(ReferenceImplementation(), version=2, transport=transport)

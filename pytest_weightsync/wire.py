@@ -1,0 +1,349 @@
+"""The wire formats real senders put a bucket on, and the harness's own decoder for each.
+
+A bucket is what one engine call receives. Real senders use four shapes of it
+(:data:`pytest_weightsync.vocabulary.TRANSPORTS`), and a distributed exporter may return any
+of them in its streams:
+
+``tensors``
+    a list of ``(name, tensor)`` pairs (``update_weights_from_tensor`` with in-process
+    tensors).
+``flattened_bucket``
+    ``{"flattened_tensor": T, "metadata": [m, ...]}``: what ``update_weights_from_tensor(...,
+    load_format="flattened_bucket")`` hands ``ModelRunner`` (slime's colocated path). ``T`` is
+    one 1-D ``uint8`` tensor holding every tensor's bytes; each ``m`` has SGLang's
+    ``FlattenedTensorMetadata`` fields ``name, shape, dtype, start_idx, end_idx, numel`` (byte
+    offsets into ``T``). SGLang's ``FlattenedTensorBucket`` object is accepted as well.
+``serialized``
+    a :class:`TensorUpdate` (or SGLang's ``UpdateWeightsFromTensorReqInput``, or anything
+    with the same two attributes): ``serialized_named_tensors`` holds ONE ENTRY PER ENGINE TP
+    RANK - SGLang's TP worker deserializes ``serialized_named_tensors[tp_rank]`` - each one a
+    ``MultiprocessingSerializer`` payload (``ForkingPickler`` bytes, or their base64 ``str``)
+    of a ``tensors`` list whose tensors may be ``LocalSerializedTensor`` s (``values``: one
+    serialized tensor per TP rank, verl and ``sglang.srt.weight_sync.utils``), or of a
+    ``flattened_bucket`` dict when ``load_format="flattened_bucket"``. CPU tensors travel as
+    shared-memory handles, CUDA tensors as CUDA IPC handles, exactly as ``ForkingPickler``
+    sends them.
+``broadcast``
+    names, dtypes and shapes, then a broadcast of each tensor (or of one flattened bucket)
+    from the sender: :mod:`pytest_weightsync.broadcast`.
+
+The decoders check what a real engine would trip over, before anything is loaded, and name
+the bucket and entry: a metadata range outside the flat tensor, a byte count that does not
+match the shape and dtype, an offset that is not a multiple of the entry's item size (mixed
+dtypes packed without alignment: SGLang's ``reconstruct_tensors`` cannot view it,
+verl#7318), a serialized update without an entry for every engine rank. The encoders
+(:func:`flattened_bucket`, :func:`serialized_update`) are what the reference exporter sends:
+they take strided, transposed, 0-d and empty tensors (``tensor.flatten().view(torch.uint8)``
+raises on a strided 1-D view, verl#6919 / sglang#39535), align every offset, and encode an
+empty bucket (``FlattenedTensorBucket(named_tensors=[])`` raises on the rank with nothing to
+send, slime#2134). ``suites/selftest/test_wire.py`` holds them against SGLang's own code.
+
+torch is imported lazily: the plugin reads :data:`FLATTENED_KEYS` at collection time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Sequence
+
+#: The two keys of a flattened bucket, as ``ModelRunner`` reads them.
+FLATTENED_KEYS = ("flattened_tensor", "metadata")
+#: ``load_format`` values a serialized update may carry (``None``: the model's own
+#: ``load_weights``; ``"direct"``: copied by engine parameter name).
+SERIALIZED_LOAD_FORMATS = (None, "direct", "flattened_bucket")
+
+
+class WireFormatError(ValueError):
+    """A bucket on the wire that an engine cannot decode, or decodes into something other
+    than what the sender meant. The message names the bucket, the entry and the reason."""
+
+
+@dataclass(frozen=True)
+class TensorUpdate:
+    """One ``update_weights_from_tensor`` request: ``serialized_named_tensors`` (one entry per
+    engine TP rank) and its ``load_format``. Field names are SGLang's
+    (``UpdateWeightsFromTensorReqInput``), so SGLang's own request object is accepted too."""
+
+    serialized_named_tensors: Sequence
+    load_format: Optional[str] = None
+
+
+class FlattenedEntry(NamedTuple):
+    """SGLang's ``FlattenedTensorMetadata`` fields, for senders without SGLang installed
+    (``start_idx`` / ``end_idx`` / ``numel`` in bytes). A real engine's unpickler admits
+    only SGLang's own class: :func:`metadata_type` picks that one where it imports."""
+
+    name: str
+    shape: tuple
+    dtype: Any
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def transport_of(bucket) -> str:
+    """Which of :data:`~pytest_weightsync.vocabulary.TRANSPORTS` ``bucket`` is sent as
+    (anything that is neither a flattened bucket nor a serialized update is ``tensors``; the
+    stream checks say whether it really is a list of pairs)."""
+    if _is_flattened(bucket):
+        return "flattened_bucket"
+    if hasattr(bucket, "serialized_named_tensors") and hasattr(bucket, "load_format"):
+        return "serialized"
+    return "tensors"
+
+
+def _is_flattened(bucket) -> bool:
+    if isinstance(bucket, dict):
+        return set(FLATTENED_KEYS) <= set(bucket)
+    return callable(getattr(bucket, "get_flattened_tensor", None)) and \
+        callable(getattr(bucket, "get_metadata", None))
+
+
+def _flat_and_metadata(bucket, where: str):
+    if isinstance(bucket, dict):
+        return bucket["flattened_tensor"], bucket["metadata"]
+    try:
+        return bucket.get_flattened_tensor(), bucket.get_metadata()
+    except Exception as error:
+        raise WireFormatError(f"{where}: the flattened bucket's get_flattened_tensor() / "
+                              f"get_metadata() raised {type(error).__name__}: {error}") from None
+
+
+_META_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx")
+
+
+def _meta_fields(meta, where: str) -> tuple:
+    try:
+        if isinstance(meta, dict):
+            return tuple(meta[f] for f in _META_FIELDS)
+        return tuple(getattr(meta, f) for f in _META_FIELDS)
+    except (KeyError, AttributeError) as error:
+        raise WireFormatError(f"{where}: metadata entry {meta!r:.120} lacks {error} (a "
+                              f"FlattenedTensorMetadata has {', '.join(_META_FIELDS)}, numel)"
+                              ) from None
+
+
+def decode_flattened(bucket, *, where: str = "flattened bucket") -> list:
+    """``[(name, tensor)]`` of a flattened bucket (views into its flat tensor, as SGLang's
+    ``reconstruct_tensors`` returns them), or :class:`WireFormatError` naming the first entry
+    an engine could not decode or would decode into other bytes than the metadata says."""
+    import torch
+
+    flat, metadata = _flat_and_metadata(bucket, where)
+    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
+        what = (f"a {tuple(flat.shape)} {flat.dtype} tensor" if isinstance(flat, torch.Tensor)
+                else f"a {type(flat).__name__}")
+        raise WireFormatError(f"{where}: flattened_tensor is {what}; a flattened bucket "
+                              f"carries one 1-D uint8 tensor of every entry's bytes")
+    if flat.numel() and flat.stride(0) != 1:
+        raise WireFormatError(f"{where}: flattened_tensor has stride {flat.stride(0)}; its "
+                              f"bytes must be contiguous for an engine to view them")
+    if isinstance(metadata, (str, bytes)) or not hasattr(metadata, "__iter__"):
+        raise WireFormatError(f"{where}: metadata is a {type(metadata).__name__}, not a list "
+                              f"of FlattenedTensorMetadata")
+    out = []
+    for index, meta in enumerate(metadata):
+        name, shape, dtype, start, end = _meta_fields(meta, f"{where} entry {index}")
+        entry = f"{where} entry {index} {name!r:.120}"
+        if not isinstance(name, str):
+            raise WireFormatError(f"{entry}: the name is a {type(name).__name__}, not a str")
+        if not isinstance(dtype, torch.dtype):
+            raise WireFormatError(f"{entry}: dtype {dtype!r} is not a torch.dtype")
+        try:
+            shape = tuple(int(d) for d in shape)
+        except (TypeError, ValueError):
+            raise WireFormatError(f"{entry}: shape {shape!r:.80} is not a sequence of "
+                                  f"ints") from None
+        if any(d < 0 for d in shape) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                for i in (start, end)):
+            raise WireFormatError(f"{entry}: shape {shape} / start_idx {start!r} / end_idx "
+                                  f"{end!r} are not sizes and byte offsets")
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        if not 0 <= start <= end <= flat.numel():
+            raise WireFormatError(f"{entry}: bytes [{start}, {end}) lie outside the "
+                                  f"{flat.numel()}-byte flattened_tensor")
+        if end - start != nbytes:
+            raise WireFormatError(f"{entry}: metadata spans {end - start} bytes [{start}, "
+                                  f"{end}), its shape {shape} of {dtype} needs {nbytes} (an "
+                                  f"offset or size counted in elements, not bytes?)")
+        if (flat.storage_offset() + start) % dtype.itemsize:
+            raise WireFormatError(
+                f"{entry}: byte offset {start} is not a multiple of the {dtype} item size "
+                f"{dtype.itemsize}; SGLang's reconstruct_tensors cannot view these bytes as "
+                f"{dtype} (mixed dtypes packed without aligning each offset, verl#7318)")
+        out.append((name, flat[start:end].view(dtype).reshape(shape)))
+    return out
+
+
+def _deserialized(data, where: str):
+    """What ``MultiprocessingSerializer.deserialize`` returns for ``data`` (bytes, or their
+    base64 ``str``), decoded with the standard library's unpickler."""
+    import base64
+    import binascii
+    import pickle
+
+    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions it rebuilds
+
+    if isinstance(data, str):
+        try:
+            data = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as error:
+            raise WireFormatError(f"{where}: a str payload that is not base64 ({error})") from None
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireFormatError(f"{where}: a {type(data).__name__}, not MultiprocessingSerializer "
+                              f"bytes (or their base64 str)")
+    try:
+        return pickle.loads(data)
+    except Exception as error:
+        raise WireFormatError(f"{where}: cannot be deserialized: {type(error).__name__}: "
+                              f"{error}") from None
+
+
+def decode_serialized(update, *, engine_rank: int, engine_tp: int,
+                      where: str = "serialized update") -> tuple[list, Optional[str]]:
+    """``([(name, tensor)], load_format)`` that engine TP rank ``engine_rank`` of
+    ``engine_tp`` reads from a serialized update (its own entry, its own value of each
+    ``LocalSerializedTensor``), or :class:`WireFormatError` naming what it could not read."""
+    import torch
+
+    entries = update.serialized_named_tensors
+    load_format = update.load_format
+    if load_format not in SERIALIZED_LOAD_FORMATS:
+        raise WireFormatError(f"{where}: load_format {load_format!r}; expected one of "
+                              f"{SERIALIZED_LOAD_FORMATS}")
+    if isinstance(entries, (str, bytes)) or not hasattr(entries, "__len__") or \
+            len(entries) != engine_tp:
+        count = len(entries) if hasattr(entries, "__len__") else type(entries).__name__
+        raise WireFormatError(f"{where}: serialized_named_tensors holds {count} entries; "
+                              f"SGLang's TP worker reads entry [tp_rank], so it needs one per "
+                              f"engine TP rank ({engine_tp})")
+    here = f"{where}, entry [{engine_rank}]"
+    payload = _deserialized(entries[engine_rank], here)
+    if load_format == "flattened_bucket":
+        if not _is_flattened(payload):
+            raise WireFormatError(f"{here}: load_format='flattened_bucket' but the payload is a "
+                                  f"{type(payload).__name__}, not a flattened bucket dict")
+        return decode_flattened(payload, where=here), load_format
+    if isinstance(payload, (str, bytes)) or not hasattr(payload, "__iter__"):
+        raise WireFormatError(f"{here}: the payload is a {type(payload).__name__}, not a list "
+                              f"of (name, tensor) pairs")
+    out = []
+    for j, pair in enumerate(payload):
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise WireFormatError(f"{here}: entry {j} is not a (name, tensor) pair: "
+                                  f"{pair!r:.80}")
+        name, value = pair
+        values = getattr(value, "values", None)
+        if not isinstance(value, torch.Tensor) and isinstance(values, (list, tuple)):
+            if len(values) != engine_tp:
+                raise WireFormatError(f"{here}: {name!r:.120} is a LocalSerializedTensor of "
+                                      f"{len(values)} values; it needs one per engine TP rank "
+                                      f"({engine_tp})")
+            value = _deserialized(values[engine_rank], f"{here} {name!r:.120} value "
+                                                       f"[{engine_rank}]")
+        if not isinstance(value, torch.Tensor):
+            raise WireFormatError(f"{here}: {name!r:.120} carries a {type(value).__name__}, "
+                                  f"not a tensor")
+        out.append((name, value))
+    return out, load_format
+
+
+def release_shared_handles() -> None:
+    """Close every shared-memory handle a serialized payload left registered in this process
+    (``multiprocessing.resource_sharer`` keeps a descriptor for each CPU tensor it shares
+    until someone fetches it; entries meant for other engine ranks are never fetched here)."""
+    from multiprocessing import resource_sharer
+
+    resource_sharer.stop(timeout=5)
+
+
+def decode_bucket(bucket, *, engine_rank: int, engine_tp: int, where: str) -> tuple[list, str]:
+    """``([(name, tensor)], transport)`` of one bucket of a stream for ``engine_rank``; a
+    ``tensors`` bucket comes back as it is (its pairs are checked by the stream checks)."""
+    transport = transport_of(bucket)
+    if transport == "flattened_bucket":
+        return decode_flattened(bucket, where=where), transport
+    if transport == "serialized":
+        pairs, _ = decode_serialized(bucket, engine_rank=engine_rank, engine_tp=engine_tp,
+                                     where=where)
+        return pairs, transport
+    return bucket, transport
+
+
+# --- encoders: what the reference sends ------------------------------------------------------
+
+def metadata_type():
+    """SGLang's ``FlattenedTensorMetadata`` where SGLang imports (the only metadata class its
+    unpickler admits), else :class:`FlattenedEntry`."""
+    try:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+    except Exception:  # not installed, or it does not import here
+        return FlattenedEntry
+    return FlattenedTensorMetadata
+
+
+def _aligned(offset: int, itemsize: int) -> int:
+    return -(-offset // itemsize) * itemsize
+
+
+def tensor_bytes(tensor):
+    """``tensor``'s bytes as one 1-D uint8 tensor, whatever its strides (a copy where its
+    elements are not already one unit-stride run: ``.contiguous()`` keeps a size-1 dim's
+    stride, and viewing that as bytes raises)."""
+    import torch
+
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device).copy_(flat)
+    return flat.view(torch.uint8)
+
+
+def flattened_bucket(named_tensors, *, meta_type=FlattenedEntry) -> dict:
+    """``{"flattened_tensor", "metadata"}`` of ``named_tensors``: every tensor's bytes (any
+    strides, 0-d and empty ones included) at an offset aligned to its item size, so any
+    mixture of dtypes reconstructs; an empty list gives an empty bucket. ``meta_type``: the
+    metadata class (:func:`metadata_type` for a payload a real engine unpickles)."""
+    import torch
+
+    pieces, metadata, offset = [], [], 0
+    for name, tensor in named_tensors:
+        start = _aligned(offset, tensor.element_size())
+        if start > offset:
+            pieces.append(torch.zeros(start - offset, dtype=torch.uint8, device=tensor.device))
+        data = tensor_bytes(tensor)
+        pieces.append(data)
+        metadata.append(meta_type(name, tuple(tensor.shape), tensor.dtype, start,
+                                  start + data.numel(), data.numel()))
+        offset = start + data.numel()
+    device = pieces[0].device if pieces else "cpu"
+    flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
+    return {"flattened_tensor": flat, "metadata": metadata}
+
+
+def serialize(obj, *, as_str: bool = False):
+    """``obj`` as ``MultiprocessingSerializer.serialize`` writes it: ``ForkingPickler``
+    bytes (tensors as shared-memory or CUDA IPC handles), base64 ``str`` with ``as_str``."""
+    import base64
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    data = buf.getvalue()
+    return base64.b64encode(data).decode("ascii") if as_str else data
+
+
+def serialized_update(per_rank_named_tensors: Sequence, *, flattened: bool = False,
+                      as_str: bool = False, meta_type=FlattenedEntry) -> TensorUpdate:
+    """A :class:`TensorUpdate` with one serialized entry per engine TP rank
+    (``per_rank_named_tensors[r]`` for rank ``r``), each a ``tensors`` list or, with
+    ``flattened``, a flattened bucket (``load_format="flattened_bucket"``, metadata of
+    ``meta_type``)."""
+    entries = [serialize(flattened_bucket(named, meta_type=meta_type) if flattened else
+                         [(n, t.detach()) for n, t in named], as_str=as_str)
+               for named in per_rank_named_tensors]
+    return TensorUpdate(entries, "flattened_bucket" if flattened else None)
