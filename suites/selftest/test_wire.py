@@ -227,3 +227,69 @@ def test_dense_broadcast_offsets_agree_with_sglangs_receive_bucket(entries):
     ours = dense_offsets(announced(names, dtypes, shapes))
     assert ours[:-1] == [m.start_idx for m in theirs.get_metadata()]
     assert ours[-1] == theirs.get_flattened_tensor().numel()
+
+
+# --- the broadcast engine, in this process ------------------------------------------------------
+
+def _send(engine, tensors) -> None:
+    import torch.distributed as dist
+
+    for tensor in tensors:
+        engine.group.broadcast([tensor], dist.BroadcastOptions()).wait()
+
+
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_broadcast_engine_ranks_receive_what_was_announced(load_format):
+    import threading
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from pytest_weightsync.broadcast import BroadcastEngine
+
+    bucket = [("w", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+              ("b", torch.arange(3, dtype=torch.bfloat16))]
+    engine = BroadcastEngine(2, timeout=10)
+    try:
+        engine.update_weights_from_distributed([n for n, _ in bucket], [t.dtype for _, t in bucket],
+                                               [t.shape for _, t in bucket],
+                                               load_format=load_format)
+        if load_format is None:
+            _send(engine, [t for _, t in bucket])
+        else:
+            _send(engine, [torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])])
+        streams = engine.finish()
+        group = engine.group
+    finally:
+        engine.close()
+    assert sorted(streams) == [0, 1]
+    for stream in streams.values():
+        assert len(stream) == 1
+        _same(stream[0], bucket)
+    assert group not in c10d._world.pg_group_ranks
+    assert not [t for t in threading.enumerate() if t.name.startswith("weightsync-engine-rank")]
+
+
+def test_an_announced_tensor_never_broadcast_fails_naming_the_engine_rank():
+    from pytest_weightsync.broadcast import BroadcastEngine, BroadcastError
+
+    engine = BroadcastEngine(1, timeout=1)
+    try:
+        engine.update_weights_from_distributed(["a", "b"], [torch.float32] * 2, [(2,), (2,)])
+        _send(engine, [torch.ones(2)])
+        with pytest.raises(BroadcastError, match="engine rank 0: call 1: the broadcast of 2"):
+            engine.finish()
+    finally:
+        engine.close()
+
+
+def test_an_unaligned_flattened_announcement_is_refused_before_any_broadcast():
+    from pytest_weightsync.broadcast import BroadcastEngine
+
+    engine = BroadcastEngine(1, timeout=1)
+    try:
+        with pytest.raises(BroadcastFormatError, match="'b'.*byte offset 3.*verl#7318"):
+            engine.update_weights_from_distributed(["a", "b"], [torch.int8, "bfloat16"],
+                                                   [(3,), (2,)], load_format="flattened_bucket")
+        assert not engine.used  # nothing joined, nothing to clean up
+    finally:
+        engine.close()
