@@ -309,7 +309,8 @@ def run_and_judge(pool, exporter, dcase: DistCase, formats) -> DistResult:
         result.checked[i + 1, version, fmt] = judge_streams(dcase, fmt, rank_results, version,
                                                             previous)
         for r in rank_results:
-            result.transports |= r.transports or {"tensors"} if r.streams else set()
+            if r.streams:  # a rank that sent something: plain pairs unless it said otherwise
+                result.transports |= r.transports or {"tensors"}
         result.bucket_findings += [
             line for who, _, stream in _engine_streams(dcase, rank_results)
             for line in bucket_limit_findings(stream, dcase.bucket_bytes,
