@@ -2,8 +2,9 @@
 
 The exporter gets every trainer rank's Megatron-Core expert shards of the case; after EVERY
 call the shards are checked bit-identical - before any receiver value is judged, so the
-failure names the call that changed them - and its payload for each receiver rank is loaded
-by the reference receiver (``suites.harness.reference``) and judged bit for bit.
+failure names the call that changed them - and its payload for each receiver rank (pairs, or
+buckets on a wire format: ``pytest_weightsync.wire``, decoded by the harness) is loaded by the
+reference receiver (``suites.harness.reference``) and judged bit for bit.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ def export_and_check(exporter, case, fmt, version, ranks=None):
     """Export ``version`` for each receiver rank in ``ranks`` (default all; one call per rank),
     checking the trainer shards after every call, then judge each rank's stream."""
     from pytest_weightsync import distributed
+    from pytest_weightsync.wire import release_shared_handles
 
     from . import inputs
 
@@ -30,11 +32,16 @@ def export_and_check(exporter, case, fmt, version, ranks=None):
             if where is not None:
                 raise judge.ConformanceError(f"export call for receiver rank {rank} ({fmt}) "
                                              f"modified trainer rank {trainer_rank}'s shard {where}")
-        try:
-            stream = as_stream(result, source=f"{exporter.name}.export_weights")
-        except TypeError as error:
+        source = f"{exporter.name}.export_weights"
+        try:  # wire buckets (flattened, serialized) decoded as that receiver rank reads them
+            stream = as_stream(distributed.decoded_stream(
+                result, engine_rank=rank, engine_tp=case.receiver.tp, source=source,
+                transports=set()), source=source)
+        except (TypeError, distributed.DistributedExportError) as error:
             raise judge.ConformanceError(f"export call for receiver rank {rank} ({fmt}): "
                                          f"{error}") from None
+        finally:
+            release_shared_handles()
         reference.judge_stream(case, rank, stream, fmt, version,
                                f"{fmt} payload of {exporter.name}.export_weights for receiver "
                                f"rank {rank}")

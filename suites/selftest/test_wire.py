@@ -293,3 +293,36 @@ def test_an_unaligned_flattened_announcement_is_refused_before_any_broadcast():
         assert not engine.used  # nothing joined, nothing to clean up
     finally:
         engine.close()
+
+
+def test_a_single_process_exporter_may_send_wire_buckets():
+    """``export_weights`` results go through the same decoders: a flattened or serialized
+    reference payload lands, an element-counted offset is refused naming bucket and entry."""
+    from pytest_weightsync.reference_impl.impl import ReferenceImplementation
+
+    from ..harness import exporter as eh
+    from ..harness import judge
+    from ..harness.cases import ANCHORS
+
+    class Encoded(ReferenceImplementation):
+        name = "reference-encoded"
+        encode = staticmethod(wire.flattened_bucket)
+
+        def export_weights(self, trainer_states, **kwargs):
+            return [self.encode(super().export_weights(trainer_states, **kwargs))]
+
+    def serialized(bucket):
+        return wire.serialized_update([bucket] * ANCHORS[1].receiver.tp, flattened=True)
+
+    def in_elements(bucket):
+        payload = wire.flattened_bucket(bucket)
+        meta = payload["metadata"]
+        meta[0] = meta[0]._replace(end_idx=meta[0].end_idx // 2)
+        return payload
+
+    for encode in (wire.flattened_bucket, serialized):
+        Encoded.encode = staticmethod(encode)
+        eh.export_and_check(Encoded(), ANCHORS[1], "compat", 1)
+    Encoded.encode = staticmethod(in_elements)
+    with pytest.raises(judge.ConformanceError, match="bucket 0 \\(flattened_bucket\\) entry 0"):
+        eh.export_and_check(Encoded(), ANCHORS[1], "compat", 1)
