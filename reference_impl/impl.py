@@ -269,12 +269,18 @@ class ReferenceImplementation:
                               gather_full_weights(spec, trainer, trainer_states))
 
     def export_weights_distributed(self, model_state, *, config, format, spec, trainer, receiver,
-                                   delivery, bucket_bytes):
-        """Run in every trainer rank: gather over Megatron's EP/ETP/PP groups, then send
-        (:mod:`pytest_weightsync.reference_impl.distributed_export`)."""
+                                   delivery, bucket_bytes, model=None):
+        """Run in every trainer rank: gather over Megatron's TP/EP/ETP/PP groups, then send
+        (:mod:`pytest_weightsync.reference_impl.distributed_export`; whole models:
+        :mod:`pytest_weightsync.reference_impl.distributed_model_export`)."""
+        check_format(format)
+        kwargs = dict(config=config, format=format, spec=spec, trainer=trainer,
+                      receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes)
+        if is_model_spec(spec):
+            from pytest_weightsync.reference_impl import distributed_model_export
+
+            return distributed_model_export.export_weights_distributed(model_state, model=model,
+                                                                       **kwargs)
         from pytest_weightsync.reference_impl.distributed_export import export_weights_distributed
 
-        check_format(format)
-        return export_weights_distributed(model_state, config=config, format=format, spec=spec,
-                                          trainer=trainer, receiver=receiver, delivery=delivery,
-                                          bucket_bytes=bucket_bytes)
+        return export_weights_distributed(model_state, **kwargs)
