@@ -363,7 +363,7 @@ def stream_findings(case, rank, stream, fmt, version) -> list[str]:
                 problems.append(f"the pattern of pipeline-stage-local layer numbering: each of "
                                 f"the {case.trainer.pp} stages named its layers from 0, so layers "
                                 f"{dup_layers} arrive more than once and layers "
-                                f"{longest}..{case.spec.num_layers - 1} never")
+                                f"{sorted(set(layers))} never")
     if unknown:
         problems.append(f"not owed by this update: {[seen[u][0][2] for u in unknown][:4]}")
     for unit, entries in seen.items():
