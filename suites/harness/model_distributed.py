@@ -45,6 +45,14 @@ class ModelDistCase:
     bucket: str = "whole"
 
     @property
+    def spec(self):
+        return self.case.spec
+
+    @property
+    def receiver(self) -> ReceiverTopology:
+        return self.case.receiver
+
+    @property
     def world(self) -> int:
         return self.case.trainer.world_size
 
