@@ -2,7 +2,7 @@
 
 :mod:`~pytest_weightsync.reference_impl.megatron_state` builds the expert-only trainer; this
 builds every parameter of a :class:`~pytest_weightsync.reference_impl.model_spec.ModelSpec`
-(attention layers) the same way (``megatron.training.get_model``: a ``GPTModel`` per stage
+(without an MTP draft) the same way (``megatron.training.get_model``: a ``GPTModel`` per stage
 from megatron-core's local layer spec, ``Float16Module``, DDP with the distributed
 optimizer's contiguous buffers) under the real ``parallel_state``:
 
@@ -30,8 +30,10 @@ MegatronPlacementError` names the parameter. Two deviations from megatron-core 0
 DeepSeek-V3 checkpoints and the trainers that refit them hold it in float32), and the expert
 bias is returned to float32 after ``Float16Module`` as the router's own
 ``_maintain_float32_expert_bias`` does before every use. The constructor runs with two CPU
-stand-ins (:func:`_on_cpu`). Not built: GDN layers (megatron-core's
-``GatedDeltaNet`` needs the ``fla`` kernels) and the MTP block - :func:`unsupported` names them.
+stand-ins (:func:`_on_cpu`). MODELLED: the Gated DeltaNet mixer of Qwen3.5's GDN layers
+(megatron-core's ``GatedDeltaNet`` needs the ``fla`` kernels): :func:`modelled_gated_delta_net`,
+in a real ``TransformerLayer`` beside a real MoE block. Not built: the MTP block -
+:func:`unsupported` names it.
 """
 
 from __future__ import annotations
@@ -61,13 +63,78 @@ def modelled_name(local_name: str) -> str:
 
 
 def unsupported(spec) -> list:
-    """The parts of ``spec`` this module cannot build with a real megatron-core on CPU."""
-    out = []
-    if any(spec.layer_kind(layer) == "gdn" for layer in range(spec.num_layers)):
-        out.append("GDN layers (megatron-core's GatedDeltaNet needs the fla kernels)")
-    if spec.mtp_layers:
-        out.append("the MTP draft block")
-    return out
+    """The parts of ``spec`` this module cannot build (real or modelled) on CPU."""
+    return ["the MTP draft block"] if spec.mtp_layers else []
+
+
+def _sharded(tensor, dim: int):
+    """``tensor`` as a TP-sharded Megatron parameter along ``dim`` (the attributes
+    ``ColumnParallelLinear`` / ``RowParallelLinear`` set)."""
+    import torch
+
+    param = torch.nn.Parameter(tensor)
+    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
+    return param
+
+
+def modelled_gated_delta_net(spec, tp: int):
+    """A ``ModuleSpec`` of the MODELLED Gated DeltaNet mixer: megatron-core's
+    ``GatedDeltaNet`` imports the ``fla`` kernels, absent here. It holds what the Transformer
+    Engine spec of Megatron-Bridge's Qwen3-Next / Qwen3.5 maps (``in_proj`` with its fused
+    input norm ``layer_norm_weight``, ``conv1d``, ``A_log`` (float32), ``dt_bias``,
+    ``out_norm``, ``out_proj``) with this rank's TP shapes - computed here from the spec,
+    not read from the oracle - and the partition attributes Megatron's parallel linears set
+    (column: dim 0, ``out_proj`` row: dim 1; norms replicated)."""
+    import torch
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    qk, v, heads, hidden = spec.gdn_qk, spec.gdn_v, spec.linear_v_heads, spec.hidden
+    bf = spec.dtype
+
+    class ModelledGatedDeltaNet(torch.nn.Module):
+        def __init__(self, config, layer_number=None, **_):
+            super().__init__()
+            self.layer_number = layer_number
+            self.in_proj = torch.nn.Module()
+            self.in_proj.weight = _sharded(
+                torch.empty((2 * qk + 2 * v + 2 * heads) // tp, hidden, dtype=bf), 0)
+            self.in_proj.layer_norm_weight = torch.nn.Parameter(torch.empty(hidden, dtype=bf))
+            self.conv1d = torch.nn.Module()
+            self.conv1d.weight = _sharded(
+                torch.empty((2 * qk + v) // tp, 1, spec.conv_kernel, dtype=bf), 0)
+            self.A_log = _sharded(torch.empty(heads // tp, dtype=torch.float32), 0)
+            self.dt_bias = _sharded(torch.empty(heads // tp, dtype=bf), 0)
+            self.out_norm = torch.nn.Module()
+            self.out_norm.weight = torch.nn.Parameter(torch.empty(spec.linear_v_dim, dtype=bf))
+            self.out_proj = torch.nn.Module()
+            self.out_proj.weight = _sharded(torch.empty(hidden, v // tp, dtype=bf), 1)
+
+    return ModuleSpec(module=ModelledGatedDeltaNet)
+
+
+def block_spec(spec, topo, config):
+    """This stage's ``TransformerBlockSubmodules``: megatron-core's local layer spec for each
+    attention layer; for each GDN layer the same with :func:`modelled_gated_delta_net` as its
+    mixer (its input norm fused into ``in_proj``, as in the Transformer Engine spec)."""
+    import dataclasses
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    attention = layer_spec(spec.experts, topo, qk_layernorm=True, normalization="RMSNorm")
+    gdn = dataclasses.replace(attention, submodules=dataclasses.replace(
+        attention.submodules, input_layernorm=IdentityOp,
+        self_attention=modelled_gated_delta_net(spec, topo.tp)))
+    offset = get_transformer_layer_offset(config)
+    layers = range(offset, offset + get_num_layers_to_build(config))
+    return TransformerBlockSubmodules(
+        layer_specs=[attention if spec.layer_kind(layer) == "attention" else gdn
+                     for layer in layers], layer_norm=LayerNormImpl)
 
 
 def transformer_config(spec, topo):
@@ -107,7 +174,10 @@ def _keep_float32(spec):
 
     def restore(chunk):
         for module in chunk.modules():
-            if type(module).__name__ != "TopKRouter":
+            kind = type(module).__name__
+            if kind == "ModelledGatedDeltaNet":
+                module.A_log.data = module.A_log.data.to(torch.float32)
+            if kind != "TopKRouter":
                 continue
             if spec.router_dtype == torch.float32:
                 module.weight.data = module.weight.data.to(torch.float32)
@@ -147,9 +217,7 @@ def build_model(spec, topo, config) -> list:
                                      f"on CPU here")
     with _on_cpu():
         chunk = GPTModel(config=config,
-                         transformer_layer_spec=layer_spec(spec.experts, topo,
-                                                           qk_layernorm=True,
-                                                           normalization="RMSNorm"),
+                         transformer_layer_spec=block_spec(spec, topo, config),
                          vocab_size=padded_vocab(spec.vocab, topo.tp), max_sequence_length=8,
                          pre_process=ps.is_pipeline_first_stage(),
                          post_process=ps.is_pipeline_last_stage(),

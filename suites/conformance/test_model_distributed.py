@@ -4,7 +4,7 @@ Runs for implementations that claim the ``distributed_exporter`` role AND whole 
 (``Capabilities.model_parts``; an expert-only exporter skips every case as not claimed). Each
 case (``suites.harness.model_distributed.MODEL_DIST_CASES``: TP 2; PP 2 even; PP 2 uneven,
 2 + 1 layers; EP 2 x ETP 2 with TEGroupedMLP; both deliveries; float32 router and expert
-bias; tied and untied embeddings; a shared expert) runs in :data:`~suites.harness.
+bias; tied and untied embeddings; shared experts; a GDN layer, its mixer modelled) runs in :data:`~suites.harness.
 model_distributed.WORLD` gloo ranks, each holding a real megatron-core ``GPTModel`` of its
 stage with every parameter set from the trainer oracle; the exporter is called once per
 claimed format, each call after the next version was written in place, the first format

@@ -73,17 +73,17 @@ def _dcase(spec, receiver, trainer, delivery, bucket="whole") -> ModelDistCase:
     return ModelDistCase(ModelCase(spec, receiver, trainer, spec.targets), delivery, bucket)
 
 
-#: The built-in cases, each in :data:`WORLD` ranks: what the real trainer can build here
-#: (attention layers; no GDN, no MTP draft - ``megatron_whole.unsupported``) over the
-#: topologies where whole-model exports break: dense TP 2 with a float32 router and float32
-#: expert bias; PP 2 even with a tied embedding on both stages (Qwen3.5 attention with the
-#: output gate and a shared expert, engine TP 4 with fewer KV heads than ranks); PP 2 uneven
-#: (2 + 1 layers); EP 2 x ETP 2 with TEGroupedMLP experts, tied, distributed delivery.
+#: The built-in cases, each in :data:`WORLD` ranks: what the trainer can build here (no MTP
+#: draft - ``megatron_whole.unsupported``) over the topologies where whole-model exports
+#: break: dense TP 2 with a float32 router and float32 expert bias; PP 2 even with a tied
+#: embedding on both stages (Qwen3.5: a GDN layer - its mixer modelled - on stage 0, attention
+#: with the output gate on stage 1, shared experts; engine TP 4 with fewer KV heads than
+#: ranks); PP 2 uneven (2 + 1 layers); EP 2 x ETP 2 with TEGroupedMLP experts, tied,
+#: distributed delivery.
 MODEL_DIST_CASES = (
     _dcase(qwen3_moe(num_kv_heads=2, router_dtype=torch.float32, expert_bias=True),
            ReceiverTopology(tp=2, moe_ep=2), TrainerTopology(tp=2), "colocated", "split_layer"),
-    _dcase(qwen3_5_moe(full_attention_interval=1, mtp_layers=0, tied=True, linear_k_heads=4,
-                       linear_v_heads=8),
+    _dcase(qwen3_5_moe(mtp_layers=0, tied=True, linear_k_heads=4, linear_v_heads=8),
            ReceiverTopology(tp=4, moe_ep=2, order="up_gate"), TrainerTopology(tp=2, pp=2),
            "distributed", "multi_layer"),
     _dcase(qwen3_moe(num_layers=3, num_kv_heads=2),
