@@ -82,7 +82,8 @@ def _dcase(spec, receiver, trainer, delivery, bucket="whole") -> ModelDistCase:
 #: distributed delivery.
 MODEL_DIST_CASES = (
     _dcase(qwen3_moe(num_kv_heads=2, router_dtype=torch.float32, expert_bias=True),
-           ReceiverTopology(tp=2, moe_ep=2), TrainerTopology(tp=2), "colocated", "split_layer"),
+           ReceiverTopology(tp=2, moe_ep=2), TrainerTopology(tp=2, dp=2), "colocated",
+           "split_layer"),
     _dcase(qwen3_5_moe(mtp_layers=0, tied=True, linear_k_heads=4, linear_v_heads=8),
            ReceiverTopology(tp=4, moe_ep=2, order="up_gate"), TrainerTopology(tp=2, pp=2),
            "distributed", "multi_layer"),

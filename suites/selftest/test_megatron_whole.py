@@ -67,3 +67,9 @@ def test_what_cannot_be_built_here_is_named():
     assert megatron_whole.unsupported(qwen3_moe()) == []
     assert megatron_whole.unsupported(qwen3_5_moe(mtp_layers=0)) == []  # GDN: modelled
     assert megatron_whole.unsupported(qwen3_5_moe()) == ["the MTP draft block"]
+
+
+def test_every_built_in_case_runs_in_one_warm_pool():
+    from ..harness.model_distributed import MODEL_DIST_CASES, WORLD
+
+    assert {c.id: c.world for c in MODEL_DIST_CASES} == {c.id: WORLD for c in MODEL_DIST_CASES}
