@@ -95,7 +95,12 @@ names and TP shapes, the MTP draft's under ``draft.``), ``payload`` carries ever
 tensor (``compat``, ``hf_fused``) or every engine parameter (``direct``), and the optional
 keyword ``targets`` names the models the update reaches (``("target", "draft")`` or
 ``("target",)``: a frozen draft); an exporter's ``trainer_states`` are whole Megatron state
-dicts (``reference_impl.megatron_model``). See ``docs/validate-your-loader.md``.
+dicts (``reference_impl.megatron_model``). A distributed exporter that claims whole models
+is also run in real ranks (``suites/conformance/test_model_distributed.py``): its
+``model_state`` is the stage's whole real ``GPTModel`` - every parameter plus each router's
+float32 ``expert_bias`` buffer - and ``trainer.first_stage_layers`` may make the stages
+uneven (a layer's global number is its ``TransformerLayer.layer_number - 1``). See
+``docs/validate-your-loader.md``.
 
 Nothing here imports torch: the registry uses these definitions at collection time.
 """

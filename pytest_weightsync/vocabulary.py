@@ -151,6 +151,7 @@ CONFORMANCE_MODULES = {
     "test_random": ("loader", "exporter"),
     "test_speed": ("loader",),
     "test_model": ("loader", "exporter"),
+    "test_model_distributed": ("distributed_exporter",),
 }
 
 #: Verdict words, best first. PASS: every case the implementation claims was selected and

@@ -76,10 +76,15 @@ def local_expert_stacks(spec: MoESpec, model_state: Mapping, rows: int):
     return stacks[1], stacks[2]
 
 
+#: ``gather_full(..., pp=NO_PP_GATHER)``: gather experts within the stage only.
+NO_PP_GATHER = "stage"
+
+
 def gather_full(spec: MoESpec, model_state: Mapping, *, etp=None, ep=None, pp=None):
     """Full HF expert weights of every layer (``{layer: (ExpertWeights, ...)}``) from this
     rank's named parameters, gathered over the ETP / EP / PP groups of Megatron's
-    ``parallel_state`` (or the groups given). Collective over the trainer world."""
+    ``parallel_state`` (or the groups given; ``pp=NO_PP_GATHER``: this stage's layers only,
+    stage-local index). Collective over the trainer world."""
     from megatron.core import parallel_state as ps
 
     from pytest_weightsync.reference_impl.trainer import gather_stacked
@@ -92,7 +97,8 @@ def gather_full(spec: MoESpec, model_state: Mapping, *, etp=None, ep=None, pp=No
     return gather_stacked(spec, fc1, fc2,
                           etp=ps.get_expert_tensor_parallel_group() if etp is None else etp,
                           ep=ps.get_expert_model_parallel_group() if ep is None else ep,
-                          pp=ps.get_pipeline_model_parallel_group() if pp is None else pp)
+                          pp=(ps.get_pipeline_model_parallel_group() if pp is None else
+                              None if pp == NO_PP_GATHER else pp))
 
 
 def encoded(stream: list, transport: str, *, engine_rank: int, engine_tp: int) -> list:
@@ -146,22 +152,25 @@ BROADCAST_FORMATS = ("compat", "hf_fused", "packed")
 
 
 def engine_streams(full, *, format, spec, receiver, delivery, bucket_bytes: Optional[int],
-                   transport: str = "tensors", engine=None):
+                   export=None, transport: str = "tensors", engine=None):
     """What this trainer rank returns for ``delivery`` (see the module docstring) from the
     full weights: one stream for its colocated engine rank, or every engine rank's stream
-    from rank 0 (``None`` elsewhere), on ``transport``. ``transport="broadcast"`` (distributed
-    delivery, given the ``engine``) broadcasts instead of returning, for the formats of
-    :data:`BROADCAST_FORMATS`; ``broadcast_flattened`` broadcasts one buffer per bucket."""
+    from rank 0 (``None`` elsewhere), on ``transport``. ``export(format, spec, receiver,
+    engine_rank, full)`` builds one engine rank's payload (default: the expert senders';
+    whole models pass :func:`pytest_weightsync.reference_impl.model_senders.export`).
+    ``transport="broadcast"`` (distributed delivery, given the ``engine``) broadcasts instead
+    of returning, for the formats of :data:`BROADCAST_FORMATS`; ``broadcast_flattened``
+    broadcasts one buffer per bucket."""
     import torch.distributed as dist
 
     from pytest_weightsync.reference_impl import senders
     from pytest_weightsync.reference_impl.buckets import split_buckets
 
+    export = senders.export if export is None else export
     rank = dist.get_rank()
 
     def stream_for(engine_rank):
-        return split_buckets(senders.export(format, spec, receiver, engine_rank, full),
-                             bucket_bytes)
+        return split_buckets(export(format, spec, receiver, engine_rank, full), bucket_bytes)
 
     if delivery == "colocated":
         engine_rank = colocated_engine_rank(rank, receiver.tp)

@@ -288,14 +288,20 @@ class ReferenceImplementation:
                               gather_full_weights(spec, trainer, trainer_states))
 
     def export_weights_distributed(self, model_state, *, config, format, spec, trainer, receiver,
-                                   delivery, bucket_bytes, engine=None):
-        """Run in every trainer rank: gather over Megatron's EP/ETP/PP groups, then send on
-        :attr:`transport` (:mod:`pytest_weightsync.reference_impl.distributed_export`;
-        ``engine``: where a broadcast goes, :mod:`pytest_weightsync.broadcast`)."""
+                                   delivery, bucket_bytes, model=None, engine=None):
+        """Run in every trainer rank: gather over Megatron's TP/EP/ETP/PP groups, then send on
+        :attr:`transport` (:mod:`pytest_weightsync.reference_impl.distributed_export`; whole
+        models: :mod:`pytest_weightsync.reference_impl.distributed_model_export`; ``engine``:
+        where a broadcast goes, :mod:`pytest_weightsync.broadcast`)."""
+        check_format(format)
+        kwargs = dict(config=config, format=format, spec=spec, trainer=trainer,
+                      receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes)
+        if is_model_spec(spec):  # whole models travel as (name, tensor) pairs
+            from pytest_weightsync.reference_impl import distributed_model_export
+
+            return distributed_model_export.export_weights_distributed(model_state, model=model,
+                                                                       **kwargs)
         from pytest_weightsync.reference_impl.distributed_export import export_weights_distributed
 
-        check_format(format)
-        return export_weights_distributed(model_state, config=config, format=format, spec=spec,
-                                          trainer=trainer, receiver=receiver, delivery=delivery,
-                                          bucket_bytes=bucket_bytes, transport=self.transport,
-                                          engine=engine)
+        return export_weights_distributed(model_state, transport=self.transport, engine=engine,
+                                          **kwargs)

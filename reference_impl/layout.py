@@ -231,6 +231,11 @@ class TrainerTopology:
     default ``tp-cp-ep-dp-pp``: within a PP stage the dense TP rank is ``r % tp`` and the
     expert ranks are ``etp_rank = r % etp``, ``ep_rank = (r // etp) % ep``,
     ``edp_rank = r // (etp * ep)``; the PP stage is ``rank // (world_size // pp)``.
+
+    ``first_stage_layers`` (``None``: every stage holds ``num_layers // pp``) gives the first
+    pipeline stage that many layers and splits the rest evenly over the other stages, as
+    Megatron-Core's ``num_layers_in_first_pipeline_stage`` does (uneven pipelines: a stage
+    offset that is not ``stage * num_layers // pp``).
     """
 
     tp: int = 1
@@ -239,6 +244,7 @@ class TrainerTopology:
     pp: int = 1
     dp: Optional[int] = None
     expert_impl: str = "sequential"
+    first_stage_layers: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "ep", "etp", "pp"):
@@ -256,6 +262,10 @@ class TrainerTopology:
         _require((self.tp * self.dp) % (self.etp * self.ep) == 0,
                  "ranks per pipeline stage (tp * dp) must be divisible by etp * ep",
                  tp=self.tp, dp=self.dp, etp=self.etp, ep=self.ep)
+        first = self.first_stage_layers
+        _require(first is None or (isinstance(first, int) and first >= 1 and self.pp > 1),
+                 "TrainerTopology.first_stage_layers must be None or an int >= 1 with pp > 1",
+                 first_stage_layers=first, pp=self.pp)
 
     @property
     def world_size(self) -> int:
@@ -301,9 +311,26 @@ def validate_trainer(spec: MoESpec, topo: TrainerTopology) -> None:
     _require(spec.intermediate % topo.etp == 0,
              "intermediate must be divisible by the trainer's expert tensor parallel size (etp)",
              intermediate=spec.intermediate, etp=topo.etp)
-    _require(spec.num_layers % topo.pp == 0,
-             "num_layers must be divisible by the trainer's pipeline parallel size (pp)",
-             num_layers=spec.num_layers, pp=topo.pp)
+    stage_layers(spec.num_layers, topo)  # validates
+
+
+def stage_layers(num_layers: int, topo: TrainerTopology) -> tuple[range, ...]:
+    """The global layers of each pipeline stage, in stage order (contiguous runs): an even
+    split, or ``topo.first_stage_layers`` on the first stage and the rest split evenly."""
+    first = topo.first_stage_layers
+    if first is None:
+        _require(num_layers % topo.pp == 0,
+                 "num_layers must be divisible by the trainer's pipeline parallel size (pp)",
+                 num_layers=num_layers, pp=topo.pp)
+        sizes = [num_layers // topo.pp] * topo.pp
+    else:
+        rest = num_layers - first
+        _require(rest >= topo.pp - 1 and rest % (topo.pp - 1) == 0,
+                 "the layers after the first stage's must split evenly over the other stages",
+                 num_layers=num_layers, first_stage_layers=first, pp=topo.pp)
+        sizes = [first] + [rest // (topo.pp - 1)] * (topo.pp - 1)
+    starts = [sum(sizes[:i]) for i in range(topo.pp)]
+    return tuple(range(start, start + size) for start, size in zip(starts, sizes))
 
 
 def trainer_shard(spec: MoESpec, topo: TrainerTopology, rank: int) -> TrainerShard:
@@ -315,13 +342,12 @@ def trainer_shard(spec: MoESpec, topo: TrainerTopology, rank: int) -> TrainerSha
     etp_rank = r % topo.etp
     ep_rank = (r // topo.etp) % topo.ep
     edp_rank = r // (topo.etp * topo.ep)
-    layers_per_stage = spec.num_layers // topo.pp
     experts_per_rank = spec.num_experts // topo.ep
     rows = spec.intermediate // topo.etp
     return TrainerShard(
         rank=rank, pp_rank=pp_rank, tp_rank=r % topo.tp, etp_rank=etp_rank, ep_rank=ep_rank,
         edp_rank=edp_rank,
-        layers=range(pp_rank * layers_per_stage, (pp_rank + 1) * layers_per_stage),
+        layers=stage_layers(spec.num_layers, topo)[pp_rank],
         experts=range(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank),
         row_start=etp_rank * rows, rows=rows,
     )

@@ -5,7 +5,8 @@ lives in a Megatron-Core ``GPTModel`` (a ``MambaModel``-style hybrid for Qwen3.5
 layers) under the name Megatron-Bridge maps it from (``models/qwen/qwen3_next_bridge.py``,
 ``qwen3_moe_bridge.py``: the Transformer Engine spec, whose input layer norm is fused into
 ``linear_qkv`` / ``in_proj`` as ``layer_norm_weight``), on one pipeline stage (contiguous
-layers numbered from 0 on each stage; the embedding on the first stage; the final norm, the
+layers numbered from 0 on each stage, :func:`~pytest_weightsync.reference_impl.layout.
+stage_layers` of them - uneven with ``first_stage_layers``; the embedding on the first stage; the final norm, the
 output layer and the MTP block on the last), sharded over the dense TP group by one of
 :data:`KINDS`:
 
@@ -52,7 +53,12 @@ from pytest_weightsync.reference_impl.component_gather import (
     shard_of,
     split_megatron_qkv,
 )
-from pytest_weightsync.reference_impl.layout import TopologyError, TrainerTopology, trainer_shard
+from pytest_weightsync.reference_impl.layout import (
+    TopologyError,
+    TrainerTopology,
+    stage_layers,
+    trainer_shard,
+)
 from pytest_weightsync.reference_impl.model_spec import ModelSpec, hf_params, layer_prefix
 from pytest_weightsync.reference_impl.model_synth import ModelWeights
 
@@ -92,8 +98,7 @@ def padded_vocab(vocab: int, tp: int) -> int:
 
 def validate_trainer_model(spec: ModelSpec, topo: TrainerTopology) -> None:
     tp = topo.tp
-    _require(spec.num_layers % topo.pp == 0, "num_layers must divide by the trainer's pp",
-             num_layers=spec.num_layers, pp=topo.pp)
+    stage_layers(spec.num_layers, topo)  # validates the pipeline split
     for what, rows in (("linear_qkv rows", spec.q_rows + 2 * spec.kv_rows),
                        ("attention output columns", spec.num_heads * spec.head_dim)):
         _require(rows % tp == 0, f"{what} must divide by the trainer's tp", rows=rows, tp=tp)
@@ -159,7 +164,7 @@ def _layer_params(spec: ModelSpec, target: str, layer: int, name_prefix: str, st
 def trainer_params(spec: ModelSpec, topo: TrainerTopology) -> list[TrainerParam]:
     """Every non-expert Megatron parameter of the model, on its stage, local numbering."""
     validate_trainer_model(spec, topo)
-    last, per_stage = topo.pp - 1, spec.num_layers // topo.pp
+    last, stages = topo.pp - 1, stage_layers(spec.num_layers, topo)
     cat = hf_params(spec)
 
     def whole(name):
@@ -168,7 +173,8 @@ def trainer_params(spec: ModelSpec, topo: TrainerTopology) -> list[TrainerParam]
     out = [TrainerParam("embedding.word_embeddings.weight", 0, "vocab",
                         whole("model.embed_tokens.weight"), spec.dtype, None)]
     for layer in range(spec.num_layers):
-        stage, local = divmod(layer, per_stage)
+        stage = next(s for s, layers in enumerate(stages) if layer in layers)
+        local = layer - stages[stage].start
         out += _layer_params(spec, "target", layer, f"decoder.layers.{local}", stage)
     out.append(TrainerParam("decoder.final_layernorm.weight", last, "replicated",
                             whole("model.norm.weight"), spec.dtype, None))
@@ -316,7 +322,7 @@ def checkpoint_tensors(spec: ModelSpec, param: TrainerParam, full: torch.Tensor)
 
 def _stage_topology(topo: TrainerTopology) -> TrainerTopology:
     """The expert layout of one stage (the draft's MTP layers all live on the last one)."""
-    return replace(topo, pp=1)
+    return replace(topo, pp=1, first_stage_layers=None)
 
 
 def _draft_expert_name(name: str) -> str:

@@ -146,14 +146,16 @@ def _ddp_buffers_on_cpu():
         torch.cuda.current_device = original
 
 
-def layer_spec(spec: MoESpec, topo: TrainerTopology):
+def layer_spec(spec: MoESpec, topo: TrainerTopology, **local_options):
     """The ``TransformerLayer`` spec of every decoder layer: megatron-core's local GPT layer
-    spec, with TEGroupedMLP experts for ``expert_impl="te_grouped"``."""
+    spec (``local_options``: more of ``get_gpt_layer_local_spec``'s keywords, e.g.
+    ``qk_layernorm``), with TEGroupedMLP experts for ``expert_impl="te_grouped"``."""
     import dataclasses
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    local = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False)
+    local = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False,
+                                     **local_options)
     if topo.expert_impl != "te_grouped":
         return local
     from pytest_weightsync.reference_impl.te_grouped import te_grouped_mlp_spec
@@ -167,24 +169,34 @@ def build_model(spec: MoESpec, topo: TrainerTopology, config) -> list:
     list of one megatron-core ``DistributedDataParallel``. Needs
     :func:`megatron_parallel_state` to be active."""
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.module import Float16Module
 
     chunk = GPTModel(config=config, transformer_layer_spec=layer_spec(spec, topo),
                      vocab_size=VOCAB_PER_TP_RANK * topo.tp, max_sequence_length=8,
                      pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage())
+    return [wrapped(chunk, config)]
+
+
+def wrapped(chunk, config, before_ddp=None):
+    """``chunk`` (a ``GPTModel`` of this stage) wrapped as ``get_model`` wraps it: partition
+    attribute defaults, ``Float16Module``, then DDP. ``before_ddp(chunk)`` runs between the
+    last two (what a trainer keeps in float32 must be float32 before DDP groups the buffers)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
     for param in chunk.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     if config.fp16 or config.bf16:
         chunk = Float16Module(config, chunk)
+    if before_ddp is not None:
+        before_ddp(chunk)
     with _ddp_buffers_on_cpu():
         chunk = DistributedDataParallel(
             config=config, ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True),
             module=chunk)
-    return [chunk]
+    return chunk
 
 
 def unwrapped(chunk):

@@ -155,7 +155,7 @@ class TrainerGroups:
         self.destroy()
 
 
-def _all_gather_bits(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+def all_gather_bits(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     """all_gather of a tensor's raw bytes (bit exact for any dtype; gloo lacks some dtypes)."""
     import torch.distributed as dist
 
@@ -188,16 +188,20 @@ def gather_stacked(spec: MoESpec, fc1: torch.Tensor, fc2: torch.Tensor, *, etp, 
     (any handles: the reference's own or Megatron's ``parallel_state`` ones). The ETP gather
     regroups fc1 (each shard is ``[gate_r; up_r]``) and concatenates fc2 along its partition
     dim (columns); EP ranks' experts follow in EP-rank order (global expert id =
-    ``ep_rank * e_local + local``) and PP stages' layers in stage order."""
-    merged = merge_etp_shards(_all_gather_bits(fc1, etp), _all_gather_bits(fc2, etp))
+    ``ep_rank * e_local + local``) and PP stages' layers in stage order. ``pp=None`` gathers
+    no stages: this stage's layers come back under their stage-local index (stages of
+    unequal size cannot be all_gathered as one tensor; the caller joins them)."""
+    merged = merge_etp_shards(all_gather_bits(fc1, etp), all_gather_bits(fc2, etp))
     # [L_stage, e_local, ...] -> [L_stage, E, ...] -> [L, E, ...]
-    stacked = [torch.cat(_all_gather_bits(t, ep), dim=1)
+    stacked = [torch.cat(all_gather_bits(t, ep), dim=1)
                for t in (merged.gate, merged.up, merged.down)]
-    stacked = [torch.cat(_all_gather_bits(t, pp), dim=0) for t in stacked]
+    if pp is not None:
+        stacked = [torch.cat(all_gather_bits(t, pp), dim=0) for t in stacked]
     gate, up, down = stacked
-    if gate.shape[:2] != (spec.num_layers, spec.num_experts):
+    layers = spec.num_layers if pp is not None else fc1.shape[0]
+    if gate.shape[:2] != (layers, spec.num_experts):
         raise TrainerStateError(f"gathered {tuple(gate.shape[:2])} (layers, experts), the model "
-                                f"has ({spec.num_layers}, {spec.num_experts})")
+                                f"has ({layers}, {spec.num_experts})")
     return {layer: tuple(ExpertWeights(gate[layer, e], up[layer, e], down[layer, e])
                          for e in range(spec.num_experts))
-            for layer in range(spec.num_layers)}
+            for layer in range(layers)}

@@ -193,20 +193,9 @@ def test_exporter_sends_the_tied_embedding_once(weightsync_exporter, case, paylo
     claims.require_model_claim(weightsync_exporter, "exporter", case, payload_format)
     _, exports = _exports(weightsync_exporter, case, payload_format)
     for rank, stream in exports:
-        names = [name for bucket in stream for name, _ in bucket]
-        tensors = {name: t for bucket in stream for name, t in bucket}
-        embeds = names.count("model.embed_tokens.weight")
-        heads = names.count("lm_head.weight")
-        want_heads = 1 if payload_format == "direct" else 0
-        if embeds != 1 or heads != want_heads:
-            raise judge.ConformanceError(
-                f"tied embeddings, engine rank {rank}, {payload_format}: the stream carries "
-                f"model.embed_tokens.weight {embeds} time(s) and lm_head.weight {heads} time(s); "
-                f"one source means 1 and {want_heads}")
-        if payload_format == "direct" and not judge.same_bits(tensors["lm_head.weight"],
-                                                              tensors["model.embed_tokens.weight"]):
-            raise judge.ConformanceError(f"tied embeddings, engine rank {rank}: the direct "
-                                         f"lm_head.weight differs from model.embed_tokens.weight")
+        problem = coverage.tied_stream_problem(rank, stream, payload_format)
+        if problem is not None:
+            raise judge.ConformanceError(problem)
 
 
 @pytest.mark.weightsync_property("targets")

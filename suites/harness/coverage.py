@@ -41,6 +41,7 @@ from pytest_weightsync import compare
 from pytest_weightsync.reference_impl import model_synth
 from pytest_weightsync.reference_impl.layout import (
     locate_receiver_element,
+    stage_layers,
     parse_receiver_name,
     receiver_shard,
 )
@@ -355,13 +356,14 @@ def stream_findings(case, rank, stream, fmt, version) -> list[str]:
                         + f"; first at {_where(names[0], (0, 0))}")
         if twice:
             dup_layers = sorted({_layer_of(v[0][2]) for v in twice.values()} - {None})
-            per_stage = case.spec.num_layers // case.trainer.pp
-            if case.trainer.pp > 1 and dup_layers == list(range(per_stage)) and \
-                    set(layers) >= set(range(per_stage, case.spec.num_layers)):
+            stages = stage_layers(case.spec.num_layers, case.trainer)
+            longest = max(len(r) for r in stages)
+            if case.trainer.pp > 1 and dup_layers and max(dup_layers) < longest and \
+                    set(layers) >= set(range(longest, case.spec.num_layers)):
                 problems.append(f"the pattern of pipeline-stage-local layer numbering: each of "
                                 f"the {case.trainer.pp} stages named its layers from 0, so layers "
-                                f"{dup_layers} arrive {case.trainer.pp} times and layers "
-                                f"{per_stage}..{case.spec.num_layers - 1} never")
+                                f"{dup_layers} arrive more than once and layers "
+                                f"{sorted(set(layers))} never")
     if unknown:
         problems.append(f"not owed by this update: {[seen[u][0][2] for u in unknown][:4]}")
     for unit, entries in seen.items():
@@ -383,9 +385,31 @@ def stream_findings(case, rank, stream, fmt, version) -> list[str]:
     return problems
 
 
-def judge_model_stream(case, rank, stream, fmt, version, head: str):
+def tied_stream_problem(rank, stream, fmt) -> Optional[str]:
+    """What a tied model's ``stream`` for engine ``rank`` gets wrong about its one source:
+    checkpoint formats carry ``model.embed_tokens.weight`` once and no ``lm_head.weight``
+    (with PP > 1 the last stage's copy of the embedding is not a second source); direct
+    carries both engine tensors, equal. ``None`` when right."""
+    names = [name for bucket in stream for name, _ in bucket]
+    tensors = {name: t for bucket in stream for name, t in bucket}
+    embeds = names.count("model.embed_tokens.weight")
+    heads = names.count("lm_head.weight")
+    want_heads = 1 if fmt == "direct" else 0
+    if embeds != 1 or heads != want_heads:
+        return (f"tied embeddings, engine rank {rank}, {fmt}: the stream carries "
+                f"model.embed_tokens.weight {embeds} time(s) and lm_head.weight {heads} time(s); "
+                f"one source means 1 and {want_heads}")
+    if fmt == "direct" and not judge.same_bits(tensors["lm_head.weight"],
+                                               tensors["model.embed_tokens.weight"]):
+        return (f"tied embeddings, engine rank {rank}: the direct lm_head.weight differs from "
+                f"model.embed_tokens.weight")
+    return None
+
+
+def judge_model_stream(case, rank, stream, fmt, version, head: str, previous_version=None):
     """An exporter's ``stream`` for engine ``rank``: its coverage, then a fresh poisoned
-    reference receiver's state after loading it. Raises :class:`judge.ConformanceError`."""
+    reference receiver's state after loading it (``previous_version``: a value of that
+    version is named stale). Raises :class:`judge.ConformanceError`."""
     from pytest_weightsync.reference_impl import synth
     from pytest_weightsync.reference_impl.layout import WeightSyncError
     from pytest_weightsync.reference_impl.model_receiver import ModelReceiver
@@ -407,5 +431,6 @@ def judge_model_stream(case, rank, stream, fmt, version, head: str):
     except WeightSyncError as error:
         raise judge.ConformanceError(f"{head}: the reference receiver refused the stream: "
                                      f"{judge.quoted(error)}") from None
-    check_model_rank(receiver.params, case, rank, version, before, head=f"{head}: ")
+    check_model_rank(receiver.params, case, rank, version, before,
+                     previous_version=previous_version, head=f"{head}: ")
     return receiver

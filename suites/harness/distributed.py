@@ -39,7 +39,8 @@ from .cases import DistCase
 from pytest_weightsync.reference_impl.buckets import bucket_limit_findings
 from pytest_weightsync.vocabulary import FORMATS
 
-__all__ = ["DistCase", "DistResult", "FORMATS", "engine_loaders", "export_in_rank",
+__all__ = ["DistCase", "DistResult", "FORMATS", "delivered_streams", "engine_loaders",
+           "engine_streams", "export_in_rank",
            "gather_group_diagnosis", "judge_streams", "plan_updates", "require_megatron",
            "run_and_judge"]
 
@@ -117,8 +118,9 @@ def export_in_rank(exporter, dcase: DistCase, updates):
             del model, params  # before the parallel state (and its groups) goes
 
 
-def _engine_streams(dcase: DistCase, rank_results: list) -> list:
-    """``[(sender description, engine rank, stream)]`` in trainer-rank order."""
+def engine_streams(dcase, rank_results: list) -> list:
+    """``[(sender description, engine rank, stream)]`` in trainer-rank order (``dcase``: any
+    case with ``case.receiver`` and ``delivery``, expert-only or whole-model)."""
     out = []
     for result in rank_results:
         for engine_rank, stream in sorted(result.streams.items()):
@@ -235,21 +237,28 @@ def gather_group_diagnosis(case, fmt: str, engine_rank: int, stream):
     return None
 
 
+def delivered_streams(dcase, fmt: str, rank_results: list) -> list:
+    """:func:`engine_streams` of one update, after the ranks' own findings (the first is
+    raised) and a check that the delivery fed every engine rank (of every colocated replica)."""
+    errors = [r for r in rank_results if isinstance(r, str)]
+    if errors:
+        raise judge.ConformanceError(errors[0])
+    streams = engine_streams(dcase, rank_results)
+    tp = dcase.case.receiver.tp
+    wanted = tp * (dcase.world // tp if dcase.delivery == "colocated" else 1)
+    if len(streams) != wanted:
+        raise judge.ConformanceError(f"{fmt}/{dcase.delivery}: {len(streams)} streams came "
+                                     f"back, expected {wanted}")
+    return streams
+
+
 def judge_streams(dcase: DistCase, fmt: str, rank_results: list, version: int,
                   previous_version=None) -> int:
     """Load every stream into a fresh reference receiver (and every claiming stock SGLang row)
     and check it bit for bit; raise :class:`suites.harness.judge.ConformanceError` naming the
     format, delivery, sender and engine rank. Returns the number of engine ranks checked."""
-    errors = [r for r in rank_results if isinstance(r, str)]
-    if errors:
-        raise judge.ConformanceError(errors[0])
     case = dcase.case
-    streams = _engine_streams(dcase, rank_results)
-    wanted = case.receiver.tp * (dcase.world // case.receiver.tp
-                                 if dcase.delivery == "colocated" else 1)
-    if len(streams) != wanted:
-        raise judge.ConformanceError(f"{fmt}/{dcase.delivery}: {len(streams)} streams came "
-                                     f"back, expected {wanted}")
+    streams = delivered_streams(dcase, fmt, rank_results)
     for who, engine_rank, stream in streams:
         head = f"{fmt} payload, {dcase.delivery} delivery, {who}"
         try:
@@ -312,7 +321,7 @@ def run_and_judge(pool, exporter, dcase: DistCase, formats) -> DistResult:
             if r.streams:  # a rank that sent something: plain pairs unless it said otherwise
                 result.transports |= r.transports or {"tensors"}
         result.bucket_findings += [
-            line for who, _, stream in _engine_streams(dcase, rank_results)
+            line for who, _, stream in engine_streams(dcase, rank_results)
             for line in bucket_limit_findings(stream, dcase.bucket_bytes,
                                               f"update {i + 1} ({fmt}), {who}")]
     return result

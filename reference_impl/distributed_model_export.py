@@ -1,0 +1,133 @@
+"""The reference distributed exporter of a whole model: what runs in every rank of a real job.
+
+It reads what a real trainer holds - this rank's parameters and the routers' ``expert_bias``
+buffers of a (DDP-wrapped) ``GPTModel`` stage, local layer numbering, megatron-core's local
+spec names - and the process groups of ``megatron.core.parallel_state``, then:
+
+1. names each tensor globally: a stage's layer ``l`` is layer ``layer_number - 1`` of its real
+   ``TransformerLayer`` (the PP offset, uneven stages included), or, without the model, the
+   offset Megatron computes from the config (``get_transformer_layer_offset``);
+2. gathers every non-expert tensor over the dense TP group and converts it to checkpoint
+   tensors with the trainer layout's conversions (:mod:`~pytest_weightsync.reference_impl.
+   megatron_model`: ``unshard`` / ``checkpoint_tensors`` - query-group ``linear_qkv`` split
+   into q/k/v (and the output gate), component-major ``[gate; up]`` of the shared expert,
+   vocab padding dropped), in the tensor's own dtype (float32 router and expert bias stay
+   float32); a tied model's last-stage ``output_layer`` is the embedding's copy and not read;
+3. gathers the routed experts over the ETP and EP groups
+   (:func:`~pytest_weightsync.reference_impl.distributed_export.gather_full`, within the stage);
+4. joins the stages over the PP group (objects: stages of unequal size);
+5. builds each engine rank's payload with the whole-model senders
+   (:func:`pytest_weightsync.reference_impl.model_senders.export`) and delivers it as the
+   expert-only exporter does (:func:`~pytest_weightsync.reference_impl.distributed_export.
+   engine_streams`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Mapping, Optional
+
+from pytest_weightsync.reference_impl.distributed_export import (
+    NO_PP_GATHER,
+    ModelStateError,
+    engine_streams,
+    gather_full,
+)
+
+_LOCAL_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+
+
+def layer_offset(config, model=None) -> int:
+    """This stage's first global layer (0-based): from the real layers' ``layer_number`` when
+    ``model`` (the chunks) is given, else Megatron's own offset for the config."""
+    if model is not None:
+        from pytest_weightsync.reference_impl.megatron_state import unwrapped
+
+        layers = list(unwrapped(model[0]).decoder.layers)
+        if layers:
+            return layers[0].layer_number - 1
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(config)
+
+
+def global_name(local_name: str, offset: int) -> str:
+    """``decoder.layers.{l}...`` of a stage as ``decoder.layers.{l + offset}...``."""
+    m = _LOCAL_LAYER.match(local_name)
+    return local_name if m is None else f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}"
+
+
+def gather_dense(spec, trainer, model_state: Mapping, offset: int, tp_group) -> dict:
+    """``{checkpoint name: full tensor}`` of every non-expert tensor of this stage, gathered
+    over ``tp_group``. Collective over the TP group."""
+    from pytest_weightsync.reference_impl import megatron_model
+    from pytest_weightsync.reference_impl.megatron_state import name_prefix
+    from pytest_weightsync.reference_impl.megatron_whole import modelled_name
+    from pytest_weightsync.reference_impl.trainer import all_gather_bits
+
+    whole = replace(trainer, pp=1, first_stage_layers=None)  # every layer under its global name
+    catalogue = {p.name: p for p in megatron_model.trainer_params(spec, whole)}
+    prefix = name_prefix(model_state)
+    dense = {}
+    for name, tensor in model_state.items():
+        own = modelled_name(name[len(prefix):])
+        if ".mlp.experts." in own or (spec.tied and own == "output_layer.weight"):
+            continue  # routed experts: step 3; a tied head is the embedding's copy
+        param = catalogue.get(global_name(own, offset))
+        if param is None:
+            raise ModelStateError(f"{name}: not a parameter of {spec.id} (read as "
+                                  f"{global_name(own, offset)!r})")
+        shards = ([tensor.detach()] if param.kind == "replicated"
+                  else all_gather_bits(tensor.detach(), tp_group))
+        dense.update(megatron_model.checkpoint_tensors(
+            spec, param, megatron_model.unshard(param, shards)))
+    return dense
+
+
+def _join_stages(dense: dict, experts: dict, pp_group) -> tuple[dict, dict]:
+    import torch.distributed as dist
+
+    if pp_group is None or dist.get_world_size(pp_group) == 1:
+        return dense, experts
+    stages = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(stages, (dense, experts), group=pp_group)
+    all_dense, all_experts = {}, {}
+    for stage_dense, stage_experts in stages:
+        all_dense.update(stage_dense)
+        all_experts.update(stage_experts)
+    return all_dense, all_experts
+
+
+def gather_model(spec, trainer, model_state: Mapping, *, config, model=None):
+    """The whole checkpoint (a :class:`~pytest_weightsync.reference_impl.model_synth.
+    ModelWeights`) on every rank, from this rank's tensors. Collective over the world."""
+    from megatron.core import parallel_state as ps
+
+    from pytest_weightsync.reference_impl.model_spec import hf_params
+    from pytest_weightsync.reference_impl.model_synth import ModelWeights
+
+    offset = layer_offset(config, model)
+    dense = gather_dense(spec, trainer, model_state, offset,
+                         ps.get_tensor_model_parallel_group())
+    local = gather_full(spec.experts, model_state, pp=NO_PP_GATHER)
+    experts = {layer + offset: weights for layer, weights in local.items()}
+    dense, experts = _join_stages(dense, experts, ps.get_pipeline_model_parallel_group())
+    missing = [name for name in hf_params(spec) if name not in dense]
+    if missing or sorted(experts) != list(range(spec.num_layers)):
+        raise ModelStateError(f"gathered {len(dense)} checkpoint tensors and expert layers "
+                              f"{sorted(experts)}; {spec.id} lacks {missing[:4]}")
+    return ModelWeights({name: dense[name] for name in hf_params(spec)}, {"target": experts})
+
+
+def export_weights_distributed(model_state, *, config, format, spec, trainer, receiver,
+                               delivery, bucket_bytes: Optional[int], model=None):
+    """See the module docstring. Collective over every rank of the trainer world."""
+    from pytest_weightsync.reference_impl import model_senders
+
+    if spec.mtp_layers:
+        raise ModelStateError(f"{spec.id}: the distributed whole-model exporter does not export "
+                              f"an MTP draft (no real Megatron trainer builds one here)")
+    return engine_streams(gather_model(spec, trainer, model_state, config=config, model=model),
+                          format=format, spec=spec, receiver=receiver, delivery=delivery,
+                          bucket_bytes=bucket_bytes, export=model_senders.export)

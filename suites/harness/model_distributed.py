@@ -1,0 +1,207 @@
+"""Whole-model distributed exporters in real trainer ranks, and the judging of their streams.
+
+In every rank (:func:`export_model_in_rank`, run through the warm rank pool of
+:data:`WORLD` ranks): Megatron-Core's ``parallel_state`` for the case's trainer, the rank's
+real ``GPTModel`` of the whole model (:mod:`pytest_weightsync.reference_impl.megatron_whole`:
+every parameter filled with the oracle's shard of the synthetic checkpoint), then one exporter
+call per update of :func:`suites.harness.distributed.plan_updates` - each update a new version
+written IN PLACE into the same tensors, the first format again at the end - each call checked
+in the rank for modified or rebound inputs (:func:`pytest_weightsync.distributed.call_exporter`).
+
+In the pytest process (:func:`judge_update`): every stream is judged by the whole-model
+coverage code (:func:`suites.harness.coverage.judge_model_stream`): every tensor the update owes
+carried exactly once in its dtype, then loaded into a fresh, fully poisoned reference receiver
+and every engine parameter compared bit for bit (a value of the previous update is "stale").
+
+One run serves every property of a case (:func:`run`, cached per implementation and case in
+this process): the ranks are the expensive part, the properties read the same streams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pytest_weightsync.reference_impl.layout import ReceiverTopology, TrainerTopology
+from pytest_weightsync.reference_impl.model_spec import qwen3_5_moe, qwen3_moe
+
+from . import coverage, judge
+from . import distributed as dh
+from .model_cases import ModelCase
+
+#: Trainer ranks of every built-in case (one warm pool serves them all).
+WORLD = 4
+
+
+@dataclass(frozen=True)
+class ModelDistCase:
+    """A whole-model case exported from real trainer ranks: ``delivery`` and the named bucket
+    limit (``vocabulary.BUCKET_LIMITS``) the exporter is given."""
+
+    case: ModelCase
+    delivery: str
+    bucket: str = "whole"
+
+    @property
+    def spec(self):
+        return self.case.spec
+
+    @property
+    def receiver(self) -> ReceiverTopology:
+        return self.case.receiver
+
+    @property
+    def world(self) -> int:
+        return self.case.trainer.world_size
+
+    @property
+    def bucket_bytes(self) -> Optional[int]:
+        from .model_inputs import bucket_bytes
+
+        return bucket_bytes(self.bucket, self.case.spec)
+
+    @property
+    def id(self) -> str:
+        first = self.case.trainer.first_stage_layers
+        uneven = f"-first{first}" if first else ""
+        return f"{self.case.id}{uneven}-{self.delivery}-{self.bucket}"
+
+
+def _dcase(spec, receiver, trainer, delivery, bucket="whole") -> ModelDistCase:
+    return ModelDistCase(ModelCase(spec, receiver, trainer, spec.targets), delivery, bucket)
+
+
+#: The built-in cases, each in :data:`WORLD` ranks: what the trainer can build here (no MTP
+#: draft - ``megatron_whole.unsupported``) over the topologies where whole-model exports
+#: break: dense TP 2 with a float32 router and float32 expert bias; PP 2 even with a tied
+#: embedding on both stages (Qwen3.5: a GDN layer - its mixer modelled - on stage 0, attention
+#: with the output gate on stage 1, shared experts; engine TP 4 with fewer KV heads than
+#: ranks); PP 2 uneven (2 + 1 layers); EP 2 x ETP 2 with TEGroupedMLP experts, tied,
+#: distributed delivery.
+MODEL_DIST_CASES = (
+    _dcase(qwen3_moe(num_kv_heads=2, router_dtype=torch.float32, expert_bias=True),
+           ReceiverTopology(tp=2, moe_ep=2), TrainerTopology(tp=2, dp=2), "colocated",
+           "split_layer"),
+    _dcase(qwen3_5_moe(mtp_layers=0, tied=True, linear_k_heads=4, linear_v_heads=8),
+           ReceiverTopology(tp=4, moe_ep=2, order="up_gate"), TrainerTopology(tp=2, pp=2),
+           "distributed", "multi_layer"),
+    _dcase(qwen3_moe(num_layers=3, num_kv_heads=2),
+           ReceiverTopology(tp=2), TrainerTopology(ep=2, pp=2, first_stage_layers=2),
+           "colocated"),
+    _dcase(qwen3_moe(tied=True),
+           ReceiverTopology(tp=1), TrainerTopology(ep=2, etp=2, expert_impl="te_grouped"),
+           "distributed", "tensor"),
+)
+
+
+def model_dist_params(cases=MODEL_DIST_CASES, where=None) -> list:
+    """``pytest.param`` list of ``cases`` (those ``where(case)`` keeps), with readable ids."""
+    import pytest
+
+    return [pytest.param(c, id=c.id) for c in cases if where is None or where(c)]
+
+
+def require_claim(impl, mcase: ModelDistCase, fmt=None) -> None:
+    """Skip as not claimed unless ``impl`` claims the whole model, the trainer, the receiver
+    and the delivery (and ``fmt``)."""
+    from . import claims
+
+    claims.require_model_claim(impl, "distributed_exporter", mcase.case, fmt)
+    claims.require_claim(impl, "distributed_exporter", mcase.case, fmt, mcase.delivery)
+
+
+def export_model_in_rank(exporter, mcase: ModelDistCase, updates):
+    """Rank body: the real whole model of this rank, one exporter call per ``(version,
+    format)`` of ``updates``, each version written in place before its call. Returns one
+    ``RankExport`` (or the error string of a broken contract) per update."""
+    import torch.distributed as dist
+
+    from pytest_weightsync import distributed
+    from pytest_weightsync.reference_impl import megatron_model, megatron_whole, model_synth
+    from pytest_weightsync.reference_impl.megatron_state import megatron_parallel_state
+
+    case = mcase.case
+    rank = dist.get_rank()
+
+    def modelled(version):  # this rank's shard only: the checkpoint is dropped after it
+        return megatron_model.trainer_model_state(case.spec, case.trainer, rank,
+                                                  model_synth.full_model(case.spec, version))
+
+    with megatron_parallel_state(case.spec.experts, case.trainer):
+        config = megatron_whole.transformer_config(case.spec, case.trainer)
+        current = updates[0][0]
+        model, state = megatron_whole.whole_model_state(
+            case.spec, case.trainer, rank, model_synth.full_model(case.spec, current), config)
+        try:
+            out = []
+            for update, (version, fmt) in enumerate(updates, start=1):
+                if version != current:
+                    megatron_whole.write_model(state, modelled(version), rank)  # optimizer step
+                    current = version
+                try:
+                    out.append(distributed.call_exporter(
+                        exporter, state, config=config, format=fmt, spec=case.spec,
+                        trainer=case.trainer, receiver=case.receiver, delivery=mcase.delivery,
+                        bucket_bytes=mcase.bucket_bytes, rank=rank, update=update, model=model))
+                except distributed.DistributedExportError as error:
+                    out.append(str(error))
+            return out
+        finally:
+            del model, state  # before the parallel state (and its groups) goes
+
+
+@dataclass
+class ModelDistRun:
+    """Every update of one case: ``updates`` as planned, ``per_update[i]`` the rank results."""
+
+    mcase: ModelDistCase
+    updates: tuple
+    per_update: list
+
+
+_RUNS: dict = {}
+
+
+def run(pool, exporter, mcase: ModelDistCase, formats) -> ModelDistRun:
+    """The case's exports in real ranks (cached per implementation, case and formats for the
+    session: every property of the case reads one run; the models are tiny)."""
+    dh.require_megatron()
+    key = (exporter.name, type(exporter).__qualname__, mcase, tuple(formats))
+    if key not in _RUNS:
+        updates = dh.plan_updates(formats)
+        per_rank = pool.run(export_model_in_rank, mcase.world, exporter, mcase, updates)
+        _RUNS[key] = ModelDistRun(mcase, updates,
+                                  [[r[i] for r in per_rank] for i in range(len(updates))])
+    return _RUNS[key]
+
+
+def streams_of(result: ModelDistRun, index: int) -> list:
+    """``[(sender description, engine rank, stream)]`` of update ``index`` (0-based)."""
+    _, fmt = result.updates[index]
+    return dh.delivered_streams(result.mcase, fmt, result.per_update[index])
+
+
+def judge_update(result: ModelDistRun, index: int) -> int:
+    """Judge every stream of update ``index`` (coverage, then every engine parameter after
+    loading); raise naming the update, format, delivery, sender and engine rank. Returns the
+    number of engine ranks judged."""
+    version, fmt = result.updates[index]
+    previous = result.updates[index - 1][0] if index else None
+    streams = streams_of(result, index)
+    for who, engine_rank, stream in streams:
+        head = (f"update {index + 1} (version {version}), {fmt} payload, "
+                f"{result.mcase.delivery} delivery, {who}")
+        coverage.judge_model_stream(result.mcase.case, engine_rank, stream, fmt, version, head,
+                                    previous_version=previous)
+    return len(streams)
+
+
+def check_tied(result: ModelDistRun) -> None:
+    """Every stream of every update carries the tied embedding from its one source."""
+    for index, (_, fmt) in enumerate(result.updates):
+        for who, engine_rank, stream in streams_of(result, index):
+            problem = coverage.tied_stream_problem(engine_rank, stream, fmt)
+            if problem is not None:
+                raise judge.ConformanceError(f"update {index + 1}, {who}: {problem}")
