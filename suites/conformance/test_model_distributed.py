@@ -11,8 +11,8 @@ claimed format, each call after the next version was written in place, the first
 again at the end. One run serves the properties below:
 
 - ``coverage``: the first update's streams: every tensor owed carried exactly once in its
-  dtype, and after loading into a fully poisoned reference receiver every engine parameter
-  holds its value (a stage-local layer name is "written twice" / "never written", with the
+  dtype, and after loading into a fully poisoned reference receiver - and into every stock
+  SGLang row that claims the model - every engine parameter holds its value (a stage-local layer name is "written twice" / "never written", with the
   pattern named; a float32 router cut to bf16 is named);
 - ``model_bit_exact``: every later update bit-exact, a value of the previous version named
   stale;

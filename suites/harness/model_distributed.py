@@ -12,6 +12,8 @@ In the pytest process (:func:`judge_update`): every stream is judged by the whol
 coverage code (:func:`suites.harness.coverage.judge_model_stream`): every tensor the update owes
 carried exactly once in its dtype, then loaded into a fresh, fully poisoned reference receiver
 and every engine parameter compared bit for bit (a value of the previous update is "stale").
+Where SGLang imports, every stock SGLang row that claims the model and format loads the first
+update's streams too (:func:`judge_with_engines`), judged the same way.
 
 One run serves every property of a case (:func:`run`, cached per implementation and case in
 this process): the ranks are the expensive part, the properties read the same streams.
@@ -195,7 +197,34 @@ def judge_update(result: ModelDistRun, index: int) -> int:
                 f"{result.mcase.delivery} delivery, {who}")
         coverage.judge_model_stream(result.mcase.case, engine_rank, stream, fmt, version, head,
                                     previous_version=previous)
+        if index == 0:  # real engines load the first update; later ones are the reference's
+            judge_with_engines(result.mcase.case, fmt, engine_rank, stream, version, head)
     return len(streams)
+
+
+def judge_with_engines(case, fmt: str, engine_rank: int, stream, version: int, head: str,
+                       previous_version=None) -> None:
+    """Load ``stream`` into every stock SGLang row that claims this whole model and format (a
+    real model class's ``load_weights`` over the engine's whole parameter tree, every tensor
+    poisoned first) and judge every parameter as the reference receiver's: a stream only the
+    reference accepts is not one a real engine loads."""
+    from pytest_weightsync import compare
+
+    from . import claims, model_inputs
+
+    for engine in dh.engine_loaders():
+        if claims.model_unclaimed(engine, "loader", case, fmt) is not None:
+            continue
+        params = model_inputs.engine_params(case, engine_rank)
+        before = compare.snapshot(params)
+        try:
+            model_inputs.load_stream(engine, params, stream, fmt, case, engine_rank)
+        except Exception as error:
+            raise judge.ConformanceError(f"{head}: {engine.name} could not load the stream: "
+                                         f"{judge.quoted(error)}") from None
+        coverage.check_model_rank(params, case, engine_rank, version, before,
+                                  previous_version=previous_version,
+                                  head=f"{head}, loaded by {engine.name}: ")
 
 
 def check_tied(result: ModelDistRun) -> None:

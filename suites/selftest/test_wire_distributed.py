@@ -1,10 +1,10 @@
 """Distributed exporters on every wire format, in real ranks: the reference passes on each, and
 the encoder bugs public senders shipped are caught, located and named.
 
-The reference distributed exporter sends its buckets as ``(name, tensor)`` pairs, flattened
-buckets, serialized updates (pairs or flattened, one entry per engine TP rank) and broadcasts
-(per tensor or one flattened buffer per bucket) on a colocated and a distributed case with
-engines of TP 2 and 4; each stream must land bit-exact through the suite's own check
+The reference distributed exporter sends its buckets as flattened buckets, serialized updates
+(pairs or flattened, one entry per engine TP rank) and broadcasts (per tensor or one flattened
+buffer per bucket), each on a colocated or a distributed case (engines of TP 2 and 4; plain
+pairs run on the same cases in the conformance suite); each stream must land bit-exact through the suite's own check
 (:func:`suites.harness.distributed.run_and_judge`). Each mutant is the reference with one
 encoder bug planted: offsets counted in elements instead of bytes, mixed dtypes packed
 without alignment (verl#7318), a serialized update with one entry where the engine has
@@ -52,14 +52,26 @@ def _formats(dcase, transport):
     return ("compat", "hf_fused") if transport.startswith("broadcast") else ("direct", "compat")
 
 
-@pytest.mark.parametrize("transport", REFERENCE_TRANSPORTS)
-@pytest.mark.parametrize("wire_case", [COLOCATED, DISTRIBUTED], ids=["colocated", "distributed"])
+#: Each wire transport once (``tensors`` runs on these cases in the conformance suite), on the
+#: delivery where it is sent: colocated ranks serialize or flatten for their own engine rank;
+#: the distributed sender serializes flattened buckets for every engine rank, or broadcasts.
+TRANSPORT_CASES = [pytest.param(dcase, transport, id=f"{dcase.delivery}-{transport}")
+                   for dcase, transport in (
+                       (COLOCATED, "flattened_bucket"), (COLOCATED, "serialized"),
+                       (DISTRIBUTED, "serialized_flattened"), (DISTRIBUTED, "broadcast"),
+                       (DISTRIBUTED, "broadcast_flattened"))]
+
+
+def test_every_reference_transport_is_run():
+    ran = {p.values[1] for p in TRANSPORT_CASES}
+    assert ran == set(REFERENCE_TRANSPORTS) - {"tensors"}, ran
+
+
+@pytest.mark.parametrize("wire_case, transport", TRANSPORT_CASES)
 def test_the_reference_lands_bit_exact_on_every_transport(rank_pool, wire_case, transport):
-    dcase = wire_case
     dh.require_megatron()
-    if transport.startswith("broadcast") and dcase.delivery == "colocated":
-        pytest.skip("colocated trainer ranks feed their own engine rank: nothing to broadcast")
-    result = dh.run_and_judge(rank_pool, _on(transport), dcase, _formats(dcase, transport))
+    result = dh.run_and_judge(rank_pool, _on(transport), wire_case,
+                              _formats(wire_case, transport))
     wanted = {"broadcast_flattened": "broadcast", "serialized_flattened": "serialized"}.get(
         transport, transport)
     assert result.transports == {wanted}
@@ -207,5 +219,4 @@ def test_broadcasts_out_of_announced_order_are_killed_and_located(rank_pool):
 
 def test_streams_with_empty_buckets_on_some_ranks_land(rank_pool):
     dh.require_megatron()
-    for dcase in (COLOCATED, DISTRIBUTED):
-        dh.run_and_judge(rank_pool, PadsWithEmptyBuckets(), dcase, ("direct",))
+    dh.run_and_judge(rank_pool, PadsWithEmptyBuckets(), COLOCATED, ("direct",))
