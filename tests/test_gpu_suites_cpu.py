@@ -308,7 +308,10 @@ def test_ipc_updates_on_cpu_are_exact_in_place_and_leak_no_handles(cpu_receivers
         fds = [reports[rank].memory.open_fds for reports in log.receivers]
         assert fds[-1] <= fds[1], f"receiver rank {rank} open descriptors grew: {fds}"
     shared = [m.shared_fds for m in log.trainer]
-    assert shared[-1] <= shared[1], f"the trainer's shared-memory handles grew: {shared}"
+    # One handle may be in flight: multiprocessing's resource sharer closes its copy of a
+    # descriptor after the receiver fetched it, on its own thread. A leak keeps one handle per
+    # update (8 here), so more than one more than after the first updates is one.
+    assert shared[-1] <= shared[1] + 1, f"the trainer's shared-memory handles grew: {shared}"
     assert all(r.nbytes > 0 for reports in log.receivers for r in reports)
 
 

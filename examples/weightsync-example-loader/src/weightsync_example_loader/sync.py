@@ -19,15 +19,22 @@ from weightsync_example_loader.loader import ExampleLoader
 from weightsync_example_loader.model_loader import ModelLoading
 
 
+def _exports_experts_only(spec, trainer) -> bool:
+    """Its exporter sends the routed experts: whole models (a ``ModelSpec`` has a ``family``)
+    are loaded, not exported."""
+    return not hasattr(spec, "family")
+
+
 class ExampleSync(ModelLoading, ExampleLoader, ExampleDistributedExporter):
     """Loads and exports compat, packed and direct payloads for unpadded receivers; loads
     whole Qwen3-MoE / Qwen3.5-MoE models (every parameter, the MTP draft too) in compat and
-    direct."""
+    direct (its exporter claims expert-only trainer layouts: whole models are not exported)."""
 
     name = "example"
     capabilities = Capabilities(formats={"compat", "packed", "direct"},
                                 orders={"gate_up", "up_gate"}, padded=False,
-                                model_parts=MODEL_PARTS, targets=TARGETS)
+                                model_parts=MODEL_PARTS, targets=TARGETS,
+                                trainer_topology=_exports_experts_only)
 
     def load_weights(self, params, payload, *, format, spec, topology, rank,
                      targets=None) -> None:
