@@ -12,8 +12,9 @@ spec names - and the process groups of ``megatron.core.parallel_state``, then:
    megatron_model`: ``unshard`` / ``checkpoint_tensors`` - query-group ``linear_qkv`` split
    into q/k/v (and the output gate), component-major ``[gate; up]`` of the shared expert,
    vocab padding dropped), in the tensor's own dtype (float32 router and expert bias stay
-   float32); a tied model's last-stage ``output_layer`` is the embedding's copy and not read;
-3. gathers the routed experts over the ETP and EP groups
+   float32); copies of the embedding are not read (a tied model's last-stage
+   ``output_layer``, the embedding of the MTP block's stage);
+3. gathers the routed experts (the MTP block's too, on its stage) over the ETP and EP groups
    (:func:`~pytest_weightsync.reference_impl.distributed_export.gather_full`, within the stage);
 4. joins the stages over the PP group (objects: stages of unequal size);
 5. builds each engine rank's payload with the whole-model senders
@@ -58,7 +59,16 @@ def global_name(local_name: str, offset: int) -> str:
     return local_name if m is None else f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}"
 
 
-def gather_dense(spec, trainer, model_state: Mapping, offset: int, tp_group) -> dict:
+def _is_copy(spec, own: str, first_stage: bool) -> bool:
+    """A copy of the first stage's embedding: a tied model's head, or (on a later stage) the
+    embedding ``GPTModel`` builds for its MTP block - read once, from the first stage."""
+    from pytest_weightsync.reference_impl.megatron_model import EMBEDDING
+
+    return (spec.tied and own == "output_layer.weight") or (own == EMBEDDING and not first_stage)
+
+
+def gather_dense(spec, trainer, model_state: Mapping, offset: int, tp_group, *,
+                 first_stage: bool = True) -> dict:
     """``{checkpoint name: full tensor}`` of every non-expert tensor of this stage, gathered
     over ``tp_group``. Collective over the TP group."""
     from pytest_weightsync.reference_impl import megatron_model
@@ -72,8 +82,8 @@ def gather_dense(spec, trainer, model_state: Mapping, offset: int, tp_group) -> 
     dense = {}
     for name, tensor in model_state.items():
         own = modelled_name(name[len(prefix):])
-        if ".mlp.experts." in own or (spec.tied and own == "output_layer.weight"):
-            continue  # routed experts: step 3; a tied head is the embedding's copy
+        if ".mlp.experts." in own or _is_copy(spec, own, first_stage):
+            continue  # routed experts: step 3; copies of the first stage's embedding
         param = catalogue.get(global_name(own, offset))
         if param is None:
             raise ModelStateError(f"{name}: not a parameter of {spec.id} (read as "
@@ -85,18 +95,30 @@ def gather_dense(spec, trainer, model_state: Mapping, offset: int, tp_group) -> 
     return dense
 
 
-def _join_stages(dense: dict, experts: dict, pp_group) -> tuple[dict, dict]:
+def _join_stages(parts: tuple, pp_group) -> tuple:
+    """Every stage's ``parts`` (dicts) merged, on every stage. Collective over ``pp_group``."""
     import torch.distributed as dist
 
     if pp_group is None or dist.get_world_size(pp_group) == 1:
-        return dense, experts
+        return parts
     stages = [None] * dist.get_world_size(pp_group)
-    dist.all_gather_object(stages, (dense, experts), group=pp_group)
-    all_dense, all_experts = {}, {}
-    for stage_dense, stage_experts in stages:
-        all_dense.update(stage_dense)
-        all_experts.update(stage_experts)
-    return all_dense, all_experts
+    dist.all_gather_object(stages, parts, group=pp_group)
+    merged = tuple({} for _ in parts)
+    for stage in stages:
+        for into, part in zip(merged, stage):
+            into.update(part)
+    return merged
+
+
+def draft_state(model_state: Mapping) -> dict:
+    """The MTP block's expert tensors under the decoder's names (``mtp.layers.{l}.
+    transformer_layer.X`` as ``decoder.layers.{l}.X``), for the expert gather."""
+    out = {}
+    for name, tensor in model_state.items():
+        head, sep, rest = name.partition("mtp.layers.")
+        if sep and ".mlp.experts." in rest:
+            out[head + "decoder.layers." + rest.replace(".transformer_layer.", ".", 1)] = tensor
+    return out
 
 
 def gather_model(spec, trainer, model_state: Mapping, *, config, model=None):
@@ -109,15 +131,23 @@ def gather_model(spec, trainer, model_state: Mapping, *, config, model=None):
 
     offset = layer_offset(config, model)
     dense = gather_dense(spec, trainer, model_state, offset,
-                         ps.get_tensor_model_parallel_group())
+                         ps.get_tensor_model_parallel_group(),
+                         first_stage=ps.is_pipeline_first_stage())
     local = gather_full(spec.experts, model_state, pp=NO_PP_GATHER)
     experts = {layer + offset: weights for layer, weights in local.items()}
-    dense, experts = _join_stages(dense, experts, ps.get_pipeline_model_parallel_group())
+    draft = {}
+    if spec.mtp_layers and ps.is_pipeline_last_stage():  # the MTP block's stage
+        draft = gather_full(spec.draft_experts, draft_state(model_state), pp=NO_PP_GATHER)
+    dense, experts, draft = _join_stages((dense, experts, draft),
+                                         ps.get_pipeline_model_parallel_group())
     missing = [name for name in hf_params(spec) if name not in dense]
-    if missing or sorted(experts) != list(range(spec.num_layers)):
-        raise ModelStateError(f"gathered {len(dense)} checkpoint tensors and expert layers "
-                              f"{sorted(experts)}; {spec.id} lacks {missing[:4]}")
-    return ModelWeights({name: dense[name] for name in hf_params(spec)}, {"target": experts})
+    if (missing or sorted(experts) != list(range(spec.num_layers))
+            or sorted(draft) != list(range(spec.mtp_layers))):
+        raise ModelStateError(f"gathered {len(dense)} checkpoint tensors, expert layers "
+                              f"{sorted(experts)} and draft expert layers {sorted(draft)}; "
+                              f"{spec.id} lacks {missing[:4]}")
+    targets = {"target": experts, **({"draft": draft} if spec.mtp_layers else {})}
+    return ModelWeights({name: dense[name] for name in hf_params(spec)}, targets)
 
 
 def export_weights_distributed(model_state, *, config, format, spec, trainer, receiver,
@@ -125,9 +155,6 @@ def export_weights_distributed(model_state, *, config, format, spec, trainer, re
     """See the module docstring. Collective over every rank of the trainer world."""
     from pytest_weightsync.reference_impl import model_senders
 
-    if spec.mtp_layers:
-        raise ModelStateError(f"{spec.id}: the distributed whole-model exporter does not export "
-                              f"an MTP draft (no real Megatron trainer builds one here)")
     return engine_streams(gather_model(spec, trainer, model_state, config=config, model=model),
                           format=format, spec=spec, receiver=receiver, delivery=delivery,
                           bucket_bytes=bucket_bytes, export=model_senders.export)

@@ -31,7 +31,9 @@ output layer and the MTP block on the last), sharded over the dense TP group by 
 
 With tied embeddings and PP > 1 the last stage holds ``output_layer.weight`` as a copy of the
 embedding (Megatron's shared embedding): the checkpoint has one source, so an exporter that
-sends both names sends it twice. The routed experts follow
+sends both names sends it twice. With an MTP block and PP > 1 its (last) stage holds its own
+copy of the embedding as well (``GPTModel.mtp_process``; tied, that copy is the head the stage
+uses and its ``output_layer.weight`` is allocated but unused). The routed experts follow
 :mod:`~pytest_weightsync.reference_impl.trainer` (EP / ETP over the expert groups).
 
 This is the oracle real-Megatron trainer tests hold a ``GPTModel``'s parameters to; the
@@ -62,6 +64,8 @@ from pytest_weightsync.reference_impl.layout import (
 from pytest_weightsync.reference_impl.model_spec import ModelSpec, hf_params, layer_prefix
 from pytest_weightsync.reference_impl.model_synth import ModelWeights
 
+#: The word embedding's Megatron name (on the first stage; copies elsewhere).
+EMBEDDING = "embedding.word_embeddings.weight"
 KINDS = ("replicated", "column", "row", "components", "query_groups", "vocab")
 #: Megatron-LM's default ``--make-vocab-size-divisible-by``.
 VOCAB_DIVISOR = 128
@@ -170,7 +174,7 @@ def trainer_params(spec: ModelSpec, topo: TrainerTopology) -> list[TrainerParam]
     def whole(name):
         return (Block(name, 0, cat[name].shape[0]),)
 
-    out = [TrainerParam("embedding.word_embeddings.weight", 0, "vocab",
+    out = [TrainerParam(EMBEDDING, 0, "vocab",
                         whole("model.embed_tokens.weight"), spec.dtype, None)]
     for layer in range(spec.num_layers):
         stage = next(s for s, layers in enumerate(stages) if layer in layers)
@@ -184,6 +188,11 @@ def trainer_params(spec: ModelSpec, topo: TrainerTopology) -> list[TrainerParam]
     elif topo.pp > 1:  # Megatron's shared embedding: a copy on the last stage
         out.append(TrainerParam("output_layer.weight", last, "vocab",
                                 whole("model.embed_tokens.weight"), spec.dtype, None))
+    if spec.mtp_layers and topo.pp > 1:
+        # the MTP block embeds the shifted tokens: GPTModel builds an embedding on its stage
+        # too (``mtp_process``), all-reduced from the first stage's over the embedding group
+        out.append(TrainerParam(EMBEDDING, last, "vocab", whole("model.embed_tokens.weight"),
+                                spec.dtype, None))
     for layer in range(spec.mtp_layers):
         m = f"mtp.layers.{layer}"
         out.append(TrainerParam(f"{m}.eh_proj.weight", last, "column", whole("mtp.fc.weight"),
@@ -198,8 +207,11 @@ def trainer_params(spec: ModelSpec, topo: TrainerTopology) -> list[TrainerParam]
 
 
 def is_shared_embedding_copy(spec: ModelSpec, param: TrainerParam) -> bool:
-    """The last stage's ``output_layer`` of a tied model: not a checkpoint tensor of its own."""
-    return spec.tied and param.name == "output_layer.weight"
+    """A copy of the first stage's embedding, not a checkpoint tensor of its own: a tied
+    model's ``output_layer`` on the last stage, and the embedding of the MTP block's stage
+    (PP > 1). An exporter that sends it sends the embedding twice (NeMo-RL#2471)."""
+    return ((spec.tied and param.name == "output_layer.weight")
+            or (param.name == EMBEDDING and param.stage > 0))
 
 
 def trainer_param_shapes(spec: ModelSpec, topo: TrainerTopology, rank: int) -> dict:

@@ -2,7 +2,7 @@
 
 :mod:`~pytest_weightsync.reference_impl.megatron_state` builds the expert-only trainer; this
 builds every parameter of a :class:`~pytest_weightsync.reference_impl.model_spec.ModelSpec`
-(without an MTP draft) the same way (``megatron.training.get_model``: a ``GPTModel`` per stage
+the same way (``megatron.training.get_model``: a ``GPTModel`` per stage
 from megatron-core's local layer spec, ``Float16Module``, DDP with the distributed
 optimizer's contiguous buffers) under the real ``parallel_state``:
 
@@ -32,8 +32,9 @@ bias is returned to float32 after ``Float16Module`` as the router's own
 ``_maintain_float32_expert_bias`` does before every use. The constructor runs with two CPU
 stand-ins (:func:`_on_cpu`). MODELLED: the Gated DeltaNet mixer of Qwen3.5's GDN layers
 (megatron-core's ``GatedDeltaNet`` needs the ``fla`` kernels): :func:`modelled_gated_delta_net`,
-in a real ``TransformerLayer`` beside a real MoE block. Not built: the MTP block -
-:func:`unsupported` names it.
+in a real ``TransformerLayer`` beside a real MoE block. The MTP draft is megatron-core's own
+``MultiTokenPredictionBlock`` on the last stage (:func:`mtp_block_spec`), with the embedding
+copy ``GPTModel`` builds for it there when PP > 1.
 """
 
 from __future__ import annotations
@@ -60,11 +61,6 @@ def modelled_name(local_name: str) -> str:
         if local_name.endswith(real):
             return local_name[:-len(real)] + modelled
     return local_name
-
-
-def unsupported(spec) -> list:
-    """The parts of ``spec`` this module cannot build (real or modelled) on CPU."""
-    return ["the MTP draft block"] if spec.mtp_layers else []
 
 
 def _sharded(tensor, dim: int):
@@ -137,6 +133,19 @@ def block_spec(spec, topo, config):
                      for layer in layers], layer_norm=LayerNormImpl)
 
 
+def mtp_block_spec(spec, topo, config):
+    """The MTP block's spec on the stage that builds it (the last: megatron-core's
+    ``get_gpt_mtp_block_spec`` over the local spec - ``enorm``, ``hnorm``, ``eh_proj``, one
+    attention ``TransformerLayer`` with its own MoE block, ``final_layernorm``), else
+    ``None``."""
+    if not spec.mtp_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    attention = layer_spec(spec.experts, topo, qk_layernorm=True, normalization="RMSNorm")
+    return get_gpt_mtp_block_spec(config, attention, use_transformer_engine=False)
+
+
 def transformer_config(spec, topo):
     """The real ``TransformerConfig`` of the whole model ``spec`` under ``topo``."""
     import torch
@@ -164,7 +173,7 @@ def transformer_config(spec, topo):
         num_layers_in_first_pipeline_stage=topo.first_stage_layers,
         pipeline_dtype=spec.dtype, expert_model_parallel_size=topo.ep,
         expert_tensor_parallel_size=topo.etp, params_dtype=spec.dtype,
-        bf16=spec.dtype == torch.bfloat16,
+        bf16=spec.dtype == torch.bfloat16, mtp_num_layers=spec.mtp_layers or None,
     )
 
 
@@ -211,10 +220,6 @@ def build_model(spec, topo, config) -> list:
 
     from pytest_weightsync.reference_impl.megatron_model import padded_vocab
 
-    missing = unsupported(spec)
-    if missing:
-        raise MegatronPlacementError(f"{spec.id}: megatron-core cannot build {', '.join(missing)} "
-                                     f"on CPU here")
     with _on_cpu():
         chunk = GPTModel(config=config,
                          transformer_layer_spec=block_spec(spec, topo, config),
@@ -222,7 +227,8 @@ def build_model(spec, topo, config) -> list:
                          pre_process=ps.is_pipeline_first_stage(),
                          post_process=ps.is_pipeline_last_stage(),
                          share_embeddings_and_output_weights=spec.tied,
-                         position_embedding_type="rope")
+                         position_embedding_type="rope",
+                         mtp_block_spec=mtp_block_spec(spec, topo, config))
     return [wrapped(chunk, config, before_ddp=_keep_float32(spec))]
 
 
@@ -266,11 +272,17 @@ def write_model(state: dict, modelled: dict, rank: int) -> None:
 
 
 def check_stage(spec, topo, rank: int, model) -> None:
-    """The stage's layers are numbered (globally) where the reference layout puts them."""
+    """The stage's layers are numbered (globally) where the reference layout puts them; the
+    MTP block's transformer layers follow the decoder's last (``num_layers + 1``, ...)."""
     from pytest_weightsync.reference_impl.layout import trainer_shard
 
-    layers = [layer.layer_number for layer in unwrapped(model[0]).decoder.layers]
+    chunk = unwrapped(model[0])
+    layers = [layer.layer_number for layer in chunk.decoder.layers]
     want = [layer + 1 for layer in trainer_shard(spec.experts, topo, rank).layers]
+    mtp = getattr(chunk, "mtp", None)
+    if mtp is not None:
+        layers += [layer.transformer_layer.layer_number for layer in mtp.layers]
+        want += [spec.num_layers + 1 + layer for layer in range(spec.mtp_layers)]
     if layers != want:
         raise MegatronPlacementError(f"rank {rank}: Megatron built layer numbers {layers}, the "
                                      f"reference layout gives this stage {want} (1-based)")

@@ -204,23 +204,8 @@ def test_exporter_sends_the_tied_embedding_once(weightsync_exporter, case, paylo
 def test_exporter_sends_the_draft(weightsync_exporter, case, payload_format):
     """The trainer's MTP block reaches the draft: every ``mtp.*`` (direct: ``draft.*``) tensor."""
     claims.require_model_claim(weightsync_exporter, "exporter", case, payload_format)
-    from pytest_weightsync.reference_impl.model_layout import DRAFT_PREFIX
-    from pytest_weightsync.reference_impl.model_spec import MTP_PREFIX
-
-    prefix = DRAFT_PREFIX if payload_format == "direct" else MTP_PREFIX
     _, exports = _exports(weightsync_exporter, case, payload_format)
     for rank, stream in exports:
-        if not any(name.startswith(prefix) for bucket in stream for name, _ in bucket):
-            raise judge.ConformanceError(f"the draft (MTP) model was never updated: the "
-                                         f"{payload_format} stream for engine rank {rank} carries "
-                                         f"no {prefix}* tensor")
-        draft = [[(n, t) for n, t in bucket if n.startswith(prefix)] for bucket in stream]
-        owed = [n for n, _ in model_inputs.owed(case, rank, payload_format, 1)
-                if n.startswith(prefix)]
-        sent = [n for bucket in draft for n, _ in bucket]
-        missing = sorted(set(owed) - set(sent))
-        if missing:
-            raise judge.ConformanceError(f"the draft (MTP) model is updated in part: the "
-                                         f"{payload_format} stream for engine rank {rank} lacks "
-                                         f"{len(missing)} of its {len(owed)} tensors, e.g. "
-                                         f"{missing[:4]}")
+        problem = coverage.draft_stream_problem(case, rank, stream, payload_format)
+        if problem is not None:
+            raise judge.ConformanceError(problem)

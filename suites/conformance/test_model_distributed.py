@@ -17,7 +17,9 @@ again at the end. One run serves the properties below:
 - ``model_bit_exact``: every later update bit-exact, a value of the previous version named
   stale;
 - ``tied_embeddings``: a tied model's one source in every stream of every update (with PP > 1
-  the last stage's copy of the embedding is not a second source).
+  the last stage's copy of the embedding is not a second source);
+- ``targets``: the trainer's MTP block (megatron-core's own ``MultiTokenPredictionBlock`` on
+  the last stage) reaches the draft in every stream of every update, whole.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..harness import model_distributed as md
 
 CASES = md.model_dist_params()
 TIED = md.model_dist_params(where=lambda c: c.case.spec.tied)
+DRAFT = md.model_dist_params(where=lambda c: c.case.spec.mtp_layers)
 
 
 def _run(exporter, mcase, rank_pool):
@@ -63,3 +66,9 @@ def test_distributed_model_later_versions_land_bit_exact(weightsync_distributed_
 def test_distributed_model_sends_the_tied_embedding_once(weightsync_distributed_exporter,
                                                          mcase, rank_pool):
     md.check_tied(_run(weightsync_distributed_exporter, mcase, rank_pool))
+
+
+@pytest.mark.weightsync_property("targets")
+@pytest.mark.parametrize("mcase", DRAFT)
+def test_distributed_model_sends_the_draft(weightsync_distributed_exporter, mcase, rank_pool):
+    md.check_draft(_run(weightsync_distributed_exporter, mcase, rank_pool))

@@ -320,6 +320,28 @@ def _first_difference(got, want) -> Optional[str]:
     return _first(diff) if bool(diff.any()) else None
 
 
+def _shared_sent_as_routed(missing: list, seen: dict) -> Optional[str]:
+    """The pattern of a shared expert sent under a routed expert's name (sglang#26015: shared
+    experts fused into the routed expert ids): a shared-expert tensor never written whose
+    values a routed expert of its layer carries (whole, or as one expert of a fused tensor)."""
+    for name, want in missing:
+        head, sep, _ = name.partition(".mlp.shared_expert.")
+        if not sep:
+            continue
+        for entries in seen.values():
+            b, e, got_name, got = entries[0]
+            if not got_name.startswith(head + ".mlp.experts."):
+                continue
+            slots = ([got] if tuple(got.shape) == tuple(want.shape) else
+                     list(got) if tuple(got.shape[1:]) == tuple(want.shape) else [])
+            for slot, value in enumerate(slots):
+                if value.dtype == want.dtype and _same(value, want):
+                    where = "" if len(slots) == 1 else f" (expert {slot} of it)"
+                    return (f"the pattern of a shared expert sent as a routed expert: {got_name}"
+                            f"{where} (bucket {b} entry {e}) holds the values of {name}")
+    return None
+
+
 def stream_findings(case, rank, stream, fmt, version) -> list[str]:
     """What an exporter's ``stream`` for engine ``rank`` gets wrong against the whole-model
     payload it owes: tensors carried twice, never carried, unknown, or in another dtype /
@@ -364,6 +386,9 @@ def stream_findings(case, rank, stream, fmt, version) -> list[str]:
                                 f"the {case.trainer.pp} stages named its layers from 0, so layers "
                                 f"{dup_layers} arrive more than once and layers "
                                 f"{sorted(set(layers))} never")
+    shared = _shared_sent_as_routed([owed[u] for u in missing], seen)
+    if shared is not None:
+        problems.append(shared)
     if unknown:
         problems.append(f"not owed by this update: {[seen[u][0][2] for u in unknown][:4]}")
     for unit, entries in seen.items():
@@ -403,6 +428,29 @@ def tied_stream_problem(rank, stream, fmt) -> Optional[str]:
                                                tensors["model.embed_tokens.weight"]):
         return (f"tied embeddings, engine rank {rank}: the direct lm_head.weight differs from "
                 f"model.embed_tokens.weight")
+    return None
+
+
+def draft_stream_problem(case, rank, stream, fmt, version=1) -> Optional[str]:
+    """What an exporter's ``stream`` for engine ``rank`` gets wrong about the draft (MTP)
+    model the trainer holds: no draft tensor at all (sglang#27718: one update path never
+    reaches the draft), or only part of the ``mtp.*`` (direct: ``draft.*``) tensors owed.
+    ``None`` when every draft tensor is there."""
+    from pytest_weightsync.reference_impl.model_layout import DRAFT_PREFIX
+    from pytest_weightsync.reference_impl.model_spec import MTP_PREFIX
+
+    from . import model_inputs
+
+    prefix = DRAFT_PREFIX if fmt == "direct" else MTP_PREFIX
+    sent = {name for bucket in stream for name, _ in bucket if name.startswith(prefix)}
+    if not sent:
+        return (f"the draft (MTP) model was never updated: the {fmt} stream for engine rank "
+                f"{rank} carries no {prefix}* tensor")
+    owed = [n for n, _ in model_inputs.owed(case, rank, fmt, version) if n.startswith(prefix)]
+    missing = sorted(set(owed) - sent)
+    if missing:
+        return (f"the draft (MTP) model is updated in part: the {fmt} stream for engine rank "
+                f"{rank} lacks {len(missing)} of its {len(owed)} tensors, e.g. {missing[:4]}")
     return None
 
 

@@ -86,7 +86,7 @@ MODEL_DIST_CASES = (
     _dcase(qwen3_moe(num_kv_heads=2, router_dtype=torch.float32, expert_bias=True),
            ReceiverTopology(tp=2, moe_ep=2), TrainerTopology(tp=2, dp=2), "colocated",
            "split_layer"),
-    _dcase(qwen3_5_moe(mtp_layers=0, tied=True, linear_k_heads=4, linear_v_heads=8),
+    _dcase(qwen3_5_moe(tied=True, linear_k_heads=4, linear_v_heads=8),
            ReceiverTopology(tp=4, moe_ep=2, order="up_gate"), TrainerTopology(tp=2, pp=2),
            "distributed", "multi_layer"),
     _dcase(qwen3_moe(num_layers=3, num_kv_heads=2),
@@ -232,5 +232,15 @@ def check_tied(result: ModelDistRun) -> None:
     for index, (_, fmt) in enumerate(result.updates):
         for who, engine_rank, stream in streams_of(result, index):
             problem = coverage.tied_stream_problem(engine_rank, stream, fmt)
+            if problem is not None:
+                raise judge.ConformanceError(f"update {index + 1}, {who}: {problem}")
+
+
+def check_draft(result: ModelDistRun) -> None:
+    """Every stream of every update carries the whole draft (MTP) model the trainer holds."""
+    for index, (version, fmt) in enumerate(result.updates):
+        for who, engine_rank, stream in streams_of(result, index):
+            problem = coverage.draft_stream_problem(result.mcase.case, engine_rank, stream, fmt,
+                                                    version)
             if problem is not None:
                 raise judge.ConformanceError(f"update {index + 1}, {who}: {problem}")

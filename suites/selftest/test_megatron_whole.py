@@ -3,7 +3,7 @@
 The real build runs in ranks (``suites/conformance/test_model_distributed.py``); these are the
 parts that must fail loudly or agree with the layout on their own: a real tensor the oracle
 does not hold, a shape or dtype that differs, an oracle tensor the model lacks; the stages of
-an uneven pipeline; the parts a spec needs that cannot be built here.
+an uneven pipeline; the MTP stage's copy of the embedding.
 """
 
 from __future__ import annotations
@@ -63,10 +63,21 @@ def test_uneven_stages_follow_megatrons_first_stage_split():
         TrainerTopology(first_stage_layers=1)
 
 
-def test_what_cannot_be_built_here_is_named():
-    assert megatron_whole.unsupported(qwen3_moe()) == []
-    assert megatron_whole.unsupported(qwen3_5_moe(mtp_layers=0)) == []  # GDN: modelled
-    assert megatron_whole.unsupported(qwen3_5_moe()) == ["the MTP draft block"]
+def test_the_mtp_stage_holds_a_copy_of_the_embedding_read_once():
+    from pytest_weightsync.reference_impl.megatron_model import (
+        EMBEDDING,
+        is_shared_embedding_copy,
+    )
+
+    spec = qwen3_5_moe()  # untied, one MTP layer
+    params = trainer_params(spec, TrainerTopology(pp=2))
+    embeddings = [p for p in params if p.name == EMBEDDING]
+    assert [p.stage for p in embeddings] == [0, 1]
+    assert [is_shared_embedding_copy(spec, p) for p in embeddings] == [False, True]
+    assert [p.stage for p in trainer_params(spec, TrainerTopology()) if p.name == EMBEDDING] \
+        == [0]
+    assert [p.stage for p in trainer_params(qwen3_5_moe(mtp_layers=0), TrainerTopology(pp=2))
+            if p.name == EMBEDDING] == [0]
 
 
 def test_every_built_in_case_runs_in_one_warm_pool():

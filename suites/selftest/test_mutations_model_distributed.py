@@ -5,8 +5,9 @@ Each mutant is the reference distributed whole-model exporter, run in real Megat
 pipeline stage publishing its layers under stage-local numbers (NeMo-RL#3259: the first
 writer wins, the later stages' layers are never refit), a float32 router gathered through a
 bf16 buffer (miles#811, prime-rl#3524), the expert bias left out of the name map
-(Megatron-Bridge#4199), a tied ``lm_head`` not sent (vllm#51665), and a GDN ``in_proj_ba``
-split evenly across engine TP ranks. The suite's own judging of the first update must fail,
+(Megatron-Bridge#4199), a tied ``lm_head`` not sent (vllm#51665), a GDN ``in_proj_ba``
+split evenly across engine TP ranks, the MTP draft never exported (sglang#27718) and the
+shared expert sent as routed expert 0 (sglang#26015). The suite's own judging of the first update must fail,
 name the pattern and locate it (parameter, layer).
 """
 
@@ -135,6 +136,27 @@ class BaSplitEvenly(_Planted):
         return out
 
 
+class DraftNotExported(_Planted):
+    """The MTP block is left out of the update (sglang#27718: one update path never reaches
+    the draft)."""
+
+    name = "mutant-model-dist-draft-not-exported"
+
+    def payload(self, pairs, spec, trainer, stage_starts, **_):
+        return [(n, t) for n, t in pairs if not n.startswith(("mtp.", "draft."))]
+
+
+class SharedAsRoutedZero(_Planted):
+    """The shared expert is sent under routed expert 0's names (sglang#26015: shared experts
+    fused into the routed expert ids), routed expert 0 itself dropped."""
+
+    name = "mutant-model-dist-shared-as-routed-zero"
+
+    def payload(self, pairs, spec, trainer, stage_starts, **_):
+        return [(n.replace(".mlp.shared_expert.", ".mlp.experts.0."), t) for n, t in pairs
+                if ".mlp.experts.0." not in n]
+
+
 def _fails(rank_pool, impl, mcase, formats) -> str:
     with pytest.raises(judge.ConformanceError) as info:
         md.judge_update(md.run(rank_pool, impl, mcase, formats), 0)
@@ -182,3 +204,22 @@ def test_gdn_in_proj_ba_split_evenly_is_killed_named_and_located(rank_pool):
     assert "fused components split evenly across TP" in message, message
     assert "even TP split: model.layers.0.linear_attn.in_proj_ba.weight" in message, message
     assert "layer=0" in message, message
+
+
+def test_draft_never_exported_is_killed_and_named(rank_pool):
+    result = md.run(rank_pool, DraftNotExported(), Q35_TIED_PP2, ["compat"])
+    with pytest.raises(judge.ConformanceError) as info:
+        md.check_draft(result)
+    assert "the draft (MTP) model was never updated: the compat stream for engine rank 0 " \
+           "carries no mtp.* tensor" in str(info.value), str(info.value)
+    message = _fails(rank_pool, DraftNotExported(), Q35_TIED_PP2, ["compat"])
+    assert re.search(r"never written: \d+ tensor\(s\), e\.g\. \['mtp\.", message), message
+
+
+def test_shared_expert_as_routed_expert_zero_is_killed_named_and_located(rank_pool):
+    message = _fails(rank_pool, SharedAsRoutedZero(), Q35_TIED_PP2, ["compat"])
+    assert "the pattern of a shared expert sent as a routed expert: model.layers.0.mlp." \
+           "experts.0." in message, message
+    assert "holds the values of model.layers.0.mlp.shared_expert." in message, message
+    assert re.search(r"never written: \d+ tensor\(s\), e\.g\. \['model\.layers\.0\.mlp\."
+                     r"shared_expert\.", message), message
