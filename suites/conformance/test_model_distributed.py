@@ -2,9 +2,10 @@
 
 Runs for implementations that claim the ``distributed_exporter`` role AND whole models
 (``Capabilities.model_parts``; an expert-only exporter skips every case as not claimed). Each
-case (``suites.harness.model_distributed.MODEL_DIST_CASES``: TP 2; PP 2 even; PP 2 uneven,
-2 + 1 layers; EP 2 x ETP 2 with TEGroupedMLP; both deliveries; float32 router and expert
-bias; tied and untied embeddings; shared experts; a GDN layer, its mixer modelled) runs in :data:`~suites.harness.
+case (``suites.harness.model_distributed.MODEL_DIST_CASES``: every trainer topology of the
+distributed expert matrix - TP 1, 2, 4, EP 1, 2, 4, ETP 1, 2, both expert modules - and PP 2
+even and uneven, 2 + 1 layers; both deliveries; float32 router and expert bias; tied and
+untied embeddings; shared experts; MTP drafts; a GDN layer, its mixer modelled) runs in :data:`~suites.harness.
 model_distributed.WORLD` gloo ranks, each holding a real megatron-core ``GPTModel`` of its
 stage with every parameter set from the trainer oracle; the exporter is called once per
 claimed format, each call after the next version was written in place, the first format

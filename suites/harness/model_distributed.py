@@ -75,26 +75,55 @@ def _dcase(spec, receiver, trainer, delivery, bucket="whole") -> ModelDistCase:
     return ModelDistCase(ModelCase(spec, receiver, trainer, spec.targets), delivery, bucket)
 
 
-#: The built-in cases, each in :data:`WORLD` ranks: what the trainer can build here (no MTP
-#: draft - ``megatron_whole.unsupported``) over the topologies where whole-model exports
-#: break: dense TP 2 with a float32 router and float32 expert bias; PP 2 even with a tied
-#: embedding on both stages (Qwen3.5: a GDN layer - its mixer modelled - on stage 0, attention
-#: with the output gate on stage 1, shared experts; engine TP 4 with fewer KV heads than
-#: ranks); PP 2 uneven (2 + 1 layers); EP 2 x ETP 2 with TEGroupedMLP experts, tied,
-#: distributed delivery.
+#: The built-in cases, each in :data:`WORLD` ranks, over the topologies where whole-model
+#: exports break: dense TP 2 (x EP 2 x ETP 2) with a float32 router and float32 expert bias;
+#: PP 2 even with a
+#: tied embedding on both stages (Qwen3.5: a GDN layer - its mixer modelled - on stage 0,
+#: attention with the output gate on stage 1, shared experts, the MTP draft on stage 1;
+#: engine TP 4 with fewer KV heads than ranks); PP 2 uneven (2 + 1 layers); EP 2 x ETP 2 with
+#: TEGroupedMLP experts, tied, distributed delivery; then every other trainer topology of
+#: the distributed expert matrix (``cases.DIST_CASES``, expert module included): TP 4 with
+#: ETP 2 and EP 2 or 1, EP 4 with TP 1 and 2, PP 2 with an untied draft (its stage's own
+#: embedding copy), TP x EP x PP, ETP x PP.
 MODEL_DIST_CASES = (
     _dcase(qwen3_moe(num_kv_heads=2, router_dtype=torch.float32, expert_bias=True),
-           ReceiverTopology(tp=2, moe_ep=2), TrainerTopology(tp=2, dp=2), "colocated",
+           ReceiverTopology(tp=2, moe_ep=2),
+           TrainerTopology(tp=2, ep=2, etp=2, expert_impl="te_grouped"), "colocated",
            "split_layer"),
     _dcase(qwen3_5_moe(tied=True, linear_k_heads=4, linear_v_heads=8),
-           ReceiverTopology(tp=4, moe_ep=2, order="up_gate"), TrainerTopology(tp=2, pp=2),
-           "distributed", "multi_layer"),
+           ReceiverTopology(tp=4, moe_ep=2, order="up_gate"),
+           TrainerTopology(tp=2, pp=2, expert_impl="te_grouped"), "distributed", "multi_layer"),
     _dcase(qwen3_moe(num_layers=3, num_kv_heads=2),
            ReceiverTopology(tp=2), TrainerTopology(ep=2, pp=2, first_stage_layers=2),
            "colocated"),
     _dcase(qwen3_moe(tied=True),
            ReceiverTopology(tp=1), TrainerTopology(ep=2, etp=2, expert_impl="te_grouped"),
            "distributed", "tensor"),
+    # the remaining trainer topologies of the distributed expert matrix (cases.DIST_CASES):
+    _dcase(qwen3_5_moe(),
+           ReceiverTopology(tp=2, moe_ep=2), TrainerTopology(ep=2, etp=2),
+           "colocated", "tensor"),
+    _dcase(qwen3_moe(num_kv_heads=4, router_dtype=torch.float32, expert_bias=True),
+           ReceiverTopology(tp=4), TrainerTopology(tp=4, ep=2, etp=2),
+           "distributed", "split_layer"),
+    _dcase(qwen3_moe(num_kv_heads=4),
+           ReceiverTopology(tp=2, moe_ep=2), TrainerTopology(tp=4, etp=2, expert_impl="te_grouped"),
+           "colocated", "multi_layer"),
+    _dcase(qwen3_moe(num_experts=8),
+           ReceiverTopology(tp=4, moe_ep=4), TrainerTopology(ep=4), "distributed"),
+    _dcase(qwen3_5_moe(num_experts=8),
+           ReceiverTopology(tp=1), TrainerTopology(tp=2, ep=4, expert_impl="te_grouped"),
+           "distributed", "tensor"),
+    # PP 2 with an untied MTP draft: its stage's own embedding copy (NeMo-RL#2471)
+    _dcase(qwen3_5_moe(),
+           ReceiverTopology(tp=2, order="up_gate"), TrainerTopology(ep=2, pp=2),
+           "distributed", "split_layer"),
+    _dcase(qwen3_moe(tied=True, num_kv_heads=2, router_dtype=torch.float32, expert_bias=True),
+           ReceiverTopology(tp=2, moe_ep=2), TrainerTopology(tp=2, ep=2, pp=2),
+           "colocated", "multi_layer"),
+    _dcase(qwen3_moe(num_layers=4),
+           ReceiverTopology(tp=2), TrainerTopology(etp=2, pp=2, expert_impl="te_grouped"),
+           "colocated"),
 )
 
 

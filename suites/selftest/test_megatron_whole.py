@@ -84,3 +84,17 @@ def test_every_built_in_case_runs_in_one_warm_pool():
     from ..harness.model_distributed import MODEL_DIST_CASES, WORLD
 
     assert {c.id: c.world for c in MODEL_DIST_CASES} == {c.id: WORLD for c in MODEL_DIST_CASES}
+
+
+def test_the_built_in_cases_hold_every_trainer_topology_of_the_distributed_matrix():
+    from ..harness.cases import DIST_CASES
+    from ..harness.model_distributed import MODEL_DIST_CASES
+
+    def grid(t):
+        return t.tp, t.ep, t.etp, t.pp, t.expert_impl
+
+    whole = {grid(c.case.trainer) for c in MODEL_DIST_CASES}
+    assert {grid(c.trainer) for c in DIST_CASES} <= whole
+    assert {(c.case.trainer.pp > 1, c.case.spec.tied, bool(c.case.spec.mtp_layers))
+            for c in MODEL_DIST_CASES if c.case.trainer.pp > 1} >= {
+        (True, True, True), (True, False, True), (True, True, False), (True, False, False)}
