@@ -28,7 +28,7 @@ import queue
 import threading
 from typing import Optional, Sequence
 
-from pytest_weightsync.wire import WireFormatError
+from pytest_weightsync.wire import WireFormatError, entry_bytes
 
 #: Seconds an engine rank waits for a broadcast the sender announced (and a sender for one
 #: nobody announced) before the update fails.
@@ -83,10 +83,7 @@ def dense_offsets(entries) -> list:
                                   f"(FlattenedTensorBucket.empty): order the entries by item "
                                   f"size or send them apart (verl#7318)")
         offsets.append(offset)
-        size = dtype.itemsize
-        for d in shape:
-            size *= d
-        offset += size
+        offset += entry_bytes(dtype, shape)
     return offsets + [offset]
 
 

@@ -158,9 +158,7 @@ def decode_flattened(bucket, *, where: str = "flattened bucket") -> list:
                                                 for i in (start, end)):
             raise WireFormatError(f"{entry}: shape {shape} / start_idx {start!r} / end_idx "
                                   f"{end!r} are not sizes and byte offsets")
-        nbytes = dtype.itemsize
-        for d in shape:
-            nbytes *= d
+        nbytes = entry_bytes(dtype, shape)
         if not 0 <= start <= end <= flat.numel():
             raise WireFormatError(f"{entry}: bytes [{start}, {end}) lie outside the "
                                   f"{flat.numel()}-byte flattened_tensor")
@@ -286,6 +284,15 @@ def metadata_type():
 
 def _aligned(offset: int, itemsize: int) -> int:
     return -(-offset // itemsize) * itemsize
+
+
+def entry_bytes(dtype, shape) -> int:
+    """Bytes of one entry of ``dtype`` and ``shape`` on the wire (what the metadata's
+    ``start_idx`` / ``end_idx`` must span; what a flattened broadcast packs densely)."""
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= int(d)
+    return nbytes
 
 
 def tensor_bytes(tensor):
