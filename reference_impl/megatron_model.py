@@ -33,7 +33,8 @@ With tied embeddings and PP > 1 the last stage holds ``output_layer.weight`` as 
 embedding (Megatron's shared embedding): the checkpoint has one source, so an exporter that
 sends both names sends it twice. With an MTP block and PP > 1 its (last) stage holds its own
 copy of the embedding as well (``GPTModel.mtp_process``; tied, that copy is the head the stage
-uses and its ``output_layer.weight`` is allocated but unused). The routed experts follow
+uses and its ``output_layer.weight`` is allocated but unused: ``TrainerParam.unused``, filled
+with garbage as an initialised, never-read parameter is). The routed experts follow
 :mod:`~pytest_weightsync.reference_impl.trainer` (EP / ETP over the expert groups).
 
 This is the oracle real-Megatron trainer tests hold a ``GPTModel``'s parameters to; the
@@ -88,6 +89,7 @@ class TrainerParam(NamedTuple):
     blocks: tuple       # the checkpoint rows it stacks, in order
     dtype: torch.dtype
     layer: object       # (target, layer inside the target) or None
+    unused: bool = False  # allocated but never read: it holds its initial values
 
 
 def _require(ok, constraint, **values):
@@ -186,8 +188,12 @@ def trainer_params(spec: ModelSpec, topo: TrainerTopology) -> list[TrainerParam]
         out.append(TrainerParam("output_layer.weight", last, "vocab", whole("lm_head.weight"),
                                 spec.dtype, None))
     elif topo.pp > 1:  # Megatron's shared embedding: a copy on the last stage
+        # ... unless the MTP block's embedding copy is there: that is the head the stage
+        # uses (GPTModel.shared_embedding_or_output_weight), output_layer's own weight only
+        # allocated (pre_process is False) and never read
         out.append(TrainerParam("output_layer.weight", last, "vocab",
-                                whole("model.embed_tokens.weight"), spec.dtype, None))
+                                whole("model.embed_tokens.weight"), spec.dtype, None,
+                                unused=bool(spec.mtp_layers)))
     if spec.mtp_layers and topo.pp > 1:
         # the MTP block embeds the shifted tokens: GPTModel builds an embedding on its stage
         # too (``mtp_process``), all-reduced from the first stage's over the embedding group
@@ -207,10 +213,12 @@ def trainer_params(spec: ModelSpec, topo: TrainerTopology) -> list[TrainerParam]
 
 
 def is_shared_embedding_copy(spec: ModelSpec, param: TrainerParam) -> bool:
-    """A copy of the first stage's embedding, not a checkpoint tensor of its own: a tied
-    model's ``output_layer`` on the last stage, and the embedding of the MTP block's stage
-    (PP > 1). An exporter that sends it sends the embedding twice (NeMo-RL#2471)."""
-    return ((spec.tied and param.name == "output_layer.weight")
+    """Not a checkpoint tensor of its own: a copy of the first stage's embedding - a tied
+    model's ``output_layer`` on the last stage, the embedding of the MTP block's stage (PP >
+    1); an exporter that sends it sends the embedding twice (NeMo-RL#2471) - or, tied with an
+    MTP block on a later stage, that stage's unused ``output_layer.weight`` (its values are
+    initialisation garbage, not the embedding)."""
+    return (param.unused or (spec.tied and param.name == "output_layer.weight")
             or (param.name == EMBEDDING and param.stage > 0))
 
 
@@ -276,6 +284,10 @@ def full_tensor(spec: ModelSpec, param: TrainerParam, dense: dict, tp: int, seed
     """The unsharded Megatron tensor of ``param`` from the checkpoint tensors ``dense``
     (vocab padding: the poison pattern, which no engine may receive)."""
     parts = [dense[b.source].narrow(0, b.start, b.size) for b in param.blocks]
+    if param.unused:  # never read by the model, never trained: not the checkpoint's values
+        (table,) = parts
+        out = torch.empty((padded_vocab(table.shape[0], tp), *table.shape[1:]), dtype=table.dtype)
+        return synth.poison_(out, seed=0xDEAD)
     if param.kind == "query_groups":
         q, k, v = parts
         if spec.attn_output_gate:

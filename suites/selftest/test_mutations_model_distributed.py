@@ -6,8 +6,9 @@ pipeline stage publishing its layers under stage-local numbers (NeMo-RL#3259: th
 writer wins, the later stages' layers are never refit), a float32 router gathered through a
 bf16 buffer (miles#811, prime-rl#3524), the expert bias left out of the name map
 (Megatron-Bridge#4199), a tied ``lm_head`` not sent (vllm#51665), a GDN ``in_proj_ba``
-split evenly across engine TP ranks, the MTP draft never exported (sglang#27718) and the
-shared expert sent as routed expert 0 (sglang#26015). The suite's own judging of the first update must fail,
+split evenly across engine TP ranks, the MTP draft never exported (sglang#27718), the
+shared expert sent as routed expert 0 (sglang#26015), and a tied model's source read from
+the last stage's ``output_layer.weight``, which the MTP stage never reads. The suite's own judging of the first update must fail,
 name the pattern and locate it (parameter, layer).
 """
 
@@ -157,6 +158,39 @@ class SharedAsRoutedZero(_Planted):
                 if ".mlp.experts.0." not in n]
 
 
+class TiedSourceFromLastStageHead(_Planted):
+    """A tied model's one source read where the head lives: the last stage's
+    ``output_layer.weight`` - the embedding's copy without an MTP block, but with one that
+    stage's head is the MTP embedding copy and ``output_layer.weight`` is never read."""
+
+    name = "mutant-model-dist-tied-source-from-head"
+
+    def export_weights_distributed(self, model_state, *, config, format, spec, trainer,
+                                   receiver, delivery, bucket_bytes, model=None):
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from pytest_weightsync.reference_impl.trainer import all_gather_bits
+
+        name = next((n for n in model_state if n.endswith("output_layer.weight")), None)
+        head = None
+        if name is not None:
+            shards = all_gather_bits(model_state[name].detach(),
+                                     ps.get_tensor_model_parallel_group())
+            head = torch.cat(shards)[:spec.vocab].clone()
+        heads = [None] * ps.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(heads, head, group=ps.get_pipeline_model_parallel_group())
+        self._head = next(h for h in heads if h is not None)
+        return super().export_weights_distributed(
+            model_state, config=config, format=format, spec=spec, trainer=trainer,
+            receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes, model=model)
+
+    def gathered(self, weights):
+        weights.dense["model.embed_tokens.weight"] = self._head
+        return weights
+
+
 def _fails(rank_pool, impl, mcase, formats) -> str:
     with pytest.raises(judge.ConformanceError) as info:
         md.judge_update(md.run(rank_pool, impl, mcase, formats), 0)
@@ -223,3 +257,9 @@ def test_shared_expert_as_routed_expert_zero_is_killed_named_and_located(rank_po
     assert "holds the values of model.layers.0.mlp.shared_expert." in message, message
     assert re.search(r"never written: \d+ tensor\(s\), e\.g\. \['model\.layers\.0\.mlp\."
                      r"shared_expert\.", message), message
+
+
+def test_tied_source_read_from_the_unused_head_of_the_mtp_stage_is_killed_and_located(rank_pool):
+    message = _fails(rank_pool, TiedSourceFromLastStageHead(), Q35_TIED_PP2, ["compat"])
+    assert "model.embed_tokens.weight" in message, message
+    assert re.search(r"parameter=model\.embed_tokens\.weight row=\d+ col=\d+", message), message
