@@ -160,6 +160,33 @@ def test_example_whole_model_exporter_passes(example_model, rank_pool, index):
         md.check_draft(result)
 
 
+class WithoutModelObject:
+    """The example's whole-model exporter called as by a harness that does not pass
+    ``model=`` (its signature lacks the keyword)."""
+
+    name = "example-model-without-model-object"
+
+    def __init__(self):
+        from weightsync_example_loader.model_exporter import ExampleModelExporter
+
+        self.inner = ExampleModelExporter()
+        self.capabilities = self.inner.capabilities
+
+    def export_weights_distributed(self, model_state, *, config, format, spec, trainer,
+                                   receiver, delivery, bucket_bytes):
+        return self.inner.export_weights_distributed(
+            model_state, config=config, format=format, spec=spec, trainer=trainer,
+            receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes)
+
+
+def test_whole_model_exporter_without_the_model_object_places_uneven_stages(example_model,
+                                                                           rank_pool):
+    """Without ``model=`` the stage offset comes from megatron-core's
+    ``get_transformer_layer_offset(config)``: right on uneven stages too (2 + 1 layers)."""
+    uneven = next(c for c in md.MODEL_DIST_CASES if "-first2-" in c.id)
+    assert md.judge_update(md.run(rank_pool, WithoutModelObject(), uneven, ["direct"]), 0)
+
+
 def test_stage_local_layers_twin_fails_naming_the_pattern(example_model, rank_pool):
     """Naming each stage's layers from 0 is right on one stage; on PP 2 with 2 + 1 layers the
     last stage's layer 2 is sent as layer 0 again and layer 2 never."""
