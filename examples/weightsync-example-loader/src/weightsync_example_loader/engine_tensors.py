@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from weightsync_example_loader.model_loader import _ROW_PARALLEL, _STACKED, ModelLoading, engine_name
+from weightsync_example_loader.model_loader import (
+    _ROW_PARALLEL,
+    _STACKED,
+    ModelLoading,
+    engine_name,
+)
 
 _LAYOUT = ModelLoading()
 

@@ -41,7 +41,11 @@ from pytest_weightsync.protocols import MODEL_PARTS, TARGETS, Capabilities
 
 from weightsync_example_loader import megatron_names
 from weightsync_example_loader.engine_tensors import engine_tensors
-from weightsync_example_loader.exporter import ExampleDistributedExporter, _all_gather, _local_experts
+from weightsync_example_loader.exporter import (
+    ExampleDistributedExporter,
+    _all_gather,
+    _local_experts,
+)
 
 _WRAPPER = "module."
 _LAYER = re.compile(r"^(model\.layers\.)(\d+)")
