@@ -6,8 +6,9 @@ sets, must pass every case it claims; the twin that forgets to regroup fc1 after
 gather must fail with the first wrong (layer, expert, projection, row, col); an exporter that
 modifies its trainer state must fail at that call, naming the rank and the shard, before any
 receiver value is compared. Its whole-model exporter must pass every whole-model case in real
-ranks (``suites.harness.model_distributed``), and its twin that names each pipeline stage's
-layers from 0 must fail with that pattern named.
+ranks (``suites.harness.model_distributed``); its twin that names each pipeline stage's
+layers from 0 must fail with that pattern named, and its twin that sends the MTP stage's
+embedding copy must fail with the tied embedding sent twice.
 """
 
 from __future__ import annotations
@@ -199,6 +200,21 @@ def test_stage_local_layers_twin_fails_naming_the_pattern(example_model, rank_po
             "its layers from 0, so layers [0] arrive more than once and layers [2] never"
             ) in message, message
     assert "written twice" in message and "model.layers.0." in message, message
+
+
+def test_embedding_copy_twin_fails_naming_the_tied_embedding_sent_twice(example_model,
+                                                                          rank_pool):
+    """Qwen3.5 with its MTP block on PP 2: the last stage's embedding copy, sent as well,
+    makes the one tied source arrive twice."""
+    q35_pp2 = next(c for c in md.MODEL_DIST_CASES if c.spec.mtp_layers)
+    result = md.run(rank_pool, example_model.EmbeddingCopySentExporter(), q35_pp2, ["compat"])
+    with pytest.raises(judge.ConformanceError) as info:
+        md.check_tied(result)
+    assert ("tied embeddings, engine rank 0, compat: the stream carries model.embed_tokens."
+            "weight 2 time(s) and lm_head.weight 0 time(s)") in str(info.value), str(info.value)
+    with pytest.raises(judge.ConformanceError) as info:
+        md.judge_update(result, 0)
+    assert "written twice" in str(info.value) and "model.embed_tokens.weight" in str(info.value)
 
 
 def test_exporter_that_modifies_its_inputs_fails_at_that_call(rank_pool):

@@ -28,6 +28,8 @@ Expert-only updates (a spec without a ``family``) go to the expert-only exporter
 ``StageLocalLayersExporter`` is the same exporter naming each stage's layers from 0 (the
 module index instead of ``layer_number - 1``): right on one stage, wrong for every PP > 1
 layout - the first stage's layers arrive more than once and the later stages' never.
+``EmbeddingCopySentExporter`` reads the MTP stage's embedding copy as a tensor of its own:
+right without an MTP block or on one stage, and with both the embedding arrives twice.
 """
 
 from __future__ import annotations
@@ -230,3 +232,14 @@ class StageLocalLayersExporter(ExampleModelExporter):
     @staticmethod
     def layer_offset(config, model=None) -> int:
         return 0
+
+
+class EmbeddingCopySentExporter(ExampleModelExporter):
+    """The same exporter with the bug: the MTP stage's copy of the embedding (PP > 1) is read
+    as if it were a tensor of its own, so the embedding is sent by two stages."""
+
+    name = "example-model-embedding-copy"
+
+    @staticmethod
+    def is_embedding_copy(spec, own: str, first_stage: bool) -> bool:
+        return spec.tied and own == "output_layer.weight"
