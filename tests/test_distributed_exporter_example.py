@@ -5,7 +5,10 @@ ranks; its TEGroupedMLP twin, which reads the model object and the partition att
 sets, must pass every case it claims; the twin that forgets to regroup fc1 after the ETP
 gather must fail with the first wrong (layer, expert, projection, row, col); an exporter that
 modifies its trainer state must fail at that call, naming the rank and the shard, before any
-receiver value is compared.
+receiver value is compared. Its whole-model exporter must pass every whole-model case in real
+ranks (``suites.harness.model_distributed``); its twin that names each pipeline stage's
+layers from 0 must fail with that pattern named, and its twin that sends the MTP stage's
+embedding copy must fail with the tied embedding sent twice.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pytest
 
 from suites.harness import distributed as dh
 from suites.harness import judge
+from suites.harness import model_distributed as md
 from suites.harness.cases import DIST_CASES, DistCase
 
 EXAMPLE_SRC = Path(__file__).resolve().parents[1] / "examples" / "weightsync-example-loader" / "src"
@@ -125,6 +129,92 @@ def test_unregrouped_twin_passes_without_etp_and_fails_located_with_it(example, 
     # fc1 concatenated as [gate_0; up_0; gate_1; up_1] and split in half: "up" starts with
     # gate_1. Engine rank 0 (MoE-TP 4) holds gate rows 0-1, right, then up rows 0-1.
     assert "first at layer=0 expert=0 projection=up row=0 col=0" in message, message
+
+
+@pytest.fixture
+def example_model(monkeypatch: pytest.MonkeyPatch):
+    dh.require_megatron()
+    monkeypatch.syspath_prepend(str(EXAMPLE_SRC))
+    from weightsync_example_loader import model_exporter
+
+    return model_exporter
+
+
+@pytest.mark.parametrize("index", range(len(md.MODEL_DIST_CASES)),
+                         ids=[c.id for c in md.MODEL_DIST_CASES])
+def test_example_whole_model_exporter_passes(example_model, rank_pool, index):
+    """Every whole-model case, in one format each (compat and direct in rotation, so each runs
+    on two cases: the CPU run is over its time budget, and the wheel check runs every case in
+    both formats): two versions judged bit for bit, the tied embedding sent once, the draft
+    whole."""
+    mcase = md.MODEL_DIST_CASES[index]
+    impl = example_model.ExampleModelExporter()
+    md.require_claim(impl, mcase)
+    fmt = ("compat", "direct")[index % 2]
+    result = md.run(rank_pool, impl, mcase, [fmt])
+    assert [f for _, f in result.updates] == [fmt, fmt]
+    for update in range(len(result.updates)):
+        assert md.judge_update(result, update)
+    if mcase.spec.tied:
+        md.check_tied(result)
+    if mcase.spec.mtp_layers:
+        md.check_draft(result)
+
+
+class WithoutModelObject:
+    """The example's whole-model exporter called as by a harness that does not pass
+    ``model=`` (its signature lacks the keyword)."""
+
+    name = "example-model-without-model-object"
+
+    def __init__(self):
+        from weightsync_example_loader.model_exporter import ExampleModelExporter
+
+        self.inner = ExampleModelExporter()
+        self.capabilities = self.inner.capabilities
+
+    def export_weights_distributed(self, model_state, *, config, format, spec, trainer,
+                                   receiver, delivery, bucket_bytes):
+        return self.inner.export_weights_distributed(
+            model_state, config=config, format=format, spec=spec, trainer=trainer,
+            receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes)
+
+
+def test_whole_model_exporter_without_the_model_object_places_uneven_stages(example_model,
+                                                                           rank_pool):
+    """Without ``model=`` the stage offset comes from megatron-core's
+    ``get_transformer_layer_offset(config)``: right on uneven stages too (2 + 1 layers)."""
+    uneven = next(c for c in md.MODEL_DIST_CASES if "-first2-" in c.id)
+    assert md.judge_update(md.run(rank_pool, WithoutModelObject(), uneven, ["direct"]), 0)
+
+
+def test_stage_local_layers_twin_fails_naming_the_pattern(example_model, rank_pool):
+    """Naming each stage's layers from 0 is right on one stage; on PP 2 with 2 + 1 layers the
+    last stage's layer 2 is sent as layer 0 again and layer 2 never."""
+    uneven = next(c for c in md.MODEL_DIST_CASES if "-first2-" in c.id)
+    with pytest.raises(judge.ConformanceError) as info:
+        md.judge_update(md.run(rank_pool, example_model.StageLocalLayersExporter(), uneven,
+                               ["compat"]), 0)
+    message = str(info.value)
+    assert ("the pattern of pipeline-stage-local layer numbering: each of the 2 stages named "
+            "its layers from 0, so layers [0] arrive more than once and layers [2] never"
+            ) in message, message
+    assert "written twice" in message and "model.layers.0." in message, message
+
+
+def test_embedding_copy_twin_fails_naming_the_tied_embedding_sent_twice(example_model,
+                                                                          rank_pool):
+    """Qwen3.5 with its MTP block on PP 2: the last stage's embedding copy, sent as well,
+    makes the one tied source arrive twice."""
+    q35_pp2 = next(c for c in md.MODEL_DIST_CASES if c.spec.mtp_layers)
+    result = md.run(rank_pool, example_model.EmbeddingCopySentExporter(), q35_pp2, ["compat"])
+    with pytest.raises(judge.ConformanceError) as info:
+        md.check_tied(result)
+    assert ("tied embeddings, engine rank 0, compat: the stream carries model.embed_tokens."
+            "weight 2 time(s) and lm_head.weight 0 time(s)") in str(info.value), str(info.value)
+    with pytest.raises(judge.ConformanceError) as info:
+        md.judge_update(result, 0)
+    assert "written twice" in str(info.value) and "model.embed_tokens.weight" in str(info.value)
 
 
 def test_exporter_that_modifies_its_inputs_fails_at_that_call(rank_pool):

@@ -3,7 +3,8 @@ conformance suites."""
 
 from weightsync_example_loader.exporter import ExampleDistributedExporter, UnregroupedFc1Exporter
 from weightsync_example_loader.loader import ExampleLoader, SwappedGateUpLoader
+from weightsync_example_loader.model_exporter import ExampleModelExporter
 from weightsync_example_loader.sync import ExampleSync
 
-__all__ = ["ExampleDistributedExporter", "ExampleLoader", "ExampleSync", "SwappedGateUpLoader",
-           "UnregroupedFc1Exporter"]
+__all__ = ["ExampleDistributedExporter", "ExampleLoader", "ExampleModelExporter", "ExampleSync",
+           "SwappedGateUpLoader", "UnregroupedFc1Exporter"]

@@ -83,11 +83,12 @@ class ExampleDistributedExporter:
         gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
         return torch.cat(gates + ups, dim=0)
 
-    def gather(self, model_state):
-        """``{(layer, expert): (fc1 [2I, H], fc2 [H, I])}`` for every layer and expert."""
+    def gather_stage(self, local):
+        """``(fc1 [L_stage, E, 2I, H], fc2 [L_stage, E, H, I])`` of this stage's layers (local
+        numbering) from ``local`` (:func:`_local_experts`): ETP shards joined, then every EP
+        rank's experts in EP-rank order. Collective over the ETP and EP groups."""
         from megatron.core import parallel_state as mpu
 
-        local = _local_experts(model_state)
         n_layers = 1 + max(k[0] for k in local)
         n_experts = 1 + max(k[1] for k in local)
         etp = mpu.get_expert_tensor_parallel_group()
@@ -95,9 +96,15 @@ class ExampleDistributedExporter:
                                         for e in range(n_experts)]) for l in range(n_layers)])
         fc2 = torch.stack([torch.stack([torch.cat(_all_gather(local[l, e, 2], etp), dim=1)
                                         for e in range(n_experts)]) for l in range(n_layers)])
-        # experts: EP ranks in order; layers: PP stages in order
-        fc1, fc2 = (torch.cat(_all_gather(t, mpu.get_expert_model_parallel_group()), dim=1)
-                    for t in (fc1, fc2))
+        ep = mpu.get_expert_model_parallel_group()
+        return tuple(torch.cat(_all_gather(t, ep), dim=1) for t in (fc1, fc2))
+
+    def gather(self, model_state):
+        """``(fc1 [L, E, 2I, H], fc2 [L, E, H, I])`` of every layer and expert."""
+        from megatron.core import parallel_state as mpu
+
+        fc1, fc2 = self.gather_stage(_local_experts(model_state))
+        # layers: PP stages in order (every stage holds as many)
         fc1, fc2 = (torch.cat(_all_gather(t, mpu.get_pipeline_model_parallel_group()), dim=0)
                     for t in (fc1, fc2))
         return fc1, fc2  # [L, E, 2I, H], [L, E, H, I]
@@ -173,25 +180,31 @@ class ExampleDistributedExporter:
 
     def streams(self, fc1, fc2, *, format, receiver, delivery, bucket_bytes):
         """What this rank returns for ``delivery``, from the full ``fc1`` / ``fc2`` stacks."""
-        import torch.distributed as dist
 
-        def stream(engine_rank):
+        def named(engine_rank):
             if format == "compat":
-                named = self.compat(fc1, fc2)
-            elif format == "packed":
-                named = self.packed(fc1, fc2, receiver)
-            elif format == "direct":
-                named = self.direct(fc1, fc2, receiver, engine_rank)
-            else:
-                raise ValueError(f"{self.name} does not produce the {format} format")
-            return self.buckets(named, bucket_bytes)
+                return self.compat(fc1, fc2)
+            if format == "packed":
+                return self.packed(fc1, fc2, receiver)
+            if format == "direct":
+                return self.direct(fc1, fc2, receiver, engine_rank)
+            raise ValueError(f"{self.name} does not produce the {format} format")
+
+        return self.deliver(named, receiver=receiver, delivery=delivery,
+                            bucket_bytes=bucket_bytes)
+
+    def deliver(self, named, *, receiver, delivery, bucket_bytes):
+        """This rank's result for ``delivery`` from ``named(engine_rank)`` (that engine rank's
+        ``(name, tensor)`` list): colocated, the stream of the rank's own engine rank; else
+        ``{engine rank: stream}`` from rank 0 and nothing from the others."""
+        import torch.distributed as dist
 
         rank = dist.get_rank()
         if delivery == "colocated":
-            return stream(rank % receiver.tp)
+            return self.buckets(named(rank % receiver.tp), bucket_bytes)
         if rank != 0:
             return None
-        return {r: stream(r) for r in range(receiver.tp)}
+        return {r: self.buckets(named(r), bucket_bytes) for r in range(receiver.tp)}
 
 
 class UnregroupedFc1Exporter(ExampleDistributedExporter):

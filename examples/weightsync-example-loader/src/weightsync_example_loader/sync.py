@@ -1,7 +1,8 @@
 """The example package's implementation under test: one object, both sides of the sync.
 
-``ExampleSync`` is what a team ships: the receiver-side loader (:mod:`.loader`) and the
-trainer-side distributed exporter (:mod:`.exporter`) under one name, so
+``ExampleSync`` is what a team ships: the receiver-side loader (:mod:`.loader`,
+:mod:`.model_loader`) and the trainer-side distributed exporter (:mod:`.model_exporter`: whole
+models; expert-only updates through :mod:`.exporter`) under one name, so
 ``pytest -p weightsync --pyargs pytest_weightsync.suites --weightsync-only example`` judges
 both. Its broken twins are registered on their own: ``example-swapped`` (a loader that swaps
 the gate/up halves of ``w13``) and ``example-unregrouped`` (an exporter that forgets to
@@ -14,27 +15,21 @@ import torch
 
 from pytest_weightsync.protocols import MODEL_PARTS, TARGETS, Capabilities
 
-from weightsync_example_loader.exporter import ExampleDistributedExporter
 from weightsync_example_loader.loader import ExampleLoader
+from weightsync_example_loader.model_exporter import ExampleModelExporter
 from weightsync_example_loader.model_loader import ModelLoading
 
 
-def _exports_experts_only(spec, trainer) -> bool:
-    """Its exporter sends the routed experts: whole models (a ``ModelSpec`` has a ``family``)
-    are loaded, not exported."""
-    return not hasattr(spec, "family")
-
-
-class ExampleSync(ModelLoading, ExampleLoader, ExampleDistributedExporter):
-    """Loads and exports compat, packed and direct payloads for unpadded receivers; loads
-    whole Qwen3-MoE / Qwen3.5-MoE models (every parameter, the MTP draft too) in compat and
-    direct (its exporter claims expert-only trainer layouts: whole models are not exported)."""
+class ExampleSync(ModelLoading, ExampleLoader, ExampleModelExporter):
+    """Loads and exports compat, packed and direct payloads for unpadded receivers; loads and
+    exports whole Qwen3-MoE / Qwen3.5-MoE models (every parameter, the MTP draft too) in
+    compat and direct, from every trainer layout megatron-core builds (TP, EP x ETP, even and
+    uneven PP, SequentialMLP and TEGroupedMLP experts)."""
 
     name = "example"
     capabilities = Capabilities(formats={"compat", "packed", "direct"},
                                 orders={"gate_up", "up_gate"}, padded=False,
-                                model_parts=MODEL_PARTS, targets=TARGETS,
-                                trainer_topology=_exports_experts_only)
+                                model_parts=MODEL_PARTS, targets=TARGETS)
 
     def load_weights(self, params, payload, *, format, spec, topology, rank,
                      targets=None) -> None:
