@@ -215,6 +215,7 @@ ONE_GPU_FILES=(
     "suites/selftest/test_gpu_cuda_graph.py 120"
     "suites/selftest/test_gpu_repeated.py 150"
     "suites/selftest/test_gpu_engine_layouts.py 120"
+    "suites/selftest/test_gpu_model.py 420"
     "suites/selftest/test_fastcopy.py 120"
     "suites/selftest/test_gpu_ipc.py 240"
     "suites/selftest/test_e2e_sync.py 180"

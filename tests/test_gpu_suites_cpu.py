@@ -464,3 +464,45 @@ _engine_cases = importlib.import_module("pytest_weightsync.suites.harness.cases"
 def test_engine_layout_update_steps_on_cpu(case):
     log = h.run_engine_updates(case, "compat", "cpu", updates=3)
     assert log.updates == 3 and log.outputs_checked >= 3 * case.spec.num_layers
+
+
+# --------------------------------------------------------------------------------------------
+# Whole models (suites/selftest/test_gpu_model.py), same steps on CPU at small sizes
+# --------------------------------------------------------------------------------------------
+
+_model_spec = importlib.import_module("pytest_weightsync.reference_impl.model_spec")
+_layout = importlib.import_module("pytest_weightsync.reference_impl.layout")
+
+
+@pytest.mark.parametrize("fmt", ["compat", "hf_fused", "direct"])
+@pytest.mark.parametrize("receiver", [_layout.ReceiverTopology(tp=1),
+                                      _layout.ReceiverTopology(tp=4, order="up_gate")],
+                         ids=["tp1", "tp4-ug"])
+def test_whole_model_update_steps_on_cpu(receiver, fmt):
+    spec = _model_spec.qwen3_5_moe(linear_k_heads=4, linear_v_heads=8)
+    log = h.run_model_updates(spec, receiver, fmt, "cpu", updates=2)
+    layout = importlib.import_module("pytest_weightsync.reference_impl.model_layout")
+    ranks = sorted({0, receiver.world_size - 1})
+    assert log.updates == 2
+    assert log.params_checked == 2 * sum(len(layout.engine_params(spec, receiver, r))
+                                         for r in ranks)
+
+
+def test_whole_model_update_steps_catch_a_wrong_tensor_and_locate_it(monkeypatch):
+    import torch
+
+    from pytest_weightsync.reference_impl import model_senders
+
+    spec = _model_spec.qwen3_5_moe()
+    real = model_senders.export
+
+    def zero_gate(fmt, *args, **kwargs):  # the shared expert's gate sent as zeros
+        return [(n, torch.zeros_like(t) if "shared_expert_gate" in n else t)
+                for n, t in real(fmt, *args, **kwargs)]
+
+    monkeypatch.setattr(model_senders, "export", zero_gate)
+    with pytest.raises(AssertionError) as info:
+        h.run_model_updates(spec, _layout.ReceiverTopology(tp=2), "compat", "cpu", updates=1)
+    message = str(info.value)
+    assert "compat whole-model update 0 (version 1), engine rank 0" in message, message
+    assert "shared_expert_gate" in message and "row=" in message, message

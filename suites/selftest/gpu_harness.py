@@ -379,3 +379,75 @@ def run_engine_updates(case, path: str, device, *, updates: int = 3, tokens: int
                 log.outputs_checked += got.shape[0]
         log.updates += 1
     return log
+
+
+# --------------------------------------------------------------------------------------------
+# Whole models
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelLog:
+    """What :func:`run_model_updates` checked."""
+
+    updates: int
+    params_checked: int
+    elements_checked: int
+
+
+def run_model_updates(spec, receiver: ReceiverTopology, fmt: str, device, *, updates: int = 3,
+                      ranks=None, bucket: str = "split_layer") -> ModelLog:
+    """Whole-model refits of engine ranks ``ranks`` (default: the first and the last - the
+    one that holds vocab padding) along ``fmt`` on ``device``: every engine parameter of the
+    served model and its draft poisoned first, then ``updates`` complete updates through the
+    reference whole-model receiver, each a new version of every checkpoint tensor, cut into
+    buckets at the named limit. After each, every parameter bit-exact at an unchanged address
+    (one never written keeps the poison, a stale one the previous version), located in
+    checkpoint terms on failure. Checkpoint, payloads and expected values are built on
+    ``device`` (Qwen3.5-35B-A3B's layers are ~800M expert elements each)."""
+    from pytest_weightsync.reference_impl import model_senders, model_synth
+    from pytest_weightsync.reference_impl.buckets import split_buckets
+    from pytest_weightsync.reference_impl.layout import TrainerTopology
+    from pytest_weightsync.reference_impl.model_receiver import ModelReceiver
+
+    from ..harness import coverage, model_inputs
+    from ..harness.model_cases import ModelCase
+
+    device = resolve(device)
+    case = ModelCase(spec, receiver, TrainerTopology(), spec.targets)
+    ranks = sorted({0, receiver.world_size - 1}) if ranks is None else list(ranks)
+    receivers = {r: ModelReceiver(spec, receiver, r, device=device) for r in ranks}
+    for rec in receivers.values():
+        for tensor in rec.params.values():
+            synth.poison_(tensor)
+    before = {r: addresses(rec.params) for r, rec in receivers.items()}
+    limit = model_inputs.bucket_bytes(bucket, spec)
+    log = ModelLog(0, 0, 0)
+    for step in range(updates):
+        version = step + 1
+        full = model_synth.full_model(spec, version, device=device)
+        for rank, rec in receivers.items():
+            payload = model_senders.export(fmt, spec, receiver, rank, full)
+            rec.begin_update()
+            for chunk in split_buckets(payload, limit):
+                rec.load(chunk, load_format=LOAD_FORMAT[fmt])
+            rec.end_update()
+            del payload
+        del full
+        for rank, rec in receivers.items():
+            where = f"{fmt} whole-model update {step} (version {version}), engine rank {rank}"
+            assert addresses(rec.params) == before[rank], f"{where}: a parameter was reallocated"
+            want = model_synth.expected_engine_params(spec, receiver, rank, version,
+                                                      device=device)
+            assert set(want) == set(rec.params), f"{where}: {sorted(set(want) ^ set(rec.params))[:4]}"
+            locate = coverage.locator(case, rank)
+            for name, tensor in want.items():
+                try:
+                    assert_bits_equal(rec.params[name], tensor, name, locate, rank)
+                except AssertionError as error:
+                    raise AssertionError(f"{where}: {error}") from None
+                log.params_checked += 1
+                log.elements_checked += tensor.numel()
+            del want
+        log.updates += 1
+    return log
