@@ -391,7 +391,7 @@ def test_nccl_suite_checks_can_fail():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip behaviour without CUDA")
 def test_gpu_suites_collect_and_skip_cleanly_without_cuda():
     files = sorted(str(p) for p in SUITES.glob("test_gpu_*.py"))
-    assert len(files) == 5, files
+    assert len(files) == 6, files
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "weightsync", "-q", "-rs", "-p", "no:cacheprovider",
                           *files], cwd=ROOT, capture_output=True, text=True, timeout=300)
     out = run.stdout + run.stderr
