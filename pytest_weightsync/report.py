@@ -444,9 +444,11 @@ class ConformanceReport:
 
     def findings(self) -> dict:
         """``{implementation: {(format, kind): {finding: {"topologies": [...], "detail": the
-        first message head}}}}`` of the hardening tests that recorded a finding."""
+        first message head}}}}`` of the hardening tests that recorded a finding, in node-id
+        order (not completion order: under xdist the report must not depend on which worker
+        finished first)."""
         out: dict = {}
-        for r in self.conformance():
+        for r in sorted(self.conformance(), key=lambda r: r.nodeid):
             if r.tags.get("property") != HARDENING or "finding" not in r.finding:
                 continue
             key = (r.tags.get("format", "-"), r.finding.get("bad_kind", "-"))

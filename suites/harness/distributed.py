@@ -79,7 +79,6 @@ def export_in_rank(exporter, dcase: DistCase, updates):
     per update."""
     import torch.distributed as dist
 
-    from pytest_weightsync import distributed
     from pytest_weightsync.reference_impl import synth, trainer
     from pytest_weightsync.reference_impl.megatron_state import (
         megatron_model_state,
@@ -97,25 +96,36 @@ def export_in_rank(exporter, dcase: DistCase, updates):
 
     with megatron_parallel_state(case.spec, case.trainer):
         config = transformer_config(case.spec, case.trainer)
-        current = updates[0][0]
         model, params = megatron_model_state(case.spec, case.trainer, rank,
-                                             shard_values(current), config)
+                                             shard_values(updates[0][0]), config)
         try:
-            out = []
-            for update, (version, fmt) in enumerate(updates, start=1):
-                if version != current:
-                    write_shards(params, shard_values(version), rank)  # an optimizer step
-                    current = version
-                try:
-                    out.append(distributed.call_exporter(
-                        exporter, params, config=config, format=fmt, spec=case.spec,
-                        trainer=case.trainer, receiver=case.receiver, delivery=dcase.delivery,
-                        bucket_bytes=dcase.bucket_bytes, rank=rank, update=update, model=model))
-                except distributed.DistributedExportError as error:
-                    out.append(str(error))  # reported by the pytest process, at this call
-            return out
+            return call_each_update(
+                exporter, params, updates, lambda v: write_shards(params, shard_values(v), rank),
+                config=config, spec=case.spec, trainer=case.trainer, receiver=case.receiver,
+                delivery=dcase.delivery, bucket_bytes=dcase.bucket_bytes, rank=rank, model=model)
         finally:
             del model, params  # before the parallel state (and its groups) goes
+
+
+def call_each_update(exporter, state, updates, write_version, **call) -> list:
+    """Rank body part: one exporter call per ``(version, format)`` of ``updates`` on the
+    rank's real tensors ``state`` (already holding the first version), each later version
+    written in place first (``write_version(version)``: an optimizer step). Returns one
+    ``RankExport`` per call, or the error string of a broken contract (reported by the pytest
+    process, at that call)."""
+    from pytest_weightsync import distributed
+
+    out, current = [], updates[0][0]
+    for update, (version, fmt) in enumerate(updates, start=1):
+        if version != current:
+            write_version(version)
+            current = version
+        try:
+            out.append(distributed.call_exporter(exporter, state, format=fmt, update=update,
+                                                 **call))
+        except distributed.DistributedExportError as error:
+            out.append(str(error))
+    return out
 
 
 def engine_streams(dcase, rank_results: list) -> list:

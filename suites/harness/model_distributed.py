@@ -149,7 +149,6 @@ def export_model_in_rank(exporter, mcase: ModelDistCase, updates):
     ``RankExport`` (or the error string of a broken contract) per update."""
     import torch.distributed as dist
 
-    from pytest_weightsync import distributed
     from pytest_weightsync.reference_impl import megatron_model, megatron_whole, model_synth
     from pytest_weightsync.reference_impl.megatron_state import megatron_parallel_state
 
@@ -162,23 +161,15 @@ def export_model_in_rank(exporter, mcase: ModelDistCase, updates):
 
     with megatron_parallel_state(case.spec.experts, case.trainer):
         config = megatron_whole.transformer_config(case.spec, case.trainer)
-        current = updates[0][0]
         model, state = megatron_whole.whole_model_state(
-            case.spec, case.trainer, rank, model_synth.full_model(case.spec, current), config)
+            case.spec, case.trainer, rank, model_synth.full_model(case.spec, updates[0][0]),
+            config)
         try:
-            out = []
-            for update, (version, fmt) in enumerate(updates, start=1):
-                if version != current:
-                    megatron_whole.write_model(state, modelled(version), rank)  # optimizer step
-                    current = version
-                try:
-                    out.append(distributed.call_exporter(
-                        exporter, state, config=config, format=fmt, spec=case.spec,
-                        trainer=case.trainer, receiver=case.receiver, delivery=mcase.delivery,
-                        bucket_bytes=mcase.bucket_bytes, rank=rank, update=update, model=model))
-                except distributed.DistributedExportError as error:
-                    out.append(str(error))
-            return out
+            return dh.call_each_update(
+                exporter, state, updates,
+                lambda v: megatron_whole.write_model(state, modelled(v), rank),
+                config=config, spec=case.spec, trainer=case.trainer, receiver=case.receiver,
+                delivery=mcase.delivery, bucket_bytes=mcase.bucket_bytes, rank=rank, model=model)
         finally:
             del model, state  # before the parallel state (and its groups) goes
 
