@@ -59,18 +59,12 @@ def global_name(local_name: str, offset: int) -> str:
     return local_name if m is None else f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}"
 
 
-def _is_copy(spec, own: str, first_stage: bool) -> bool:
-    """A copy of the first stage's embedding: a tied model's head, or (on a later stage) the
-    embedding ``GPTModel`` builds for its MTP block - read once, from the first stage."""
-    from pytest_weightsync.reference_impl.megatron_model import EMBEDDING
-
-    return (spec.tied and own == "output_layer.weight") or (own == EMBEDDING and not first_stage)
-
-
 def gather_dense(spec, trainer, model_state: Mapping, offset: int, tp_group, *,
-                 first_stage: bool = True) -> dict:
-    """``{checkpoint name: full tensor}`` of every non-expert tensor of this stage, gathered
-    over ``tp_group``. Collective over the TP group."""
+                 stage: int = 0) -> dict:
+    """``{checkpoint name: full tensor}`` of every non-expert tensor of pipeline stage
+    ``stage``, gathered over ``tp_group``; copies of the first stage's embedding are not read
+    (:func:`~pytest_weightsync.reference_impl.megatron_model.is_embedding_copy`). Collective
+    over the TP group."""
     from pytest_weightsync.reference_impl import megatron_model
     from pytest_weightsync.reference_impl.megatron_state import name_prefix
     from pytest_weightsync.reference_impl.megatron_whole import modelled_name
@@ -82,7 +76,7 @@ def gather_dense(spec, trainer, model_state: Mapping, offset: int, tp_group, *,
     dense = {}
     for name, tensor in model_state.items():
         own = modelled_name(name[len(prefix):])
-        if ".mlp.experts." in own or _is_copy(spec, own, first_stage):
+        if ".mlp.experts." in own or megatron_model.is_embedding_copy(spec, own, stage):
             continue  # routed experts: step 3; copies of the first stage's embedding
         param = catalogue.get(global_name(own, offset))
         if param is None:
@@ -132,7 +126,7 @@ def gather_model(spec, trainer, model_state: Mapping, *, config, model=None):
     offset = layer_offset(config, model)
     dense = gather_dense(spec, trainer, model_state, offset,
                          ps.get_tensor_model_parallel_group(),
-                         first_stage=ps.is_pipeline_first_stage())
+                         stage=ps.get_pipeline_model_parallel_rank())
     local = gather_full(spec.experts, model_state, pp=NO_PP_GATHER)
     experts = {layer + offset: weights for layer, weights in local.items()}
     draft = {}

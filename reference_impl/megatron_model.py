@@ -212,14 +212,19 @@ def trainer_params(spec: ModelSpec, topo: TrainerTopology) -> list[TrainerParam]
     return out
 
 
+def is_embedding_copy(spec: ModelSpec, name: str, stage: int) -> bool:
+    """Whether Megatron parameter ``name`` (local-spec name, wrappers removed) on pipeline
+    stage ``stage`` is not a checkpoint tensor of its own: a copy of the first stage's
+    embedding - a tied model's ``output_layer``, the embedding of the MTP block's stage (PP >
+    1); an exporter that sends it sends the embedding twice (NeMo-RL#2471). Tied with an MTP
+    block on a later stage, that stage's ``output_layer.weight`` is not even a copy: it is
+    never read and holds initialisation garbage (``TrainerParam.unused``)."""
+    return (spec.tied and name == "output_layer.weight") or (name == EMBEDDING and stage > 0)
+
+
 def is_shared_embedding_copy(spec: ModelSpec, param: TrainerParam) -> bool:
-    """Not a checkpoint tensor of its own: a copy of the first stage's embedding - a tied
-    model's ``output_layer`` on the last stage, the embedding of the MTP block's stage (PP >
-    1); an exporter that sends it sends the embedding twice (NeMo-RL#2471) - or, tied with an
-    MTP block on a later stage, that stage's unused ``output_layer.weight`` (its values are
-    initialisation garbage, not the embedding)."""
-    return (param.unused or (spec.tied and param.name == "output_layer.weight")
-            or (param.name == EMBEDDING and param.stage > 0))
+    """:func:`is_embedding_copy` of a :class:`TrainerParam`."""
+    return is_embedding_copy(spec, param.name, param.stage)
 
 
 def trainer_param_shapes(spec: ModelSpec, topo: TrainerTopology, rank: int) -> dict:
@@ -280,14 +285,20 @@ def _layout(param: TrainerParam) -> ComponentLayout:
                            tuple(b.size for b in param.blocks))
 
 
+def _poisoned_vocab_table(table: torch.Tensor, tp: int, *, seed: int) -> torch.Tensor:
+    """A tensor of ``table``'s shape with its rows padded to Megatron's vocabulary
+    (:func:`padded_vocab`), every element the poison pattern of ``seed``."""
+    out = torch.empty((padded_vocab(table.shape[0], tp), *table.shape[1:]), dtype=table.dtype)
+    return synth.poison_(out, seed=seed)
+
+
 def full_tensor(spec: ModelSpec, param: TrainerParam, dense: dict, tp: int, seed: int = 0):
     """The unsharded Megatron tensor of ``param`` from the checkpoint tensors ``dense``
     (vocab padding: the poison pattern, which no engine may receive)."""
     parts = [dense[b.source].narrow(0, b.start, b.size) for b in param.blocks]
     if param.unused:  # never read by the model, never trained: not the checkpoint's values
         (table,) = parts
-        out = torch.empty((padded_vocab(table.shape[0], tp), *table.shape[1:]), dtype=table.dtype)
-        return synth.poison_(out, seed=0xDEAD)
+        return _poisoned_vocab_table(table, tp, seed=0xDEAD)
     if param.kind == "query_groups":
         q, k, v = parts
         if spec.attn_output_gate:
@@ -295,8 +306,7 @@ def full_tensor(spec: ModelSpec, param: TrainerParam, dense: dict, tp: int, seed
         return interleave_qkv(q, k, v, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     if param.kind == "vocab":
         (table,) = parts
-        out = torch.empty((padded_vocab(table.shape[0], tp), *table.shape[1:]), dtype=table.dtype)
-        synth.poison_(out, seed=0xE1B)
+        out = _poisoned_vocab_table(table, tp, seed=0xE1B)
         out[:table.shape[0]] = table
         return out
     return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
