@@ -54,15 +54,8 @@ def engine_tensors(spec, dense: dict, tp: int, rank: int) -> list:
     for name, tensor in dense.items():
         engine, component = _engine_part(spec, name)
         if component is not None:
-            key = engine.rsplit(".", 2)[-2]
-            if component == "qkv":
-                qk = spec.linear_k_heads * spec.linear_k_dim
-                parts = list(enumerate(tensor.split([qk, qk, tensor.shape[0] - 2 * qk])))
-            else:
-                parts = [(component, tensor)]
-            for index, part in parts:
-                offset, start, take = _LAYOUT._component(spec, key, index, part, tp, rank)
-                pieces.setdefault(engine, []).append((offset, part.narrow(0, start, take)))
+            pieces.setdefault(engine, []).extend(
+                _LAYOUT._component_rows(spec, engine, component, tensor, tp, rank))
         elif engine in ("model.embed_tokens.weight", "lm_head.weight"):
             rows = _vocab_rows(spec, tensor, tp, rank)
             heads = [engine] + (["lm_head.weight"] if spec.tied else [])

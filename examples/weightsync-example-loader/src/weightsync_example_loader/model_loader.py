@@ -76,6 +76,23 @@ class ModelLoading:
         start = min(rank * rows, spec.vocab)
         return start, min(start + rows, spec.vocab) - start, rows
 
+    def _component_rows(self, spec, engine, component, tensor, tp, rank):
+        """``[(dst offset, rows of tensor)]``: what fused engine parameter ``engine`` of
+        ``rank`` takes from checkpoint tensor ``tensor``, its component ``component`` (an
+        index, or ``"qkv"`` for a GDN ``in_proj_qkv`` / ``conv1d``: ``[q; k; v]`` in one
+        tensor, three components)."""
+        key = engine.rsplit(".", 2)[-2]
+        if component == "qkv":
+            qk = spec.linear_k_heads * spec.linear_k_dim
+            parts = list(enumerate(tensor.split([qk, qk, tensor.shape[0] - 2 * qk])))
+        else:
+            parts = [(component, tensor)]
+        out = []
+        for index, part in parts:
+            offset, start, take = self._component(spec, key, index, part, tp, rank)
+            out.append((offset, part.narrow(0, start, take)))
+        return out
+
     def _component(self, spec, key, index, part, tp, rank):
         """``(dst offset, src start, rows)`` of fused component ``index`` on ``rank``: every
         component is placed on its own, as SGLang's ``weight_loader(param, w, shard_id)``."""
@@ -145,16 +162,9 @@ class ModelLoading:
                 raise ModelPayloadError(f"{name!r}: dtype {tensor.dtype}, the engine holds "
                                         f"{params[engine].dtype}")
             if component is not None:
-                key = engine.rsplit(".", 2)[-2]
-                if component == "qkv":  # in_proj_qkv / conv1d: [q; k; v] in one tensor
-                    qk = spec.linear_k_heads * spec.linear_k_dim
-                    pieces = list(enumerate(tensor.split([qk, qk, tensor.shape[0] - 2 * qk])))
-                else:
-                    pieces = [(component, tensor)]
-                for index, piece in pieces:
-                    offset, start, take = self._component(spec, key, index, piece, tp, rank)
-                    copies.append((params[engine].narrow(0, offset, take),
-                                   piece.narrow(0, start, take)))
+                for offset, rows in self._component_rows(spec, engine, component, tensor, tp,
+                                                         rank):
+                    copies.append((params[engine].narrow(0, offset, rows.shape[0]), rows))
                 continue
             dst = params[engine]
             if engine.endswith(("embed_tokens.weight", "lm_head.weight")):
