@@ -4,7 +4,7 @@ one plain device copy of the same bytes measured in the same run.
 What runs is what a user of the reference runs (docs/performance.md, "End to end"): the
 trainer holds the model's expert weights on the device (a grouped-GEMM layout: one buffer
 per layer and projection, ``synth.grouped_full_weights``), one engine process per receiver
-rank (``ipc.ReceiverProcess``: CUDA IPC on a GPU, shared memory on a CPU) holds SGLang's
+rank (``engine.process.ReceiverProcess``: CUDA IPC on a GPU, shared memory on a CPU) holds SGLang's
 ``w13``/``w2`` parameters, and every update goes
 
     export (refill staging tensors; nothing where payloads are views of the trainer's memory)
@@ -83,7 +83,7 @@ class ExpertsPart:
     name = "experts"
 
     def __init__(self, spec, device, seed: int = 0):
-        from pytest_weightsync.reference_impl import synth
+        from pytest_weightsync.reference_impl.oracle import synth
 
         self.spec, self.seed = spec, seed
         self.full = synth.grouped_full_weights(spec, 0, seed, device=device)
@@ -114,7 +114,7 @@ class ExpertsPart:
         return per_layer * spec.num_layers * topo.moe_dp
 
     def sender(self, fmt, topo, staging_bytes, layers=None):
-        from pytest_weightsync.reference_impl.colocated import ColocatedSender
+        from pytest_weightsync.reference_impl.senders.colocated import ColocatedSender
 
         return ColocatedSender(fmt, self.spec, topo, self.full, layers=layers,
                                staging_bytes=staging_bytes)
@@ -170,7 +170,7 @@ def save(args, rows, failures, **extra) -> None:
 def registered_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures) -> list:
     """Per format: register once, warm up, time ``repeats`` updates against the plain copy,
     check every bit."""
-    from pytest_weightsync.reference_impl.colocated import ColocatedSync
+    from pytest_weightsync.reference_impl.senders.colocated import ColocatedSync
 
     rows = []
     nbytes = part.written_bytes(topo)
@@ -234,7 +234,7 @@ def registered_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures)
 def release(device) -> None:
     """Give staging memory back between formats (IPC blocks the engines let go, then the
     allocator's cache)."""
-    from pytest_weightsync.reference_impl import ipc
+    from pytest_weightsync.reference_impl.transport import ipc
 
     if torch.device(device).type == "cuda":
         ipc.collect(device)
@@ -244,7 +244,8 @@ def release(device) -> None:
 def per_update_rows(part, engines, topo, tp, args, masks, device, failures) -> list:
     """SGLang's wire format every update: export, serialize every tensor, engines validate and
     plan every bucket (no plan cache), on the first ``per_update_layers`` layers."""
-    from pytest_weightsync.reference_impl import ipc, senders
+    from pytest_weightsync.reference_impl.transport import ipc
+    from pytest_weightsync.reference_impl.senders import formats as senders
 
     rows = []
     layers = list(range(min(args.per_update_layers, part.spec.num_layers)))
@@ -313,8 +314,8 @@ def print_row(r) -> None:
 
 
 def run(args) -> dict:
-    from pytest_weightsync.reference_impl import ipc
-    from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology
+    from pytest_weightsync.reference_impl.engine import process as engine_process
+    from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology
 
     torch.set_num_threads(1)
     device = torch.device(args.device)
@@ -342,7 +343,7 @@ def run(args) -> dict:
         args.progress = progress
     for tp in args.tp:
         topo = ReceiverTopology(tp=tp)
-        engines = [ipc.ReceiverProcess(str(device), timeout=args.timeout) for _ in range(tp)]
+        engines = [engine_process.ReceiverProcess(str(device), timeout=args.timeout) for _ in range(tp)]
         try:
             t0 = time.perf_counter()
             for engine in engines:

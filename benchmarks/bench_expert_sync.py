@@ -11,7 +11,7 @@ Paths, for one MoE layer whose experts are separate per-expert allocations on th
 - ``direct_tpK``: receiver rank 0's own ``w13 [E, 2I/K, H]``/``w2 [E, H, I/K]`` slices copied
   straight from the trainer tensors (strided column slices of fc2 when K > 1).
 
-``packed`` and ``direct`` run through :mod:`pytest_weightsync.reference_impl.fastcopy` with the
+``packed`` and ``direct`` run through :mod:`pytest_weightsync.reference_impl.kernels.fastcopy` with the
 plan built in every call (``copy_pairs``) and with a plan built once and reused (``plan``: what
 a sender that updates the same buffers repeatedly does; on a GPU it replays a CUDA graph), plus
 ``plan/eager`` (reused, no graph). On a GPU, for comparison: ``triton`` (every pair through the
@@ -38,7 +38,7 @@ import sys
 import torch
 
 from pytest_weightsync.throughput import machine_info, median_seconds_interleaved, plain_copy
-from pytest_weightsync.reference_impl.fastcopy import copy_pairs, find_runs, plan_copies
+from pytest_weightsync.reference_impl.kernels.fastcopy import copy_pairs, find_runs, plan_copies
 
 #: Qwen3.5-35B-A3B: 256 experts, hidden 2048, moe_ffn 512 (one layer = 1.5 GiB in bf16).
 FULL_LAYER = dict(experts=256, hidden=2048, moe_ffn=512)

@@ -123,7 +123,7 @@ def measure(args, rank: int, world: int, device) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl.bf16_gather import plan_from_local, prepare_gather
+    from pytest_weightsync.reference_impl.trainer.bf16_gather import plan_from_local, prepare_gather
 
     src, local, baseline_out, gather_out, out = build_layer(args, rank, world, device)
     timer = Timer(device)

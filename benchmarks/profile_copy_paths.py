@@ -20,7 +20,7 @@ import sys
 import torch
 
 from bench_expert_sync import FULL_LAYER, direct_pairs, trainer_experts
-from pytest_weightsync.reference_impl.fastcopy import find_runs, plan_copies
+from pytest_weightsync.reference_impl.kernels.fastcopy import find_runs, plan_copies
 
 
 def layer_pairs(moe_tp: int):

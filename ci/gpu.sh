@@ -73,7 +73,7 @@ PY
 plugin_importable() {
     "$PYTHON" - <<'PY'
 import importlib.metadata as md
-import pytest_weightsync.plugin, pytest_weightsync.reference_impl.synth, pytest_weightsync.suites  # noqa
+import pytest_weightsync.plugin, pytest_weightsync.reference_impl.oracle.synth, pytest_weightsync.suites  # noqa
 assert any(ep.name == "weightsync" for ep in md.entry_points(group="pytest11")), "no pytest11 entry point"
 PY
 }

@@ -60,6 +60,11 @@ def raw_bits(tensor):
     return tensor.view(getattr(torch, _INT_BY_SIZE[size]))
 
 
+def same_bits(a, b) -> bool:
+    """Whether ``a`` and ``b`` have one shape and hold the same bits in every element."""
+    return a.shape == b.shape and bool((raw_bits(a) == raw_bits(b)).all())
+
+
 def _describe(name: str, index: tuple, locate: Optional[Locate], rank):
     location = None
     if locate is not None:

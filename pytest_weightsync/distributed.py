@@ -24,7 +24,7 @@ there, before anything is pickled back, that
   engine ranks played in the sender's process, and what they received is the stream.
 
 The bucket limit is judged apart, in the pytest process, from the streams that come back
-(:func:`pytest_weightsync.reference_impl.buckets.bucket_limit_findings`): a finding, never a
+(:func:`pytest_weightsync.reference_impl.senders.buckets.bucket_limit_findings`): a finding, never a
 value failure.
 
 Tensors are copied out of the exporter's buffers before they travel (a view would pickle its

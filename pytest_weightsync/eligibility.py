@@ -3,7 +3,7 @@
 ``--weightsync-eligibility module:attr`` (repeatable) names a function that decides whether a
 training config may reuse the training forward's log-probs as old-policy log-probs. Every test
 that asks for the ``eligibility_impl`` fixture runs once against the reference
-(:func:`pytest_weightsync.reference_impl.inline_logprob.inline_logprob_eligibility`) and once per function given.
+(:func:`pytest_weightsync.reference_impl.rl.inline_logprob.inline_logprob_eligibility`) and once per function given.
 
 Adapter contract for a third-party function ``f(config)``:
 
@@ -191,7 +191,7 @@ def deciding_fields(func: Callable[[object], object], case: Case, verdict: Verdi
                     ) -> tuple[list[str], list[str]]:
     """``(fields whose value decided the difference, absent fields whose default did)`` for one
     disagreeing case. See the module docstring for the rules."""
-    from pytest_weightsync.reference_impl.inline_logprob import FIELDS, inline_logprob_eligibility
+    from pytest_weightsync.reference_impl.rl.inline_logprob import FIELDS, inline_logprob_eligibility
 
     base = dict(vars(case.config))
     expected, got = case.expected, verdict.eligible
@@ -238,7 +238,7 @@ def disagreement_report(name: str, wrong: Sequence[tuple[Case, Verdict]], total:
                         impl: EligibilityImpl | None = None) -> str:
     """The failure message: a table of (config fields, expected, got), then the fields that
     decided the differences (re-run through ``impl`` when given; otherwise every absent read)."""
-    from pytest_weightsync.reference_impl.inline_logprob import FIELDS
+    from pytest_weightsync.reference_impl.rl.inline_logprob import FIELDS
 
     # The columns are the fields the decision depends on; fields it ignores are left out.
     columns = [f.name for f in FIELDS if any(f.name in vars(c.config) for c, _ in wrong)]
@@ -302,7 +302,7 @@ def load_eligibility_function(spec: str) -> EligibilityImpl:
 
 
 def _reference() -> EligibilityImpl:
-    from pytest_weightsync.reference_impl.inline_logprob import inline_logprob_eligibility
+    from pytest_weightsync.reference_impl.rl.inline_logprob import inline_logprob_eligibility
 
     return EligibilityImpl(REFERENCE_NAME, inline_logprob_eligibility)
 

@@ -25,7 +25,7 @@ def pytest_weightsync_extra_topologies(config: pytest.Config) -> list:
     """Return extra topology cases to add to every conformance matrix.
 
     Each item is a ``suites.harness.cases.Case``, a ``(spec, trainer, receiver)`` tuple of
-    ``pytest_weightsync.reference_impl.layout`` objects (``MoESpec``, ``TrainerTopology``,
+    ``pytest_weightsync.reference_impl.model.layout`` objects (``MoESpec``, ``TrainerTopology``,
     ``ReceiverTopology``), or a ``suites.harness.cases.DistCase`` (a case, a delivery and a
     bucket limit). A ``Case`` reaches every topology suite and, in both deliveries, the
     distributed-exporter suite (in ``trainer.world_size`` ranks); a ``DistCase`` reaches the

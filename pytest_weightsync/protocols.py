@@ -12,8 +12,8 @@ An *implementation* is any object with a ``name`` (``str``), a ``capabilities``
     ``format``: ``"compat"`` (full Hugging Face per-expert tensors), ``"packed"`` (unsharded
     ``w13``/``w2`` of every expert, in the receiver's gate/up order) or ``"direct"`` (this
     rank's own parameter names and exact shapes). ``spec`` is a
-    :class:`pytest_weightsync.reference_impl.layout.MoESpec`, ``topology`` a
-    :class:`pytest_weightsync.reference_impl.layout.ReceiverTopology`, ``rank`` the receiver rank (its index in
+    :class:`pytest_weightsync.reference_impl.model.layout.MoESpec`, ``topology`` a
+    :class:`pytest_weightsync.reference_impl.model.layout.ReceiverTopology`, ``rank`` the receiver rank (its index in
     the engine's TP group). It writes in place (the tensors in ``params`` keep their
     storage) and refuses bad input with a ``ValueError``/``TypeError`` naming the problem,
     before writing anything of that call. One call is one BUCKET of an update: ``hf_fused``
@@ -30,7 +30,7 @@ spec, topology, rank)`` (optional)
 ``export_weights(trainer_states, *, format, spec, trainer, receiver, rank) -> payload``
     The sender side (what runs in the trainer). ``trainer_states`` is every trainer rank's
     Megatron-Core expert state dict, in rank order (``trainer`` is the
-    :class:`pytest_weightsync.reference_impl.layout.TrainerTopology` they follow). It returns the ``format``
+    :class:`pytest_weightsync.reference_impl.model.layout.TrainerTopology` they follow). It returns the ``format``
     payload, a list of ``(name, tensor)``, for receiver ``rank`` of ``receiver``. The harness
     checks after every call that no trainer shard was modified.
 
@@ -89,13 +89,13 @@ bucket_bytes[, model][, engine]) -> streams``
 
 Whole models (``suites/conformance/test_model.py``, for implementations whose
 :class:`Capabilities` claim ``model_parts``): ``spec`` is a
-``pytest_weightsync.reference_impl.model_spec.ModelSpec``; a loader's ``params`` is the
-engine rank's whole parameter tree (``reference_impl.model_layout.engine_params``: SGLang's
+``pytest_weightsync.reference_impl.model.model_spec.ModelSpec``; a loader's ``params`` is the
+engine rank's whole parameter tree (``reference_impl.model.model_layout.engine_params``: SGLang's
 names and TP shapes, the MTP draft's under ``draft.``), ``payload`` carries every checkpoint
 tensor (``compat``, ``hf_fused``) or every engine parameter (``direct``), and the optional
 keyword ``targets`` names the models the update reaches (``("target", "draft")`` or
 ``("target",)``: a frozen draft); an exporter's ``trainer_states`` are whole Megatron state
-dicts (``reference_impl.megatron_model``). A distributed exporter that claims whole models
+dicts (``reference_impl.trainer.megatron_model``). A distributed exporter that claims whole models
 is also run in real ranks (``suites/conformance/test_model_distributed.py``): its
 ``model_state`` is the stage's whole real ``GPTModel`` - every parameter plus each router's
 float32 ``expert_bias`` buffer - and ``trainer.first_stage_layers`` may make the stages
@@ -128,7 +128,7 @@ if TYPE_CHECKING:  # annotations only: nothing here may import torch at run time
     Bucket = Sequence[tuple[str, "torch.Tensor"]]
     Stream = Sequence[Bucket]
 
-#: The layout types the suites pass (``pytest_weightsync.reference_impl.layout``: ``MoESpec``,
+#: The layout types the suites pass (``pytest_weightsync.reference_impl.model.layout``: ``MoESpec``,
 #: ``ReceiverTopology``, ``TrainerTopology``). Named here, not imported: the plugin never
 #: imports the reference implementation.
 MoESpec = ReceiverTopology = TrainerTopology = Any
@@ -426,7 +426,7 @@ class Capabilities:
         return None
 
     def routing(self, role: str) -> "Capabilities":
-        """What path selection (``pytest_weightsync.reference_impl.select``, which reads
+        """What path selection (``pytest_weightsync.reference_impl.senders.select``, which reads
         ``formats``, ``orders`` and ``padded`` of this same class) sees for ``role``. A
         loader's order and padding gaps are topology refusals, so here they are open."""
         if role == "loader":

@@ -63,6 +63,9 @@ IMPL_FIXTURES = {"weightsync_impl": None, "weightsync_loader": "loader",
 _BASE = pytest.StashKey["Registry"]()
 _DECLARED = pytest.StashKey["Registry"]()
 _FIXTURE_EXTRAS = pytest.StashKey[dict]()
+#: The text of a usage error raised while resolving registrations (the report writes it to
+#: the JSON).
+USAGE_ERROR = pytest.StashKey[str]()
 
 
 class RegistrationError(pytest.UsageError):
@@ -277,8 +280,6 @@ def pytest_collection(session: pytest.Session) -> None:
         if only:
             registry.only(only, "--weightsync-only")
     except RegistrationError as error:
-        from pytest_weightsync.report import USAGE_ERROR
-
         config.stash[USAGE_ERROR] = str(error)
         raise
 

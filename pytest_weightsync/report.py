@@ -42,7 +42,12 @@ from typing import Optional
 import pytest
 
 from pytest_weightsync import verdict as verdicts
-from pytest_weightsync.registry import declared_registry, implementation_of, optional_names
+from pytest_weightsync.registry import (
+    USAGE_ERROR,
+    declared_registry,
+    implementation_of,
+    optional_names,
+)
 from pytest_weightsync.selection import Selection, SelectionRecorder, WorkerSelections
 from pytest_weightsync.vocabulary import (
     BUCKET_LIMIT,
@@ -779,8 +784,6 @@ class ConformanceReport:
 
 
 _REPORT = pytest.StashKey[ConformanceReport]()
-#: The text of a usage error raised while resolving registrations (written to the JSON).
-USAGE_ERROR = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -78,7 +78,7 @@ LOADER_TRANSPORTS = ("tensors", "flattened_bucket")
 #: The roles an implementation can play, by the method that provides each.
 ROLES = {"loader": "load_weights", "exporter": "export_weights",
          "distributed_exporter": "export_weights_distributed"}
-#: Whole-model families the suites hold a refit to (``reference_impl/model_spec.py``):
+#: Whole-model families the suites hold a refit to (``reference_impl/model/model_spec.py``):
 #: ``qwen3_moe`` (attention + routed experts) and ``qwen3_5_moe`` (Gated DeltaNet layers with
 #: full attention every k-th layer, a shared expert, an MTP draft).
 MODEL_FAMILIES = ("qwen3_moe", "qwen3_5_moe")

@@ -2,7 +2,7 @@
 
 It lives in a module of its own, free of torch, so torch-free modules (``fastcopy``,
 ``inline_logprob``) can derive their errors from it without making a plugin import pull torch
-in. :mod:`pytest_weightsync.reference_impl.layout` re-exports it under the same name.
+in. :mod:`pytest_weightsync.reference_impl.model.layout` re-exports it under the same name.
 """
 
 from __future__ import annotations

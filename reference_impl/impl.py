@@ -3,7 +3,7 @@
 It is registered like any third-party implementation (entry point ``weightsync.loaders``,
 name ``reference``), so the conformance matrix shows it next to the implementations it is the
 yardstick for. Both roles delegate to the reference modules: loading to
-:class:`pytest_weightsync.reference_impl.receiver.ReferenceReceiver` (SGLang ``FusedMoE``
+:class:`pytest_weightsync.reference_impl.engine.receiver.ReferenceReceiver` (SGLang ``FusedMoE``
 placement, stricter than SGLang on bad input), exporting to the trainer gather and the
 compat / hf_fused / packed / direct sender paths.
 
@@ -21,13 +21,13 @@ is released by the next ``begin_update`` on those parameters, or as soon as the 
 them, so a trainer that abandons updates (an exception between buckets, a retry) cannot pile
 up models in memory.
 
-Whole models: when ``spec`` is a :class:`~pytest_weightsync.reference_impl.model_spec.ModelSpec`
+Whole models: when ``spec`` is a :class:`~pytest_weightsync.reference_impl.model.model_spec.ModelSpec`
 the loader is the whole-model receiver
-(:class:`~pytest_weightsync.reference_impl.model_receiver.ModelReceiver`: every engine
+(:class:`~pytest_weightsync.reference_impl.engine.model_receiver.ModelReceiver`: every engine
 parameter, the draft's included) and ``targets`` (an optional keyword: the models the update
 reaches, default all) is bound to the update like the other arguments; the exporter gathers
-every parameter from the trainer states (:func:`~pytest_weightsync.reference_impl.megatron_model.gather_model`)
-and sends the whole model (:mod:`~pytest_weightsync.reference_impl.model_senders`).
+every parameter from the trainer states (:func:`~pytest_weightsync.reference_impl.trainer.megatron_model.gather_model`)
+and sends the whole model (:mod:`~pytest_weightsync.reference_impl.senders.model_senders`).
 
 Heavy modules are imported inside the methods: discovering implementations (which imports this
 module) must stay cheap.
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pytest_weightsync.protocols import Capabilities
 from pytest_weightsync.vocabulary import MODEL_PARTS, TARGETS
 from pytest_weightsync.reference_impl.errors import WeightSyncError, shown
-from pytest_weightsync.reference_impl.senders import PayloadFormatError, check_format
+from pytest_weightsync.reference_impl.senders.formats import PayloadFormatError, check_format
 
 
 _NAME_KIND = {"compat": "expert", "packed": "fused", "direct": "fused", "hf_fused": "hf_fused"}
@@ -57,7 +57,7 @@ class UpdateMismatchError(WeightSyncError):
 
 
 def _check_format(fmt: str, payload, where) -> None:
-    from pytest_weightsync.reference_impl.layout import parse_receiver_name
+    from pytest_weightsync.reference_impl.model.layout import parse_receiver_name
 
     check_format(fmt)
     for index, item in enumerate(payload):
@@ -70,7 +70,7 @@ def _check_format(fmt: str, payload, where) -> None:
 
 
 def _check_payload_type(payload) -> None:
-    from pytest_weightsync.reference_impl.receiver import PayloadTypeError
+    from pytest_weightsync.reference_impl.engine.receiver import PayloadTypeError
 
     if payload is None:
         raise PayloadTypeError("payload is None; expected a list of (name, tensor) pairs")
@@ -83,7 +83,7 @@ def _decoded(payload):
     """A flattened bucket (``load_format="flattened_bucket"``) as its ``(name, tensor)``
     pairs, decoded and checked whole before anything is written; anything else as it is."""
     from pytest_weightsync import wire
-    from pytest_weightsync.reference_impl.receiver import PayloadError
+    from pytest_weightsync.reference_impl.engine.receiver import PayloadError
 
     if wire.transport_of(payload) != "flattened_bucket":
         return payload
@@ -102,7 +102,7 @@ _BOUND = ("format", "spec", "topology", "rank", "targets")
 
 def is_model_spec(spec) -> bool:
     """Whether ``spec`` describes a whole model (a ``ModelSpec``) rather than experts only."""
-    from pytest_weightsync.reference_impl.model_spec import ModelSpec
+    from pytest_weightsync.reference_impl.model.model_spec import ModelSpec
 
     return isinstance(spec, ModelSpec)
 
@@ -160,7 +160,7 @@ class ReferenceImplementation:
         """The copy-plan cache of ``receiver``'s parameters when they live on a GPU: a bucket is
         still validated and planned in full on every call, but a copy plan seen before at the
         same addresses is replayed (a CUDA graph from its second run) instead of launching one
-        copy per piece (:mod:`pytest_weightsync.reference_impl.plan_cache`). Checkpoint-layout
+        copy per piece (:mod:`pytest_weightsync.reference_impl.engine.plan_cache`). Checkpoint-layout
         expert receivers only; on CPU nothing is cached (the profile counts every copy). At most
         :data:`PLAN_CACHES` parameter sets are kept, least recently used dropped first: a cache
         keeps its last payload alive."""
@@ -170,7 +170,7 @@ class ReferenceImplementation:
         first = next(iter(receiver.params.values()), None)
         if first is None or first.device.type != "cuda":
             return None
-        from pytest_weightsync.reference_impl.plan_cache import LoadCache
+        from pytest_weightsync.reference_impl.engine.plan_cache import LoadCache
 
         key = tuple((name, t.data_ptr(), tuple(t.shape), t.dtype)
                     for name, t in receiver.params.items())
@@ -182,10 +182,10 @@ class ReferenceImplementation:
 
     def _receiver(self, params, spec, topology, rank, targets=None):
         if is_model_spec(spec):
-            from pytest_weightsync.reference_impl.model_receiver import ModelReceiver
+            from pytest_weightsync.reference_impl.engine.model_receiver import ModelReceiver
 
             return ModelReceiver(spec, topology, rank, params=params, targets=targets)
-        from pytest_weightsync.reference_impl.engine_receivers import make_receiver
+        from pytest_weightsync.reference_impl.engine.engine_receivers import make_receiver
 
         return make_receiver(spec, topology, rank, params=params)
 
@@ -227,10 +227,10 @@ class ReferenceImplementation:
 
     def end_update(self, params, *, format, spec, topology, rank, targets=None) -> None:
         """Close the update on ``params``; raises
-        :class:`pytest_weightsync.reference_impl.receiver.MissingExpertError` naming every
+        :class:`pytest_weightsync.reference_impl.engine.receiver.MissingExpertError` naming every
         (layer, expert, projection) no bucket carried, :class:`UpdateMismatchError` (the update
         stays open) when the arguments are not those of its ``begin_update``."""
-        from pytest_weightsync.reference_impl.receiver import IncompleteUpdateError
+        from pytest_weightsync.reference_impl.engine.receiver import IncompleteUpdateError
 
         entry = self._find_open(params)
         if entry is None:
@@ -247,7 +247,7 @@ class ReferenceImplementation:
 
     def load_weights(self, params, payload, *, format, spec, topology, rank, targets=None) -> None:
         """Validate the whole bucket, then copy it into ``params`` in place. ``params`` that do
-        not fit the topology raise :class:`pytest_weightsync.reference_impl.receiver.ReceiverParamsError`;
+        not fit the topology raise :class:`pytest_weightsync.reference_impl.engine.receiver.ReceiverParamsError`;
         a bucket for an update begun with other arguments :class:`UpdateMismatchError`."""
         targets = _targets(spec, targets)
         entry = self._find_open(params)
@@ -275,12 +275,13 @@ class ReferenceImplementation:
     def export_weights(self, trainer_states, *, format, spec, trainer, receiver, rank):
         """Gather the full expert weights from every trainer rank's shards, then build the
         ``format`` payload receiver ``rank`` gets (one bucket)."""
-        from pytest_weightsync.reference_impl import senders
-        from pytest_weightsync.reference_impl.trainer import gather_full_weights
+        from pytest_weightsync.reference_impl.senders import formats as senders
+        from pytest_weightsync.reference_impl.trainer.trainer import gather_full_weights
 
         check_format(format)
         if is_model_spec(spec):
-            from pytest_weightsync.reference_impl import megatron_model, model_senders
+            from pytest_weightsync.reference_impl.trainer import megatron_model
+            from pytest_weightsync.reference_impl.senders import model_senders
 
             weights = megatron_model.gather_model(spec, trainer, trainer_states)
             return model_senders.export(format, spec, receiver, rank, weights)
@@ -290,18 +291,18 @@ class ReferenceImplementation:
     def export_weights_distributed(self, model_state, *, config, format, spec, trainer, receiver,
                                    delivery, bucket_bytes, model=None, engine=None):
         """Run in every trainer rank: gather over Megatron's TP/EP/ETP/PP groups, then send on
-        :attr:`transport` (:mod:`pytest_weightsync.reference_impl.distributed_export`; whole
-        models: :mod:`pytest_weightsync.reference_impl.distributed_model_export`; ``engine``:
+        :attr:`transport` (:mod:`pytest_weightsync.reference_impl.senders.distributed_export`; whole
+        models: :mod:`pytest_weightsync.reference_impl.senders.distributed_model_export`; ``engine``:
         where a broadcast goes, :mod:`pytest_weightsync.broadcast`)."""
         check_format(format)
         kwargs = dict(config=config, format=format, spec=spec, trainer=trainer,
                       receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes)
         if is_model_spec(spec):  # whole models travel as (name, tensor) pairs
-            from pytest_weightsync.reference_impl import distributed_model_export
+            from pytest_weightsync.reference_impl.senders import distributed_model_export
 
             return distributed_model_export.export_weights_distributed(model_state, model=model,
                                                                        **kwargs)
-        from pytest_weightsync.reference_impl.distributed_export import export_weights_distributed
+        from pytest_weightsync.reference_impl.senders.distributed_export import export_weights_distributed
 
         return export_weights_distributed(model_state, transport=self.transport, engine=engine,
                                           **kwargs)

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from pytest_weightsync.reference_impl.buckets import bucket_limit_findings, bucket_units
+from pytest_weightsync.reference_impl.senders.buckets import bucket_limit_findings, bucket_units
 
 
 def _t(n: int):
@@ -56,7 +56,7 @@ def test_a_single_tensor_larger_than_the_limit_is_within_and_every_bucket_is_jud
 
 
 def test_the_reference_bucketing_keeps_the_rule():
-    from pytest_weightsync.reference_impl.buckets import split_buckets
+    from pytest_weightsync.reference_impl.senders.buckets import split_buckets
 
     named = [(_expert(0, e, p), _t(7 * (e + 1))) for e in range(4) for p in ("gate", "up", "down")]
     for limit in (None, 0, 1, 30, 100, 1000):

@@ -119,10 +119,10 @@ def test_tens_of_mib_are_classified_exactly():
 def test_a_loader_staging_bf16_through_fp32_gets_the_nan_message():
     """The held-out mutant: exact for every finite value, so only NaN payloads differ; the
     report must say so rather than look like a placement bug."""
-    from pytest_weightsync.reference_impl import synth
+    from pytest_weightsync.reference_impl.oracle import synth
     from pytest_weightsync.reference_impl.impl import ReferenceImplementation
-    from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology
-    from pytest_weightsync.reference_impl.senders import export
+    from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology
+    from pytest_weightsync.reference_impl.senders.formats import export
 
     class StagesThroughFp32(ReferenceImplementation):
         def load_weights(self, params, payload, **kwargs):

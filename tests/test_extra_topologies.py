@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import types
 
-from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, TrainerTopology
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology, TrainerTopology
 from suites import conftest as suites_conftest
 from suites.harness.cases import CASES, DIST_CASES, Case, DistCase
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_weightsync.reference_impl import moe_forward as mf
-from pytest_weightsync.reference_impl import synth
-from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, fused_name
+from pytest_weightsync.reference_impl.oracle import moe_forward as mf
+from pytest_weightsync.reference_impl.oracle import synth
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology, fused_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = ROOT / "suites" / "selftest"
@@ -290,7 +290,7 @@ def test_update_scenario_catches_a_stale_layer_with_its_location(monkeypatch):
 
 @pytest.fixture(scope="module")
 def cpu_receivers():
-    from pytest_weightsync.reference_impl.ipc import ReceiverProcess
+    from pytest_weightsync.reference_impl.engine.process import ReceiverProcess
 
     processes = [ReceiverProcess("cpu"), ReceiverProcess("cpu")]
     yield processes
@@ -316,23 +316,24 @@ def test_ipc_updates_on_cpu_are_exact_in_place_and_leak_no_handles(cpu_receivers
 
 
 def test_ipc_receiver_refuses_a_bad_payload_and_keeps_its_parameters(cpu_receivers):
-    from pytest_weightsync.reference_impl import ipc
+    from pytest_weightsync.reference_impl.engine import process as engine_process
+    from pytest_weightsync.reference_impl.transport import ipc
 
     topo = ReceiverTopology(tp=1)
     process = cpu_receivers[0]
     h.run_ipc_updates([process], SPEC, topo, "direct", [4], "cpu")
     bad = [(n, t.float()) for n, t in h.payload("direct", SPEC, topo, 0, h.full_weights(SPEC, 5, "cpu"))]
-    with pytest.raises(ipc.ReceiverProcessError, match="dtype torch.float32"):
+    with pytest.raises(engine_process.ReceiverProcessError, match="dtype torch.float32"):
         process.update(ipc.serialize(bad), "direct")
     h.assert_params_exact(process.params(), SPEC, topo, 0, 4)
-    with pytest.raises(ipc.ReceiverProcessError, match="failed in 'update'"):
+    with pytest.raises(engine_process.ReceiverProcessError, match="failed in 'update'"):
         process.update(b"not a payload", "direct")
     with pytest.raises(ipc.IpcError, match="not a \\(name, tensor\\) pair"):
         ipc.serialize([("x", [1, 2])])
 
 
 def test_ipc_receiver_that_dies_is_reported_and_reaped():
-    from pytest_weightsync.reference_impl.ipc import ReceiverProcess, ReceiverProcessError
+    from pytest_weightsync.reference_impl.engine.process import ReceiverProcess, ReceiverProcessError
 
     process = ReceiverProcess("cpu", timeout=60)
     process.configure(SPEC, ReceiverTopology(tp=1), 0)
@@ -470,8 +471,8 @@ def test_engine_layout_update_steps_on_cpu(case):
 # Whole models (suites/selftest/test_gpu_model.py), same steps on CPU at small sizes
 # --------------------------------------------------------------------------------------------
 
-_model_spec = importlib.import_module("pytest_weightsync.reference_impl.model_spec")
-_layout = importlib.import_module("pytest_weightsync.reference_impl.layout")
+_model_spec = importlib.import_module("pytest_weightsync.reference_impl.model.model_spec")
+_layout = importlib.import_module("pytest_weightsync.reference_impl.model.layout")
 
 
 @pytest.mark.parametrize("fmt", ["compat", "hf_fused", "direct"])
@@ -481,7 +482,7 @@ _layout = importlib.import_module("pytest_weightsync.reference_impl.layout")
 def test_whole_model_update_steps_on_cpu(receiver, fmt):
     spec = _model_spec.qwen3_5_moe(linear_k_heads=4, linear_v_heads=8)
     log = h.run_model_updates(spec, receiver, fmt, "cpu", updates=2)
-    layout = importlib.import_module("pytest_weightsync.reference_impl.model_layout")
+    layout = importlib.import_module("pytest_weightsync.reference_impl.model.model_layout")
     ranks = sorted({0, receiver.world_size - 1})
     assert log.updates == 2
     assert log.params_checked == 2 * sum(len(layout.engine_params(spec, receiver, r))
@@ -491,7 +492,7 @@ def test_whole_model_update_steps_on_cpu(receiver, fmt):
 def test_whole_model_update_steps_catch_a_wrong_tensor_and_locate_it(monkeypatch):
     import torch
 
-    from pytest_weightsync.reference_impl import model_senders
+    from pytest_weightsync.reference_impl.senders import model_senders
 
     spec = _model_spec.qwen3_5_moe()
     real = model_senders.export

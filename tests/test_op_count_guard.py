@@ -23,14 +23,14 @@ SUITE = ROOT / "suites" / "selftest" / "test_copy_op_counts.py"
 BASELINE = ROOT / "ci" / "baselines" / "cpu.json"
 
 PER_EXPERT_LOOP = """
-from pytest_weightsync.reference_impl import fastcopy
+from pytest_weightsync.reference_impl.kernels import fastcopy
 
 # planted: runs are never found, so whole per-expert tensors are copied one pair at a time
 fastcopy.find_runs = lambda pairs: ([], [i for i, (d, _) in enumerate(pairs) if d.numel()])
 """
 
 STAGING_COPY = """
-from pytest_weightsync.reference_impl import fastcopy
+from pytest_weightsync.reference_impl.kernels import fastcopy
 
 _plan = fastcopy.plan_copies
 

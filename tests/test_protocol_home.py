@@ -74,11 +74,12 @@ def test_plugin_imports_with_reference_impl_blocked_and_without_torch():
 
 def test_select_uses_the_one_capabilities_class():
     from pytest_weightsync import protocols
-    from pytest_weightsync.reference_impl import select
+    from pytest_weightsync.reference_impl.senders import select
 
     assert select.Capabilities is protocols.Capabilities
     from pytest_weightsync import vocabulary
-    from pytest_weightsync.reference_impl import layout, receiver
+    from pytest_weightsync.reference_impl.model import layout
+    from pytest_weightsync.reference_impl.engine import receiver
     from pytest_weightsync.reference_impl.backends import megatron
 
     # one home per word: everyone holds the vocabulary's own objects, no copies
@@ -92,7 +93,7 @@ def test_select_uses_the_one_capabilities_class():
 
 def test_trainer_side_claims_skip_with_the_reason():
     from pytest_weightsync.protocols import Capabilities
-    from pytest_weightsync.reference_impl.layout import MoESpec, TrainerTopology
+    from pytest_weightsync.reference_impl.model.layout import MoESpec, TrainerTopology
 
     spec = MoESpec(num_layers=2, num_experts=4, hidden=8, intermediate=4)
     te_only = Capabilities(expert_impls={"te_grouped"}, max_trainer_pp=1, max_trainer_ep=2)
@@ -110,7 +111,7 @@ def test_trainer_side_claims_skip_with_the_reason():
 
 def test_raising_predicate_is_a_claim_error_naming_it():
     from pytest_weightsync.protocols import Capabilities, ClaimError
-    from pytest_weightsync.reference_impl.layout import MoESpec, TrainerTopology
+    from pytest_weightsync.reference_impl.model.layout import MoESpec, TrainerTopology
 
     def picky(spec, trainer):
         return trainer.nonexistent

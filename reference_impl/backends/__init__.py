@@ -7,6 +7,8 @@ optional. :func:`probe` answers, with a reason, whether one imports here; where 
 CPU-only install still runs every property against the reference.
 
 Nothing here imports an optional package at import time; :func:`probe` imports on demand.
+The adapters read the model room (what the engine's parameter tree is) and nothing else of
+the reference.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 from dataclasses import dataclass
+
+#: Rooms of ``reference_impl`` this one may import (checked by the repository's tests).
+MAY_IMPORT = ("errors", "model")
 
 #: Backend name -> (module whose import proves the backend usable, distribution name).
 #: The module is the one the suites actually use, not the top-level package: ``sglang``
@@ -112,7 +117,7 @@ def receiver_loader(status: BackendStatus) -> Selection:
     """The receiver-side loader to use given the SGLang probe result.
 
     With SGLang importable the real ``FusedMoE.weight_loader`` runs; without it the reference
-    receiver (:mod:`pytest_weightsync.reference_impl.receiver`) loads the payload instead.
+    receiver (:mod:`pytest_weightsync.reference_impl.engine.receiver`) loads the payload instead.
     """
     if status.name != "sglang":
         raise ValueError(f"receiver_loader needs the 'sglang' probe, got {status.name!r}")
@@ -125,7 +130,7 @@ def trainer_source(status: BackendStatus) -> Selection:
     """The trainer-side shard source to use given the Megatron-Core probe result.
 
     With Megatron-Core importable, shards are read from real MoE layers built in gloo ranks;
-    without it, the reference's synthetic shards (:mod:`pytest_weightsync.reference_impl.synth`) stand in.
+    without it, the reference's synthetic shards (:mod:`pytest_weightsync.reference_impl.oracle.synth`) stand in.
     """
     if status.name != "megatron":
         raise ValueError(f"trainer_source needs the 'megatron' probe, got {status.name!r}")

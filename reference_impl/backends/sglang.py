@@ -326,3 +326,36 @@ def build_fused_moe(
         prefix=prefix if prefix is not None else f"model.layers.{layer_id}.mlp",
         num_experts=num_experts,
     )
+
+
+#: Receiver gate/up order -> the SGLang MoE runner whose weight layout stores it.
+RUNNER_FOR_ORDER = {"gate_up": "triton", "up_gate": "flashinfer_cutlass"}
+#: Receiver engine layout -> the SGLang MoE runner that keeps it (checkpoint: by order).
+RUNNER_FOR_ENGINE_LAYOUT = {"trtllm_block": "flashinfer_trtllm", "transposed": "triton_kernels"}
+
+
+def runner_for(topology) -> str:
+    """The SGLang MoE runner of a receiver topology."""
+    layout = getattr(topology, "engine_layout", "checkpoint")
+    return RUNNER_FOR_ENGINE_LAYOUT.get(layout) or RUNNER_FOR_ORDER[topology.order]
+
+
+_CONTEXTS: dict = {}
+
+
+def engine_context(receiver, rank: int):
+    """SGLang's runtime context of TP rank ``rank`` of ``receiver``, created by SGLang from its
+    own server arguments (cached: contexts are immutable once published)."""
+    key = (receiver.tp, receiver.moe_ep, receiver.moe_dp, rank)
+    if key not in _CONTEXTS:
+        from sglang.srt.runtime_context import SpawnRanks, create_context
+        from sglang.srt.server_args import ServerArgs
+
+        extra = {"moe_dp_size": receiver.moe_dp}
+        if receiver.moe_dp > 1:  # SGLang: attn_cp_size != moe_dp_size only with moe_dp_size 1
+            extra["attn_cp_size"] = receiver.moe_dp
+        server_args = ServerArgs(model_path="dummy", device="cpu", tp_size=receiver.tp,
+                                 ep_size=receiver.moe_ep, **extra)
+        _CONTEXTS[key] = create_context(server_args, role="test",
+                                        ranks=SpawnRanks(world_rank=rank))
+    return _CONTEXTS[key]

@@ -50,7 +50,7 @@ import types
 from dataclasses import dataclass
 from typing import Optional
 
-from pytest_weightsync.reference_impl.model_layout import DRAFT_PREFIX
+from pytest_weightsync.reference_impl.model.model_layout import DRAFT_PREFIX
 
 
 class SGLangPlacementError(RuntimeError):
@@ -227,12 +227,15 @@ def build_engine_rank(spec, topology, rank: int) -> SGLangEngineRank:
 
     import torch
 
-    from pytest_weightsync.reference_impl.backends.sglang import preload_runner_modules
-    from pytest_weightsync.reference_impl.backends.sglang_models import RUNNER_FOR_ORDER, _context
+    from pytest_weightsync.reference_impl.backends.sglang import (
+        RUNNER_FOR_ORDER,
+        engine_context,
+        preload_runner_modules,
+    )
 
     runner = RUNNER_FOR_ORDER[topology.order]
     preload_runner_modules((runner,))
-    context = _context(topology, rank)
+    context = engine_context(topology, rank)
     groups = _group_placements(context.parallel)
     config = hf_config(spec)
     module, cls = {"qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),

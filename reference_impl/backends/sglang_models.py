@@ -18,7 +18,7 @@ What runs is SGLang's own code, unmodified:
 * the parallel placement: each (topology, rank) gets SGLang's runtime context from
   ``runtime_context.create_context(ServerArgs(tp_size, ep_size, moe_dp_size, attn_cp_size),
   ranks=SpawnRanks(world_rank=rank))``, and the layer reads MoE-TP/EP/DP sizes and ranks from it
-  (checked against :func:`pytest_weightsync.reference_impl.layout.receiver_shard`);
+  (checked against :func:`pytest_weightsync.reference_impl.model.layout.receiver_shard`);
 * ``load_format="direct"``: SGLang's ``_model_load_weights_direct`` from
   ``model_executor/model_runner_components/weight_updater.py`` (what
   ``update_weights_from_tensor(load_format="direct")`` calls: ``default_weight_loader`` per name).
@@ -84,18 +84,7 @@ from collections import OrderedDict
 from typing import Optional
 
 from pytest_weightsync.protocols import Capabilities
-
-#: Receiver gate/up order -> the SGLang MoE runner whose weight layout stores it.
-RUNNER_FOR_ORDER = {"gate_up": "triton", "up_gate": "flashinfer_cutlass"}
-#: Receiver engine layout -> the SGLang MoE runner that keeps it (checkpoint: by order).
-RUNNER_FOR_ENGINE_LAYOUT = {"trtllm_block": "flashinfer_trtllm", "transposed": "triton_kernels"}
-
-
-def runner_for(topology) -> str:
-    """The SGLang MoE runner of a receiver topology."""
-    layout = getattr(topology, "engine_layout", "checkpoint")
-    return RUNNER_FOR_ENGINE_LAYOUT.get(layout) or RUNNER_FOR_ORDER[topology.order]
-
+from pytest_weightsync.reference_impl.backends.sglang import engine_context, runner_for
 
 def _flashinfer_importable() -> bool:
     """Whether flashinfer (which SGLang's TRT-LLM BF16 post-processing calls) is installed;
@@ -162,27 +151,6 @@ def _serving(family: str):
     return serves
 #: Shared by every SGLang model row.
 _BUILD_LOCK = threading.Lock()
-_CONTEXTS: dict = {}
-
-
-def _context(receiver, rank: int):
-    """SGLang's runtime context of TP rank ``rank`` of ``receiver``, created by SGLang from its
-    own server arguments (cached: contexts are immutable once published)."""
-    key = (receiver.tp, receiver.moe_ep, receiver.moe_dp, rank)
-    if key not in _CONTEXTS:
-        from sglang.srt.runtime_context import SpawnRanks, create_context
-        from sglang.srt.server_args import ServerArgs
-
-        extra = {"moe_dp_size": receiver.moe_dp}
-        if receiver.moe_dp > 1:  # SGLang: attn_cp_size != moe_dp_size only with moe_dp_size 1
-            extra["attn_cp_size"] = receiver.moe_dp
-        server_args = ServerArgs(model_path="dummy", device="cpu", tp_size=receiver.tp,
-                                 ep_size=receiver.moe_ep, **extra)
-        _CONTEXTS[key] = create_context(server_args, role="test",
-                                        ranks=SpawnRanks(world_rank=rank))
-    return _CONTEXTS[key]
-
-
 class _BuiltModel:
     """One receiver rank's model object (real class, minimal attributes) and its layers.
 
@@ -383,7 +351,7 @@ class _SGLangModelLoader:
             _activated,
             preload_runner_modules,
         )
-        from pytest_weightsync.reference_impl.layout import receiver_shard
+        from pytest_weightsync.reference_impl.model.layout import receiver_shard
 
         reason = sglang_refusal(spec, topology)
         if reason is not None:
@@ -391,7 +359,7 @@ class _SGLangModelLoader:
         runner = runner_for(topology)
         preload_runner_modules((runner,))
         shard = receiver_shard(spec, topology, rank)
-        context = _context(topology, rank)
+        context = engine_context(topology, rank)
         layers = []
         # EPLB: the model builds its FusedMoE with num_experts + ep_num_redundant_experts
         # physical slots (Qwen3MoeSparseMoeBlock); its config keeps the logical count.
@@ -421,12 +389,12 @@ class _SGLangModelLoader:
         if up_first != (topology.order == "up_gate"):
             raise SGLangPlacementError(f"runner {runner} stores up first={up_first}, receiver "
                                        f"order is {topology.order!r}")
-        from pytest_weightsync.reference_impl.layout import receiver_param_shapes
+        from pytest_weightsync.reference_impl.model.layout import receiver_param_shapes
 
         shapes = {name: (shape, spec.dtype)
                   for name, shape in receiver_param_shapes(spec, topology, rank).items()}
         if topology.weight_quant == "fp8_block":
-            from pytest_weightsync.reference_impl import fp8
+            from pytest_weightsync.reference_impl.model import fp8
 
             shapes = fp8.param_specs(spec, topology, rank)
         for layer_id, layer in enumerate(layers):

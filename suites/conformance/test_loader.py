@@ -21,7 +21,7 @@ the test id carries its name) and states one property:
   ``down_proj``, an unknown name, an out-of-range expert, duplicates within and across buckets,
   a missing expert) at the end of a valid update; what the loader did is recorded as a finding
   (``suites/harness/hardening.py``). Only refusing a bucket after writing part of it fails;
-- ``fallback_routing``: with a capability taken away, ``pytest_weightsync.reference_impl.select`` routes the
+- ``fallback_routing``: with a capability taken away, ``pytest_weightsync.reference_impl.senders.select`` routes the
   update down a path the loader claims, and that path lands bit-exact too;
 - ``engine_layout``: receivers as engines hold them (``cases.ENGINE_CASES``: the TRT-LLM BF16
   block layout applied after every update, triton_kernels' transposed parameters, redundant
@@ -41,7 +41,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl.layout import fused_name
+from pytest_weightsync.reference_impl.model.layout import fused_name
 from pytest_weightsync.vocabulary import BUCKET_LIMITS, FORMATS
 
 from ..harness import cases, claims, hardening, inputs, judge, loader, quant_judge
@@ -94,7 +94,8 @@ def test_loader_lands_a_qwen35_layer_on_the_gpu(weightsync_loader, payload_forma
     bucket; the expected state is built on the device and compared there."""
     import torch
 
-    from pytest_weightsync.reference_impl import senders, synth
+    from pytest_weightsync.reference_impl.senders import formats as senders
+    from pytest_weightsync.reference_impl.oracle import synth
 
     case = cases.QWEN35_LAYER
     _require_claim(weightsync_loader, case, payload_format)

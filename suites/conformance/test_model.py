@@ -92,10 +92,10 @@ def test_loader_tied_embedding_reaches_both_views(weightsync_loader, case, paylo
         for version in (1, 2):
             params, _ = _updated(weightsync_loader, case, payload_format, version, rank, params)
             embed, head = params["model.embed_tokens.weight"], params["lm_head.weight"]
-            if not judge.same_bits(head, embed):
+            if not compare.same_bits(head, embed):
                 expected = model_inputs.expected(case, rank, version)["lm_head.weight"]
                 where = ("lm_head.weight never reached version "
-                         f"{version}" if not judge.same_bits(head, expected) else
+                         f"{version}" if not compare.same_bits(head, expected) else
                          "model.embed_tokens.weight is wrong")
                 try:
                     compare.assert_bitwise_equal(head, embed, name="lm_head.weight",
@@ -111,7 +111,7 @@ def test_loader_tied_embedding_reaches_both_views(weightsync_loader, case, paylo
 def test_loader_updates_the_draft_when_reached_and_leaves_a_frozen_one(weightsync_loader, case,
                                                                        payload_format):
     claims.require_model_claim(weightsync_loader, "loader", case, payload_format)
-    from pytest_weightsync.reference_impl.model_layout import DRAFT_PREFIX
+    from pytest_weightsync.reference_impl.model.model_layout import DRAFT_PREFIX
 
     for rank in range(case.receiver.tp):
         params, before = _updated(weightsync_loader, case, payload_format, 1, rank)

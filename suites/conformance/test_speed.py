@@ -30,7 +30,7 @@ import pytest
 
 from pytest_weightsync import compare
 from pytest_weightsync.throughput import Measurement, interleaved_samples, plain_copy
-from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, TrainerTopology
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology, TrainerTopology
 from pytest_weightsync.vocabulary import FORMATS
 
 from ..harness import claims, inputs, judge, loader

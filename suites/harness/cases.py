@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass
 from typing import Optional
 
-from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, TrainerTopology
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology, TrainerTopology
 from pytest_weightsync.vocabulary import EXPERT_IMPLS, ORDERS
 
 #: Factor -> values. Sizes kept small (CPU suites).
@@ -99,7 +99,7 @@ def build_case(t_tp, t_ep, t_etp, t_pp, impl, r_moe_tp, r_moe_ep, r_moe_dp, orde
     receiver = ReceiverTopology(tp=r_moe_tp * r_moe_ep * r_moe_dp, moe_ep=r_moe_ep,
                                 moe_dp=r_moe_dp, order=order, intermediate_padded=padded,
                                 pad_mode="blocked" if padding == "blocked" else "even")
-    from pytest_weightsync.reference_impl.layout import receiver_shard, trainer_shard
+    from pytest_weightsync.reference_impl.model.layout import receiver_shard, trainer_shard
 
     trainer_shard(spec, trainer, 0)  # validates
     receiver_shard(spec, receiver, 0)
@@ -193,7 +193,7 @@ ENGINE_UPDATES = 3
 
 
 def _engine_case(spec: MoESpec, receiver: ReceiverTopology) -> Case:
-    from pytest_weightsync.reference_impl.layout import receiver_shard
+    from pytest_weightsync.reference_impl.model.layout import receiver_shard
 
     for rank in range(receiver.world_size):
         receiver_shard(spec, receiver, rank)  # validates
@@ -323,7 +323,7 @@ def dist_case(tp, ep, etp, pp, impl, r_tp, r_ep, *, experts, order="gate_up", pa
                                 intermediate_padded=intermediate // moe_tp + 2 if padded else None)
     spec = MoESpec(num_layers=pp * layers_per_stage, num_experts=experts, hidden=hidden,
                    intermediate=intermediate)
-    from pytest_weightsync.reference_impl.layout import receiver_shard, trainer_shard
+    from pytest_weightsync.reference_impl.model.layout import receiver_shard, trainer_shard
 
     trainer_shard(spec, trainer, 0)  # validates
     receiver_shard(spec, receiver, 0)

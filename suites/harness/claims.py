@@ -7,7 +7,7 @@ so the report can tell it from a case the implementation claims but that could n
 missing package, a GPU test on CPU): only the latter keeps the verdict from PASS.
 
 Fallback routing lives here too: with one capability taken away, path selection
-(``pytest_weightsync.reference_impl.select``) must route a ``direct`` update down a path the
+(``pytest_weightsync.reference_impl.senders.select``) must route a ``direct`` update down a path the
 implementation claims.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_weightsync.reference_impl.select import Capabilities as RoutingCapabilities
-from pytest_weightsync.reference_impl.select import NoCompatiblePathError, select_path
+from pytest_weightsync.reference_impl.senders.select import Capabilities as RoutingCapabilities
+from pytest_weightsync.reference_impl.senders.select import NoCompatiblePathError, select_path
 from pytest_weightsync.vocabulary import SKIP_NOT_APPLICABLE, SKIP_UNCLAIMED
 
 

@@ -38,20 +38,20 @@ from typing import NamedTuple, Optional
 import torch
 
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl import model_synth
-from pytest_weightsync.reference_impl.layout import (
-    locate_receiver_element,
+from pytest_weightsync.reference_impl.oracle import model_synth
+from pytest_weightsync.reference_impl.model.layout import (
     stage_layers,
     parse_receiver_name,
     receiver_shard,
 )
-from pytest_weightsync.reference_impl.model_layout import (
+from pytest_weightsync.reference_impl.model.locate import locate_receiver_element
+from pytest_weightsync.reference_impl.model.model_layout import (
     DRAFT_PREFIX,
     engine_params,
     locate_engine_element,
     split_engine_name,
 )
-from pytest_weightsync.reference_impl.model_spec import MTP_PREFIX, expert_spec_of, hf_params
+from pytest_weightsync.reference_impl.model.model_spec import MTP_PREFIX, expert_spec_of, hf_params
 
 from . import judge, model_inputs
 
@@ -424,7 +424,7 @@ def tied_stream_problem(rank, stream, fmt) -> Optional[str]:
         return (f"tied embeddings, engine rank {rank}, {fmt}: the stream carries "
                 f"model.embed_tokens.weight {embeds} time(s) and lm_head.weight {heads} time(s); "
                 f"one source means 1 and {want_heads}")
-    if fmt == "direct" and not judge.same_bits(tensors["lm_head.weight"],
+    if fmt == "direct" and not compare.same_bits(tensors["lm_head.weight"],
                                                tensors["model.embed_tokens.weight"]):
         return (f"tied embeddings, engine rank {rank}: the direct lm_head.weight differs from "
                 f"model.embed_tokens.weight")
@@ -436,8 +436,8 @@ def draft_stream_problem(case, rank, stream, fmt, version=1) -> Optional[str]:
     model the trainer holds: no draft tensor at all (sglang#27718: one update path never
     reaches the draft), or only part of the ``mtp.*`` (direct: ``draft.*``) tensors owed.
     ``None`` when every draft tensor is there."""
-    from pytest_weightsync.reference_impl.model_layout import DRAFT_PREFIX
-    from pytest_weightsync.reference_impl.model_spec import MTP_PREFIX
+    from pytest_weightsync.reference_impl.model.model_layout import DRAFT_PREFIX
+    from pytest_weightsync.reference_impl.model.model_spec import MTP_PREFIX
 
     from . import model_inputs
 
@@ -458,9 +458,9 @@ def judge_model_stream(case, rank, stream, fmt, version, head: str, previous_ver
     """An exporter's ``stream`` for engine ``rank``: its coverage, then a fresh poisoned
     reference receiver's state after loading it (``previous_version``: a value of that
     version is named stale). Raises :class:`judge.ConformanceError`."""
-    from pytest_weightsync.reference_impl import synth
-    from pytest_weightsync.reference_impl.layout import WeightSyncError
-    from pytest_weightsync.reference_impl.model_receiver import ModelReceiver
+    from pytest_weightsync.reference_impl.oracle import synth
+    from pytest_weightsync.reference_impl.model.layout import WeightSyncError
+    from pytest_weightsync.reference_impl.engine.model_receiver import ModelReceiver
     from pytest_weightsync.vocabulary import LOAD_FORMAT
 
     problems = stream_findings(case, rank, stream, fmt, version)

@@ -36,7 +36,7 @@ import pytest
 
 from . import claims, judge, loader, reference
 from .cases import DistCase
-from pytest_weightsync.reference_impl.buckets import bucket_limit_findings
+from pytest_weightsync.reference_impl.senders.buckets import bucket_limit_findings
 from pytest_weightsync.vocabulary import FORMATS
 
 __all__ = ["DistCase", "DistResult", "FORMATS", "delivered_streams", "engine_loaders",
@@ -79,8 +79,9 @@ def export_in_rank(exporter, dcase: DistCase, updates):
     per update."""
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl import synth, trainer
-    from pytest_weightsync.reference_impl.megatron_state import (
+    from pytest_weightsync.reference_impl.oracle import synth
+    from pytest_weightsync.reference_impl.trainer import trainer
+    from pytest_weightsync.reference_impl.trainer.megatron_state import (
         megatron_model_state,
         megatron_parallel_state,
         transformer_config,
@@ -189,7 +190,7 @@ _INTERMEDIATE_DIM = {"gate": 0, "up": 0, "down": 1, "w13": 1, "w2": 2, "gate_up"
 
 
 def _expected_shape(case, fmt: str, engine_rank: int, parsed):
-    from pytest_weightsync.reference_impl.layout import packed_shape, receiver_param_shapes
+    from pytest_weightsync.reference_impl.model.layout import packed_shape, receiver_param_shapes
 
     spec = case.spec
     if parsed.kind == "expert":
@@ -208,7 +209,7 @@ def gather_group_diagnosis(case, fmt: str, engine_rank: int, stream):
     no ETP gather at all), else ``None``."""
     from fractions import Fraction
 
-    from pytest_weightsync.reference_impl.layout import parse_receiver_name
+    from pytest_weightsync.reference_impl.model.layout import parse_receiver_name
 
     trainer = case.trainer
     for bucket in stream:

@@ -1,6 +1,6 @@
 """Naming the known bugs of engine receivers (post-load layouts, redundant experts).
 
-:func:`suites.harness.judge.diagnose` hands over here for a receiver that does not keep the
+:func:`suites.harness.diagnosis.diagnose` hands over here for a receiver that does not keep the
 checkpoint layout. Each check compares the wrong parameter with what one bug would have left,
 computed from the coordinates (``engine_layout``, ``synth``) - never from the loader:
 
@@ -19,18 +19,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from pytest_weightsync.reference_impl import engine_layout, synth
-from pytest_weightsync.reference_impl.layout import parse_receiver_name, receiver_shard
-
-
-def _same(a, b) -> bool:
-    from .judge import same_bits
-
-    return same_bits(a, b)
+from pytest_weightsync.compare import same_bits
+from pytest_weightsync.reference_impl.model import engine_layout
+from pytest_weightsync.reference_impl.oracle import synth
+from pytest_weightsync.reference_impl.model.layout import parse_receiver_name, receiver_shard
 
 
 def _slots(actual, target) -> list[int]:
-    return [s for s in range(actual.shape[0]) if _same(actual[s], target[s])]
+    return [s for s in range(actual.shape[0]) if same_bits(actual[s], target[s])]
 
 
 def diagnose(name, actual, expected, case, rank, version, before=None,
@@ -43,7 +39,7 @@ def diagnose(name, actual, expected, case, rank, version, before=None,
         return _post_load(name, actual, expected, case, rank, version)
     if topo.engine_layout == "transposed":
         checkpoint = synth.expected_receiver_params(spec, topo, rank, version)[name]
-        if actual.numel() == checkpoint.numel() and _same(actual.reshape(checkpoint.shape),
+        if actual.numel() == checkpoint.numel() and same_bits(actual.reshape(checkpoint.shape),
                                                            checkpoint):
             return (f"written untransposed: {name} holds the checkpoint layout "
                     f"{tuple(checkpoint.shape)} laid into the transposed buffer "
@@ -79,12 +75,12 @@ def _redundant(name, actual, expected, case, rank, version, before) -> Optional[
     spec, topo = case.spec, case.receiver
     shard = receiver_shard(spec, topo, rank)
     layer = parse_receiver_name(name).layer
-    wrong = [s for s in range(actual.shape[0]) if not _same(actual[s], expected[s])]
+    wrong = [s for s in range(actual.shape[0]) if not same_bits(actual[s], expected[s])]
     for slot in wrong:
         expert = shard.logical_expert(layer, slot)
         physical = shard.experts[slot]
         right = [s for s in shard.slots_of(layer, expert) if s not in wrong]
-        if before is not None and _same(actual[slot], before[slot]) and right:
+        if before is not None and same_bits(actual[slot], before[slot]) and right:
             return (f"only the first physical copy written: {name} slot {slot} (physical expert "
                     f"{physical}) of logical expert {expert} kept the bits it held before the "
                     f"update while slot {right[0]} (physical {shard.experts[right[0]]}) holds "
@@ -97,8 +93,8 @@ def _redundant(name, actual, expected, case, rank, version, before) -> Optional[
             probe = replace(topo, placement=tuple(tuple(row) if L == layer else r
                                                   for L, r in enumerate(
                                                       topo.physical_to_logical(spec))))
-            held = engine_layout.expected_engine_params(spec, probe, rank, version)[name]
-            if _same(actual[slot], held[slot]):
+            held = synth.expected_engine_params(spec, probe, rank, version)[name]
+            if same_bits(actual[slot], held[slot]):
                 return (f"written by a stale placement: {name} slot {slot} (physical expert "
                         f"{physical}) holds logical expert {other}'s weights, the current "
                         f"placement gives it expert {expert} (a map from before a rebalance)")
@@ -106,14 +102,14 @@ def _redundant(name, actual, expected, case, rank, version, before) -> Optional[
 
 
 def _fp8(name, actual, expected, case, rank, previous) -> Optional[str]:
-    from pytest_weightsync.reference_impl import fp8
+    from pytest_weightsync.reference_impl.model import fp8
 
     if not name.endswith(fp8.SCALE_SUFFIX):
-        if previous is not None and _same(actual, previous):
+        if previous is not None and same_bits(actual, previous):
             return (f"stale FP8 weights: {name} holds the previous version's float8 weights "
                     f"(never written by this update)")
         return None
-    if previous is not None and _same(actual, previous):
+    if previous is not None and same_bits(actual, previous):
         return (f"stale block scales: {name} holds the previous version's scales while this "
                 f"update's weights are new (derived scales not rebuilt: new weights read with "
                 f"stale fp8 scales)")

@@ -23,8 +23,8 @@ from typing import Optional
 
 from pytest_weightsync import compare
 from pytest_weightsync.deadline import CallTimeoutError
-from . import calls, claims, inputs, judge
-from pytest_weightsync.reference_impl.layout import parse_receiver_name, receiver_shard
+from . import calls, claims, inputs
+from pytest_weightsync.reference_impl.model.layout import parse_receiver_name, receiver_shard
 
 #: Bad kinds SGLang users hit, fed in every format a loader claims.
 KINDS = ("wrong_dtype", "short_down_proj", "unknown_name", "expert_out_of_range",
@@ -175,14 +175,14 @@ class Finding:
 
 
 def _changed(before: compare.Snapshot, params) -> bool:
-    return any(not judge.same_bits(params[name], rec.copy) for name, rec in before.records.items())
+    return any(not compare.same_bits(params[name], rec.copy) for name, rec in before.records.items())
 
 
 def _state(params, case, rank, before: compare.Snapshot) -> str:
     """Outcome of an accepted update, from the parameters alone."""
     expected = inputs.expected(case, rank, 1)
     for name, rec in before.records.items():
-        if name not in expected and not judge.same_bits(params[name], rec.copy):
+        if name not in expected and not compare.same_bits(params[name], rec.copy):
             return "wrote outside the payload"
     if not _changed(before, params):
         return "accepted, nothing changed"

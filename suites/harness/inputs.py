@@ -6,7 +6,7 @@ gathered back the way a trainer would. Receiver buffers are poisoned before ever
 nothing passes by luck of a zero-initialized buffer.
 
 An update travels as a stream of buckets cut at a byte limit the way real senders cut it
-(:func:`pytest_weightsync.reference_impl.buckets.split_buckets`). :data:`BUCKET_LIMITS` names
+(:func:`pytest_weightsync.reference_impl.senders.buckets.split_buckets`). :data:`BUCKET_LIMITS` names
 the limits the suites drive, each derived from the model size so it means the same thing on
 every case: one tensor per bucket, a limit that splits a layer's experts over buckets, one
 that puts several layers in one bucket, and the whole update in one bucket.
@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import functools
 
-from pytest_weightsync.reference_impl import senders, synth, trainer
-from pytest_weightsync.reference_impl.buckets import split_buckets
-from pytest_weightsync.reference_impl.layout import locate_receiver_element, receiver_param_shapes
+from pytest_weightsync.reference_impl.senders import formats as senders
+from pytest_weightsync.reference_impl.oracle import synth
+from pytest_weightsync.reference_impl.trainer import trainer
+from pytest_weightsync.reference_impl.senders.buckets import split_buckets
+from pytest_weightsync.reference_impl.model.layout import receiver_param_shapes
+from pytest_weightsync.reference_impl.model.locate import locate_receiver_element
 from pytest_weightsync.vocabulary import BUCKET_LIMITS
 
 #: The bucket limit a full update is cut at unless a test says otherwise: a layer's experts
@@ -57,7 +60,7 @@ def locator(case, rank):
     """``locate(name, index)`` for compare messages on receiver ``rank`` (an FP8 scale is
     located by its block)."""
     if case.receiver.weight_quant == "fp8_block":
-        from pytest_weightsync.reference_impl import fp8
+        from pytest_weightsync.reference_impl.model import fp8
 
         return functools.partial(fp8.locate, case.spec, case.receiver, rank)
     return functools.partial(locate_receiver_element, case.spec, case.receiver, rank)
@@ -73,7 +76,7 @@ def gathered_weights(case, version):
 
 @functools.lru_cache(maxsize=16)
 def _clean_trainer_states(case, version):
-    from pytest_weightsync.reference_impl import trainer as trainer_side
+    from pytest_weightsync.reference_impl.trainer import trainer as trainer_side
 
     return trainer_side.trainer_states(case.spec, case.trainer, synth.full_weights(case.spec, version))
 
@@ -97,13 +100,11 @@ def expected_uncached(case, rank, version):
     from the synthetic value function at layout coordinates - in the engine's layout for
     receivers that do not keep the checkpoint layout (``engine_layout``)."""
     if case.receiver.weight_quant == "fp8_block":
-        from pytest_weightsync.reference_impl import fp8
+        from pytest_weightsync.reference_impl.oracle import fp8 as fp8_oracle
 
-        return fp8.expected_params(case.spec, case.receiver, rank, version)
+        return fp8_oracle.expected_params(case.spec, case.receiver, rank, version)
     if not case.receiver.default_engine:
-        from pytest_weightsync.reference_impl import engine_layout
-
-        return engine_layout.expected_engine_params(case.spec, case.receiver, rank, version)
+        return synth.expected_engine_params(case.spec, case.receiver, rank, version)
     return synth.expected_receiver_params(case.spec, case.receiver, rank, version)
 
 
@@ -155,7 +156,7 @@ def receiver_params(case, rank, device=None):
 
     spec = case.spec
     if case.receiver.weight_quant == "fp8_block":
-        from pytest_weightsync.reference_impl import fp8
+        from pytest_weightsync.reference_impl.model import fp8
 
         params = {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype)
                   in fp8.param_specs(spec, case.receiver, rank).items()}
@@ -171,7 +172,7 @@ def receiver_params(case, rank, device=None):
 def fresh_receivers(case, receiver_cls=None):
     """One reference receiver per rank (of the class its engine layout needs), every buffer
     (padding included) poisoned."""
-    from pytest_weightsync.reference_impl.engine_receivers import receiver_class
+    from pytest_weightsync.reference_impl.engine.engine_receivers import receiver_class
 
     receiver_cls = receiver_class(case.receiver) if receiver_cls is None else receiver_cls
     receivers = [receiver_cls(case.spec, case.receiver, r) for r in range(case.receiver.tp)]
@@ -188,7 +189,7 @@ def rebalance(params_by_rank, spec, old, new) -> None:
     under ``old``. ``params_by_rank`` is every receiver rank's parameters, in rank order."""
     import torch
 
-    from pytest_weightsync.reference_impl.layout import fused_name, receiver_shard
+    from pytest_weightsync.reference_impl.model.layout import fused_name, receiver_shard
 
     shards_old = [receiver_shard(spec, old, r) for r in range(old.world_size)]
     shards_new = [receiver_shard(spec, new, r) for r in range(new.world_size)]
@@ -210,9 +211,10 @@ def rebalance(params_by_rank, spec, old, new) -> None:
 def fp8_quantized(case, version):
     """Every projection of ``version`` of an FP8 case's weights, quantized by the reference
     quantizer: ``{(layer, expert, projection): fp8.Quantized}`` (read only)."""
-    from pytest_weightsync.reference_impl import fp8
+    from pytest_weightsync.reference_impl.model import fp8
+    from pytest_weightsync.reference_impl.oracle import fp8 as fp8_oracle
 
-    return fp8.quantize_full(fp8.source_weights(case.spec, case.receiver, version),
+    return fp8.quantize_full(fp8_oracle.source_weights(case.spec, case.receiver, version),
                              fp8.block_of(case.receiver))
 
 
@@ -221,13 +223,15 @@ def fp8_stream(fmt, case, rank, version, quantizer, *, bucket=DEFAULT_BUCKET):
     quantized by the ``sender`` (``fmt`` ``compat``: per-expert FP8 names plus
     ``weight_scale_inv``; ``direct``: the rank's four parameters per layer) or left to the
     ``loader`` (``compat`` in the model dtype). Fresh tensors."""
-    from pytest_weightsync.reference_impl import compat, fp8
+    from pytest_weightsync.reference_impl.oracle import fp8 as fp8_oracle
+    from pytest_weightsync.reference_impl.senders import compat, fp8 as fp8_sender
 
     if quantizer == "loader":
-        payload = compat.export(fp8.source_weights(case.spec, case.receiver, version))
+        payload = compat.export(fp8_oracle.source_weights(case.spec, case.receiver, version))
     elif fmt == "direct":
-        payload = fp8.export_direct(case.spec, case.receiver, rank, fp8_quantized(case, version))
+        payload = fp8_sender.export_direct(case.spec, case.receiver, rank,
+                                           fp8_quantized(case, version))
     else:
-        payload = fp8.export_compat(fp8_quantized(case, version))
+        payload = fp8_sender.export_compat(fp8_quantized(case, version))
     payload = [(name, tensor.clone()) for name, tensor in payload]
     return split_buckets(payload, bucket_bytes(bucket, case.spec))

@@ -5,16 +5,20 @@ The expected state comes from the synthetic value function at layout coordinates
 parameter must keep its address; the parameters the update owed must equal the expected state
 in every bit; every other parameter (the router weight included) must be bit-identical to
 what it held before. A mismatch is reported with its first differing (layer, expert,
-projection, row, col) and, when the pattern is a known bug, a first line naming it (gate/up
-halves swapped, stale values, elements never written, padding not zeroed).
+projection, row, col) and, when the pattern is a known bug, a first line naming it
+(:mod:`.diagnosis`: gate/up halves swapped, stale values, elements never written, padding not
+zeroed).
+
+One rank's judgement goes one way down: this module decides what to check, :mod:`.inputs`
+what is expected, :mod:`pytest_weightsync.compare` how a tensor differs, :mod:`.diagnosis`
+which bug the difference looks like.
 """
 
 from __future__ import annotations
 
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl.layout import receiver_shard
 
-from . import inputs
+from . import diagnosis, inputs
 
 #: Kinds of bit difference (``compare.DifferenceKinds``) that no placement bug produces, and
 #: what does produce them.
@@ -50,104 +54,6 @@ def quoted(error: BaseException, limit: int = MAX_QUOTED) -> str:
     return text
 
 
-def same_bits(a, b) -> bool:
-    return a.shape == b.shape and bool((compare.raw_bits(a) == compare.raw_bits(b)).all())
-
-
-def _interleave(p: int, experts: int):
-    """``g -> (g % p) * (experts // p) + g // p``: where blocked numbering over ``p`` groups
-    puts what round-robin numbering calls ``g`` (and the reverse for ``experts // p``)."""
-    return lambda g: (g % p) * (experts // p) + g // p
-
-
-def expert_placement(name, actual, case, rank, version):
-    """A one-line name when the local expert slots of ``name`` on receiver ``rank`` hold the
-    right values of the WRONG experts, else ``None``: which expert each slot holds is read off
-    every expert's expected values (a twin topology that holds all experts in the same rows),
-    and a permutation that is interleaved (round-robin) instead of blocked numbering is named
-    - on the trainer side (global id = local * EP + ep_rank instead of ep_rank * local_experts
-    + local) or on the engine side (engine EP rank r given experts r, r + EP, ... instead of
-    its block)."""
-    import dataclasses
-
-    from pytest_weightsync.reference_impl import synth
-
-    spec, receiver = case.spec, case.receiver
-    if spec.num_experts < 2 or not name.endswith(("w13_weight", "w2_weight")):
-        return None
-    shard = receiver_shard(spec, receiver, rank)
-    twin = dataclasses.replace(receiver, tp=receiver.moe_tp, moe_ep=1, moe_dp=1)
-    every = synth.expected_receiver_params(spec, twin, shard.moe_tp_rank, version).get(name)
-    if every is None or tuple(every.shape[1:]) != tuple(actual.shape[1:]):
-        return None
-    holds = {}
-    for slot, expert in enumerate(shard.experts):
-        found = [e for e in range(spec.num_experts) if same_bits(actual[slot], every[e])]
-        if len(found) != 1:
-            return None  # not (only) a misplacement
-        holds[expert] = found[0]
-    wrong = {g: h for g, h in holds.items() if g != h}
-    if not wrong:
-        return None
-    g, h = next(iter(wrong.items()))
-    trainer, experts = case.trainer, spec.num_experts
-    names = []
-    if trainer.ep > 1 and all(holds[e] == _interleave(trainer.ep, experts)(e) for e in holds):
-        names.append(f"interleaved trainer expert numbering (global id = local * EP + ep_rank "
-                     f"over trainer EP {trainer.ep}, instead of ep_rank * local_experts + local)")
-    if receiver.moe_ep > 1 and all(
-            holds[e] == _interleave(experts // receiver.moe_ep, experts)(e) for e in holds):
-        names.append(f"round-robin engine expert routing (engine EP rank r given experts r, "
-                     f"r + {receiver.moe_ep}, ... instead of its block of "
-                     f"{experts // receiver.moe_ep})")
-    pattern = " or ".join(names) if names else "a permutation of the experts"
-    return (f"experts misplaced: receiver rank {rank}'s slot for expert {g} holds expert {h}'s "
-            f"values ({len(wrong)} of {len(holds)} local experts) - {pattern}")
-
-
-def diagnose(name, actual, expected, case, rank, before=None, previous=None, version=None):
-    """A one-line name for a recognizable wrong result of parameter ``name``, else ``None``."""
-    if not case.receiver.default_engine:
-        from . import engine_diagnosis
-
-        named = engine_diagnosis.diagnose(name, actual, expected, case, rank, version,
-                                          before, previous)
-        if named is not None:
-            return named
-    if before is not None and same_bits(actual, before):
-        return "never written: it still holds the bits it held before the update"
-    if previous is not None and same_bits(actual, previous):
-        return "stale: it still holds the previous version's values, not the new ones"
-    if not case.receiver.default_engine:
-        return None
-    shard = receiver_shard(case.spec, case.receiver, rank)
-    buf, rows = shard.buffer_rows, shard.rows
-    if name.endswith("w13_weight") and rows > 0:
-        first, second = ("gate", "up") if case.receiver.order == "gate_up" else ("up", "gate")
-        a_first, a_second = actual[:, :rows], actual[:, buf:buf + rows]
-        e_first, e_second = expected[:, :rows], expected[:, buf:buf + rows]
-        swapped = [slot for slot in range(actual.shape[0])
-                   if same_bits(a_first[slot], e_second[slot])
-                   and same_bits(a_second[slot], e_first[slot])]
-        if swapped:
-            experts = [shard.experts[s] for s in swapped]
-            return (f"gate/up halves swapped: the {first} rows of w13 hold {second}_proj values "
-                    f"and the {second} rows hold {first}_proj values (receiver order "
-                    f"{case.receiver.order!r}; {len(swapped)} of {actual.shape[0]} local experts, "
-                    f"e.g. expert {experts[0]})")
-    if buf > rows:
-        if name.endswith("w2_weight"):
-            real_ok = same_bits(actual[:, :, :rows], expected[:, :, :rows])
-        else:
-            real_ok = (same_bits(actual[:, :rows], expected[:, :rows])
-                       and same_bits(actual[:, buf:buf + rows], expected[:, buf:buf + rows]))
-        if real_ok:
-            return f"padding not zeroed: the real rows are right, the tail beyond {rows} is not"
-    if version is not None:
-        return expert_placement(name, actual, case, rank, version)
-    return None
-
-
 def check_rank(params, case, rank, version, before=None, touched=None, previous_version=None,
                *, cached=True):
     """Receiver ``rank`` after loading ``version`` into the parameters in ``touched`` (default
@@ -177,13 +83,13 @@ def check_rank(params, case, rank, version, before=None, touched=None, previous_
             old = before.records[name].copy if before is not None else None
             kind = getattr(getattr(error, "kinds", None), "kind", "value")
             if not case.receiver.default_engine:  # engine bugs first; bit kinds are BF16's
-                hint = diagnose(name, params[name], expected[name], case, rank, old, previous,
+                hint = diagnosis.diagnose(name, params[name], expected[name], case, rank, old, previous,
                                 version)
             elif kind in VALUE_CONVERSIONS:
                 hint = (f"not a placement bug: {error.kinds.describe()} - the loader converts "
                         f"values on the way ({VALUE_CONVERSIONS[kind]})")
             else:
-                hint = diagnose(name, params[name], expected[name], case, rank, old, previous,
+                hint = diagnosis.diagnose(name, params[name], expected[name], case, rank, old, previous,
                                 version)
             raise ConformanceError((f"{hint}\n" if hint else "") + str(error), error) from None
     for name, record in (before.records.items() if before is not None else ()):

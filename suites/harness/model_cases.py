@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pytest_weightsync.reference_impl.layout import ReceiverTopology, TrainerTopology
-from pytest_weightsync.reference_impl.model_spec import ModelSpec, qwen3_5_moe, qwen3_moe
+from pytest_weightsync.reference_impl.model.layout import ReceiverTopology, TrainerTopology
+from pytest_weightsync.reference_impl.model.model_spec import ModelSpec, qwen3_5_moe, qwen3_moe
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 In every rank (:func:`export_model_in_rank`, run through the warm rank pool of
 :data:`WORLD` ranks): Megatron-Core's ``parallel_state`` for the case's trainer, the rank's
-real ``GPTModel`` of the whole model (:mod:`pytest_weightsync.reference_impl.megatron_whole`:
+real ``GPTModel`` of the whole model (:mod:`pytest_weightsync.reference_impl.trainer.megatron_whole`:
 every parameter filled with the oracle's shard of the synthetic checkpoint), then one exporter
 call per update of :func:`suites.harness.distributed.plan_updates` - each update a new version
 written IN PLACE into the same tensors, the first format again at the end - each call checked
@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 
-from pytest_weightsync.reference_impl.layout import ReceiverTopology, TrainerTopology
-from pytest_weightsync.reference_impl.model_spec import qwen3_5_moe, qwen3_moe
+from pytest_weightsync.reference_impl.model.layout import ReceiverTopology, TrainerTopology
+from pytest_weightsync.reference_impl.model.model_spec import qwen3_5_moe, qwen3_moe
 
 from . import coverage, judge
 from . import distributed as dh
@@ -149,8 +149,9 @@ def export_model_in_rank(exporter, mcase: ModelDistCase, updates):
     ``RankExport`` (or the error string of a broken contract) per update."""
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl import megatron_model, megatron_whole, model_synth
-    from pytest_weightsync.reference_impl.megatron_state import megatron_parallel_state
+    from pytest_weightsync.reference_impl.trainer import megatron_model, megatron_whole
+    from pytest_weightsync.reference_impl.oracle import model_synth
+    from pytest_weightsync.reference_impl.trainer.megatron_state import megatron_parallel_state
 
     case = mcase.case
     rank = dist.get_rank()

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 
-from pytest_weightsync.reference_impl import megatron_model, model_senders, model_synth, synth
-from pytest_weightsync.reference_impl.buckets import split_buckets
-from pytest_weightsync.reference_impl.model_layout import engine_params as layout_params
+from pytest_weightsync.reference_impl.trainer import megatron_model
+from pytest_weightsync.reference_impl.senders import model_senders
+from pytest_weightsync.reference_impl.oracle import model_synth, synth
+from pytest_weightsync.reference_impl.senders.buckets import split_buckets
+from pytest_weightsync.reference_impl.model.model_layout import engine_params as layout_params
 
 from . import calls, inputs
 

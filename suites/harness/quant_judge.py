@@ -13,7 +13,7 @@ suites' weights give every block its own power of two). Addresses are checked as
 from __future__ import annotations
 
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl import fp8
+from pytest_weightsync.reference_impl.model import fp8
 
 from . import inputs
 from .judge import ConformanceError

@@ -1,7 +1,7 @@
 """The reference receiver as the judge of senders' streams, and as the suites' own receiver.
 
 An exporter's stream (and every stream the self-tests send) is loaded bucket by bucket into a
-fresh, poisoned :class:`~pytest_weightsync.reference_impl.receiver.ReferenceReceiver` of the
+fresh, poisoned :class:`~pytest_weightsync.reference_impl.engine.receiver.ReferenceReceiver` of the
 engine rank it is for - ``begin_update()``, ``load(bucket)`` per bucket, ``end_update()`` -
 which refuses anything a strict engine would (names, shapes, dtypes, completeness), and the
 rank is then judged bit for bit (:func:`suites.harness.judge.check_rank`).
@@ -10,7 +10,7 @@ rank is then judged bit for bit (:func:`suites.harness.judge.check_rank`).
 from __future__ import annotations
 
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl import synth
+from pytest_weightsync.reference_impl.oracle import synth
 from pytest_weightsync.vocabulary import LOAD_FORMAT
 
 from . import inputs, judge
@@ -18,7 +18,7 @@ from . import inputs, judge
 
 def fresh_receiver(case, rank):
     """A reference receiver of engine ``rank``, every buffer poisoned."""
-    from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
+    from pytest_weightsync.reference_impl.engine.receiver import ReferenceReceiver
 
     receiver = ReferenceReceiver(case.spec, case.receiver, rank)
     for tensor in receiver.params.values():
@@ -39,7 +39,7 @@ def judge_stream(case, rank, stream, fmt, version, head: str, previous_version=N
     ``version``; raise :class:`~suites.harness.judge.ConformanceError` starting with ``head``
     when the receiver refuses it or the result differs (a result equal to
     ``previous_version``'s values is named stale). Returns the receiver."""
-    from pytest_weightsync.reference_impl.layout import WeightSyncError
+    from pytest_weightsync.reference_impl.model.layout import WeightSyncError
 
     receiver = fresh_receiver(case, rank)
     before = compare.snapshot(receiver.params)

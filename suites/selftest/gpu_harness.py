@@ -3,7 +3,7 @@
 Every step takes a ``device``: the GPU suites pass ``"cuda"``, the CPU tests of the same logic
 pass ``"cpu"``, so what runs on the GPU machine is the code that was exercised here.
 
-The oracle is :mod:`pytest_weightsync.reference_impl.synth`: expected receiver parameters are
+The oracle is :mod:`pytest_weightsync.reference_impl.oracle.synth`: expected receiver parameters are
 evaluated at the layout's coordinates, never sliced from what a sender produced. Weights,
 expected parameters and the poison pattern are all built on the target device (the Qwen3.5
 layer is ~800M elements: minutes for a CPU thread, milliseconds on the GPU); the device
@@ -23,15 +23,16 @@ from dataclasses import dataclass
 import torch
 
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl import moe_forward, senders, synth
-from pytest_weightsync.reference_impl.layout import (
+from pytest_weightsync.reference_impl.oracle import moe_forward, synth
+from pytest_weightsync.reference_impl.senders import formats as senders
+from pytest_weightsync.reference_impl.model.layout import (
     MoESpec,
     ReceiverTopology,
     fused_name,
-    locate_receiver_element,
     receiver_shard,
 )
-from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
+from pytest_weightsync.reference_impl.model.locate import locate_receiver_element
+from pytest_weightsync.reference_impl.engine.receiver import ReferenceReceiver
 from pytest_weightsync.vocabulary import LOAD_FORMAT  # noqa: F401 - the GPU suites read it here
 
 #: The formats the GPU suites drive (hf_fused moves the same bytes as packed).
@@ -274,12 +275,12 @@ def run_ipc_updates(processes: list, spec: MoESpec, topo: ReceiverTopology, path
                     keep_payloads: bool = False) -> IpcLog:
     """The trainer side of SGLang's ``update_weights_from_tensor``, once per version.
 
-    ``processes[r]`` (a :class:`pytest_weightsync.reference_impl.ipc.ReceiverProcess`) is receiver rank ``r``.
+    ``processes[r]`` (a :class:`pytest_weightsync.reference_impl.engine.process.ReceiverProcess`) is receiver rank ``r``.
     Each update: build every rank's payload on ``device``, serialize it (handles, not bytes),
     let rank ``r`` rebuild entry ``r`` and load it, then drop the payload and collect released
     blocks. Checks receiver parameter addresses after every update and, with ``check``, every
     parameter bit for bit (read back through IPC views on CUDA)."""
-    from pytest_weightsync.reference_impl import ipc
+    from pytest_weightsync.reference_impl.transport import ipc
 
     assert len(processes) == topo.world_size, "one receiver process per receiver rank"
     ptrs = [p.configure(spec, topo, r, keep_payloads=keep_payloads)
@@ -330,8 +331,8 @@ def run_engine_updates(case, path: str, device, *, updates: int = 3, tokens: int
     every local slot's expert output, computed from the engine buffer read through the layout
     coordinates (``engine_layout.checkpoint_view``), bit-equal to the same forward over the
     expected weights of the logical expert the slot holds (every physical copy serves)."""
-    from pytest_weightsync.reference_impl import engine_layout
-    from pytest_weightsync.reference_impl.engine_receivers import make_receiver
+    from pytest_weightsync.reference_impl.model import engine_layout
+    from pytest_weightsync.reference_impl.engine.engine_receivers import make_receiver
 
     from ..harness import cases, inputs
 
@@ -360,7 +361,7 @@ def run_engine_updates(case, path: str, device, *, updates: int = 3, tokens: int
             rank, params = receiver.rank, dict(receiver.named_parameters())
             where = f"{path} path, update {step} (version {version}), receiver rank {rank}"
             assert addresses(params) == before[rank], f"{where}: a parameter was reallocated"
-            want = engine_layout.expected_engine_params(spec, topo, rank, version,
+            want = synth.expected_engine_params(spec, topo, rank, version,
                                                         device=device, finite=True)
             for name, tensor in want.items():
                 assert_bits_equal(params[name], tensor, f"{where} {name}",
@@ -405,10 +406,11 @@ def run_model_updates(spec, receiver: ReceiverTopology, fmt: str, device, *, upd
     (one never written keeps the poison, a stale one the previous version), located in
     checkpoint terms on failure. Checkpoint, payloads and expected values are built on
     ``device`` (Qwen3.5-35B-A3B's layers are ~800M expert elements each)."""
-    from pytest_weightsync.reference_impl import model_senders, model_synth
-    from pytest_weightsync.reference_impl.buckets import split_buckets
-    from pytest_weightsync.reference_impl.layout import TrainerTopology
-    from pytest_weightsync.reference_impl.model_receiver import ModelReceiver
+    from pytest_weightsync.reference_impl.senders import model_senders
+    from pytest_weightsync.reference_impl.oracle import model_synth
+    from pytest_weightsync.reference_impl.senders.buckets import split_buckets
+    from pytest_weightsync.reference_impl.model.layout import TrainerTopology
+    from pytest_weightsync.reference_impl.engine.model_receiver import ModelReceiver
 
     from ..harness import coverage, model_inputs
     from ..harness.model_cases import ModelCase

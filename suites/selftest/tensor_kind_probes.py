@@ -21,7 +21,7 @@ padding tails, so a receiver that writes while it validates (or validates inside
 shows up as ``wrote``. Freed storage can crash the process outright, so those probes also run
 as a script (``python tensor_kind_probes.py KIND ...``) that prints one JSON line per probe,
 each preceded by a ``start`` line: a probe that kills the process is the last one started.
-``--without-checks`` disables :mod:`~pytest_weightsync.reference_impl.tensor_checks`, to
+``--without-checks`` disables :mod:`~pytest_weightsync.reference_impl.engine.tensor_checks`, to
 prove the probes find what those checks prevent.
 """
 
@@ -38,11 +38,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl import receiver as rx
-from pytest_weightsync.reference_impl import senders, synth, tensor_checks
+from pytest_weightsync.reference_impl.engine import receiver as rx
+from pytest_weightsync.reference_impl.senders import formats as senders
+from pytest_weightsync.reference_impl.oracle import synth
+from pytest_weightsync.reference_impl.engine import tensor_checks
 from pytest_weightsync.reference_impl.errors import PayloadError
 from pytest_weightsync.reference_impl.impl import ReferenceImplementation
-from pytest_weightsync.reference_impl.layout import (MoESpec, ReceiverTopology,
+from pytest_weightsync.reference_impl.model.layout import (MoESpec, ReceiverTopology,
                                                      parse_receiver_name, receiver_shard)
 
 SPEC = MoESpec(num_layers=2, num_experts=4, hidden=8, intermediate=8)

@@ -17,8 +17,8 @@ from ..harness.cases import Case
 from ..harness.inputs import gathered_weights, payload
 from ..harness.reference import sync_and_check
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl import receiver as rx
-from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, TrainerTopology, hf_expert_name
+from pytest_weightsync.reference_impl.engine import receiver as rx
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology, TrainerTopology, hf_expert_name
 
 CASE = Case(MoESpec(num_layers=2, num_experts=4, hidden=8, intermediate=8),
             TrainerTopology(ep=2, etp=2, tp=2),
@@ -226,7 +226,7 @@ def test_non_local_experts_alone_change_nothing():
     error, and not a partial write."""
     receivers = sync_and_check(CASE, "compat", version=0)
     full = gathered_weights(CASE, 1)
-    from pytest_weightsync.reference_impl import compat
+    from pytest_weightsync.reference_impl.senders import compat
 
     rec = receivers[0]  # experts 0..1
     before = compare.snapshot(rec.params)
@@ -263,8 +263,9 @@ def test_receiver_built_over_misfit_params_is_refused(misfit, fragment):
 
 @pytest.mark.weightsync_property("bad_payload_refused")
 def test_direct_export_of_a_layer_missing_experts_is_refused():
-    from pytest_weightsync.reference_impl import direct, synth
-    from pytest_weightsync.reference_impl.layout import WeightSyncError
+    from pytest_weightsync.reference_impl.senders import direct
+    from pytest_weightsync.reference_impl.oracle import synth
+    from pytest_weightsync.reference_impl.model.layout import WeightSyncError
 
     spec = MoESpec(num_layers=1, num_experts=4, hidden=8, intermediate=4)
     experts = synth.full_weights(spec, 1)[0][:3]
@@ -387,7 +388,7 @@ def test_padded_requires_grad_parameters_load_in_place(path):
 
     from ..harness.inputs import stream
     from ..harness.reference import check_receiver
-    from pytest_weightsync.reference_impl import synth
+    from pytest_weightsync.reference_impl.oracle import synth
 
     for rank in range(CASE.receiver.tp):
         plain = rx.ReferenceReceiver(CASE.spec, CASE.receiver, rank).params
@@ -409,14 +410,14 @@ def test_every_public_error_class_derives_from_weight_sync_error():
     import pkgutil
 
     import pytest_weightsync.reference_impl as package
-    from pytest_weightsync.reference_impl.layout import WeightSyncError
+    from pytest_weightsync.reference_impl.model.layout import WeightSyncError
 
     checked, wrong = [], []
-    for info in pkgutil.iter_modules(package.__path__):
-        if info.ispkg:
+    for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+        if info.ispkg or ".backends." in info.name:
             continue
         try:
-            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            module = importlib.import_module(info.name)
         except ImportError:  # e.g. triton_copy without triton
             continue
         for name, obj in vars(module).items():

@@ -62,7 +62,7 @@ def unsharded(layer: int, expert: int, proj: str, case: Case):
 def trainer_shard(layer: int, expert: int, proj: str, etp_rank: int, case: Case):
     """What ETP rank ``etp_rank`` holds: ``[gate_t; up_t]`` for fc1, a column block for fc2.
 
-    Built here on purpose rather than taken from ``pytest_weightsync.reference_impl.layout``: this is the test's
+    Built here on purpose rather than taken from ``pytest_weightsync.reference_impl.model.layout``: this is the test's
     independent oracle of Megatron's ETP layout, so a wrong layout in the code under test
     cannot make its own expected values.
     """
@@ -102,8 +102,8 @@ def gather_and_check(case: Case) -> dict:
     import torch
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl.bf16_gather import gather_bf16, plan_from_local
-    from pytest_weightsync.reference_impl.component_gather import assemble_components, glu_fc1_layout
+    from pytest_weightsync.reference_impl.trainer.bf16_gather import gather_bf16, plan_from_local
+    from pytest_weightsync.reference_impl.trainer.component_gather import assemble_components, glu_fc1_layout
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -163,8 +163,8 @@ def plan_with_budget(budget: int):
     raised, so every rank's answer is checked and the warm rank pool is kept."""
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl.bf16_gather import plan_from_local
-    from pytest_weightsync.reference_impl.gather_plan import GatherBudgetError
+    from pytest_weightsync.reference_impl.trainer.bf16_gather import plan_from_local
+    from pytest_weightsync.reference_impl.trainer.gather_plan import GatherBudgetError
 
     case = Case(ep=2, etp=1, dp=1, experts=2, hidden=12, ffn=8, budget_rows=1)
     try:
@@ -174,7 +174,7 @@ def plan_with_budget(budget: int):
 
 
 def test_budget_below_one_row_fails_on_every_rank_before_any_transfer(rank_pool):
-    from pytest_weightsync.reference_impl.gather_plan import GatherPlan
+    from pytest_weightsync.reference_impl.trainer.gather_plan import GatherPlan
 
     row, world = 2 * 12, 2
     plans = rank_pool.run(plan_with_budget, world, row * world * 2)
@@ -191,7 +191,7 @@ def gather_with_wrong_local_tensor() -> str:
     import torch
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl.bf16_gather import GatherInputError, gather_bf16, plan_from_local
+    from pytest_weightsync.reference_impl.trainer.bf16_gather import GatherInputError, gather_bf16, plan_from_local
 
     rank = dist.get_rank()
     case = Case(ep=2, etp=1, dp=1, experts=2, hidden=12, ffn=8, budget_rows=2)
@@ -218,7 +218,7 @@ def gather_flat_buffers(direct):
     import torch
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl.bf16_gather import plan_from_local, prepare_gather
+    from pytest_weightsync.reference_impl.trainer.bf16_gather import plan_from_local, prepare_gather
 
     case = Case(ep=2, etp=1, dp=1, experts=4, hidden=12, ffn=8, budget_rows=3)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from .located_bits import assert_component_bits
 
-from pytest_weightsync.reference_impl.component_gather import (
+from pytest_weightsync.reference_impl.trainer.component_gather import (
     ComponentLayout,
     ComponentLayoutError,
     assemble_components,
@@ -110,7 +110,7 @@ def gather_both_ways(name: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl.component_gather import gather_components_async, gather_components_sequential
+    from pytest_weightsync.reference_impl.trainer.component_gather import gather_components_async, gather_components_sequential
 
     torch.set_num_threads(1)
     tp, rank = dist.get_world_size(), dist.get_rank()
@@ -149,7 +149,7 @@ def _hf_qkv():
 def test_megatron_qkv_interleaves_each_query_group_as_q_heads_then_k_then_v():
     import torch
 
-    from pytest_weightsync.reference_impl.component_gather import interleave_qkv, split_megatron_qkv
+    from pytest_weightsync.reference_impl.trainer.component_gather import interleave_qkv, split_megatron_qkv
 
     q, k, v = _hf_qkv()
     qkv = interleave_qkv(q, k, v, HEADS, QUERY_GROUPS, HEAD_DIM)
@@ -167,7 +167,7 @@ def test_megatron_qkv_interleaves_each_query_group_as_q_heads_then_k_then_v():
 def test_megatron_qkv_gathers_by_concatenation_and_not_as_q_k_v_components(tp):
     import torch
 
-    from pytest_weightsync.reference_impl.component_gather import interleave_qkv, megatron_qkv_layout
+    from pytest_weightsync.reference_impl.trainer.component_gather import interleave_qkv, megatron_qkv_layout
 
     q, k, v = _hf_qkv()
     qkv = interleave_qkv(q, k, v, HEADS, QUERY_GROUPS, HEAD_DIM)
@@ -182,7 +182,7 @@ def test_megatron_qkv_gathers_by_concatenation_and_not_as_q_k_v_components(tp):
 
 
 def test_megatron_qkv_rejects_groups_that_do_not_divide_by_tp():
-    from pytest_weightsync.reference_impl.component_gather import MegatronQKVError, megatron_qkv_layout
+    from pytest_weightsync.reference_impl.trainer.component_gather import MegatronQKVError, megatron_qkv_layout
 
     with pytest.raises(MegatronQKVError, match=r"num_query_groups=2 does not divide by TP size 4"):
         megatron_qkv_layout(8, 2, 2, 4)

@@ -22,10 +22,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pytest_weightsync.opcount import count_ops  # noqa: E402
-from pytest_weightsync.reference_impl import direct, hf_fused, packed  # noqa: E402
-from pytest_weightsync.reference_impl.fastcopy import copy_pairs, plan_copies  # noqa: E402
-from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology  # noqa: E402
-from pytest_weightsync.reference_impl.synth import full_weights  # noqa: E402
+from pytest_weightsync.reference_impl.senders import direct, hf_fused, packed  # noqa: E402
+from pytest_weightsync.reference_impl.kernels.fastcopy import copy_pairs, plan_copies  # noqa: E402
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology  # noqa: E402
+from pytest_weightsync.reference_impl.oracle.synth import full_weights  # noqa: E402
 
 from .expert_layers import (  # noqa: E402
     assert_bits_equal,

@@ -16,29 +16,32 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pytest_weightsync.reference_impl import ipc, senders, synth  # noqa: E402
-from pytest_weightsync.reference_impl.colocated import (  # noqa: E402
+from pytest_weightsync.reference_impl.engine import process as engine_process  # noqa: E402
+from pytest_weightsync.reference_impl.transport import ipc  # noqa: E402
+from pytest_weightsync.reference_impl.senders import formats as senders  # noqa: E402
+from pytest_weightsync.reference_impl.oracle import synth  # noqa: E402
+from pytest_weightsync.reference_impl.senders.colocated import (  # noqa: E402
     ColocatedSender,
     ColocatedSync,
     StagingBudgetError,
 )
-from pytest_weightsync.reference_impl.layout import (  # noqa: E402
+from pytest_weightsync.reference_impl.model.layout import (  # noqa: E402
     MoESpec,
     ReceiverTopology,
     fused_name,
     hf_expert_name,
 )
-from pytest_weightsync.reference_impl.oracle_check import first_mismatch  # noqa: E402
-from pytest_weightsync.reference_impl.receiver import (  # noqa: E402
+from pytest_weightsync.reference_impl.oracle.oracle_check import first_mismatch  # noqa: E402
+from pytest_weightsync.reference_impl.engine.receiver import (  # noqa: E402
     DuplicateEntryError,
     PayloadDtypeError,
     ReferenceReceiver,
 )
-from pytest_weightsync.reference_impl.shared_payload import (  # noqa: E402
+from pytest_weightsync.reference_impl.transport.shared_payload import (  # noqa: E402
     SharedPayload,
     SharedPayloadError,
 )
-from pytest_weightsync.reference_impl.zerocopy import tiled_view  # noqa: E402
+from pytest_weightsync.reference_impl.senders.zerocopy import tiled_view  # noqa: E402
 
 SPEC = MoESpec(num_layers=3, num_experts=4, hidden=32, intermediate=16)
 FORMATS = ("direct", "packed", "hf_fused", "compat")
@@ -306,7 +309,7 @@ def test_colocated_sender_views_when_it_can_and_buckets_staging_within_its_budge
 
 @pytest.fixture(scope="module")
 def cpu_engines():
-    engines = [ipc.ReceiverProcess("cpu", timeout=120), ipc.ReceiverProcess("cpu", timeout=120)]
+    engines = [engine_process.ReceiverProcess("cpu", timeout=120), engine_process.ReceiverProcess("cpu", timeout=120)]
     for engine in engines:
         engine.start()
     yield engines
@@ -369,7 +372,7 @@ def test_per_update_wire_format_hits_the_cache_when_payloads_are_views(cpu_engin
     assert caches == [("miss",), ("hit",), ("hit",)]
     assert cpu_engines[0].check(11) is None
     name = hf_expert_name(0, 0, "gate")
-    with pytest.raises(ipc.ReceiverProcessError, match="dtype torch.float32"):
+    with pytest.raises(engine_process.ReceiverProcessError, match="dtype torch.float32"):
         cpu_engines[0].update(ipc.serialize([(name, full[0][0].gate.float())]), None)
     assert cpu_engines[0].check(11) is None, "a refused bucket wrote something"
 
@@ -404,7 +407,7 @@ def test_gpu_colocated_sync_over_cuda_ipc_is_exact_and_replays_cuda_graphs(fmt, 
     spec = MoESpec(num_layers=3, num_experts=16, hidden=256, intermediate=128)
     topo = ReceiverTopology(tp=tp)
     full = synth.grouped_full_weights(spec, 12, device="cuda")
-    engines = [ipc.ReceiverProcess("cuda:0", timeout=120) for _ in range(tp)]
+    engines = [engine_process.ReceiverProcess("cuda:0", timeout=120) for _ in range(tp)]
     try:
         ptrs = [e.configure(spec, topo, r) for r, e in enumerate(engines)]
         layer = 3 * spec.num_experts * spec.intermediate * spec.hidden * 2

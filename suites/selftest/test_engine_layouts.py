@@ -26,8 +26,9 @@ pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.layer",
                     reason="sglang (FusedMoE layer) is not importable")
 
 from pytest_weightsync.compare import assert_bitwise_equal  # noqa: E402
-from pytest_weightsync.reference_impl import engine_layout, synth  # noqa: E402
-from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, receiver_shard  # noqa: E402
+from pytest_weightsync.reference_impl.model import engine_layout  # noqa: E402
+from pytest_weightsync.reference_impl.oracle import synth
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology, receiver_shard  # noqa: E402
 
 from ..harness import cases  # noqa: E402
 
@@ -137,7 +138,7 @@ def test_sglang_writes_every_physical_copy_the_layout_names(case):
 
 def test_engine_topology_constraints_are_sglangs():
     """Impossible engine topologies are refused by name before anything is built."""
-    from pytest_weightsync.reference_impl.layout import TopologyError
+    from pytest_weightsync.reference_impl.model.layout import TopologyError
 
     with pytest.raises(TopologyError, match="multiple of 128"):
         ReceiverTopology(order="up_gate", intermediate_padded=96, pad_mode="blocked",

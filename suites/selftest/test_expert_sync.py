@@ -21,8 +21,9 @@ from ..harness import cases as matrix
 from ..harness.inputs import fresh_receivers, gathered_weights, payload
 from ..harness.reference import check_receiver, sync_and_check
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl import synth, trainer
-from pytest_weightsync.reference_impl.layout import (
+from pytest_weightsync.reference_impl.oracle import synth
+from pytest_weightsync.reference_impl.trainer import trainer
+from pytest_weightsync.reference_impl.model.layout import (
     MoESpec,
     ReceiverTopology,
     TopologyError,
@@ -31,7 +32,7 @@ from pytest_weightsync.reference_impl.layout import (
     trainer_groups,
     trainer_shard,
 )
-from pytest_weightsync.reference_impl.select import Capabilities, NoCompatiblePathError, select_path
+from pytest_weightsync.reference_impl.senders.select import Capabilities, NoCompatiblePathError, select_path
 
 
 # --- the matrix ------------------------------------------------------------------------------
@@ -128,7 +129,7 @@ def test_compat_payload_of_only_local_experts_is_enough():
     case = matrix.ANCHORS[0]
     full = gathered_weights(case, version=3)
     for rec in fresh_receivers(case):
-        from pytest_weightsync.reference_impl import compat
+        from pytest_weightsync.reference_impl.senders import compat
 
         rec.load(compat.export(full, experts=rec.shard.experts))
         check_receiver(rec, case, version=3)

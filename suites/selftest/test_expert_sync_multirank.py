@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, TrainerTopology
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology, TrainerTopology
 
 #: (world size, trainer topology, receiver topology): receiver rank = world rank % receiver tp,
 #: so a receiver tp smaller than the world means several engines (one per group of ranks).
@@ -41,8 +41,9 @@ def _sync_in_ranks(trainer_topo, receiver_topo, versions=(0, 1, 2)):
     from ..harness.cases import Case
     from ..harness.inputs import locator, stream
     from pytest_weightsync import compare
-    from pytest_weightsync.reference_impl import synth, trainer
-    from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
+    from pytest_weightsync.reference_impl.oracle import synth
+    from pytest_weightsync.reference_impl.trainer import trainer
+    from pytest_weightsync.reference_impl.engine.receiver import ReferenceReceiver
 
     rank = dist.get_rank()
     case = Case(SPEC, trainer_topo, receiver_topo)
@@ -94,7 +95,8 @@ def _naive_etp_concat_in_ranks():
     import torch.distributed as dist
 
     from pytest_weightsync import compare
-    from pytest_weightsync.reference_impl import synth, trainer
+    from pytest_weightsync.reference_impl.oracle import synth
+    from pytest_weightsync.reference_impl.trainer import trainer
 
     topo = TrainerTopology(tp=2, etp=2)
     spec = MoESpec(num_layers=1, num_experts=1, hidden=4, intermediate=4)

@@ -59,9 +59,10 @@ def test_selection_falls_back_to_reference():
 def test_reference_receiver_path_runs_without_the_backend():
     import torch
 
-    from pytest_weightsync.reference_impl import compat, synth
-    from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology
-    from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
+    from pytest_weightsync.reference_impl.senders import compat
+    from pytest_weightsync.reference_impl.oracle import synth
+    from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology
+    from pytest_weightsync.reference_impl.engine.receiver import ReferenceReceiver
 
     spec = MoESpec(num_layers=1, num_experts=2, hidden=4, intermediate=4, dtype=torch.bfloat16)
     topo = ReceiverTopology(tp=2, moe_ep=2)

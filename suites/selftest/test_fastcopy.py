@@ -16,8 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pytest_weightsync.reference_impl import fastcopy  # noqa: E402
-from pytest_weightsync.reference_impl.fastcopy import (  # noqa: E402
+from pytest_weightsync.reference_impl.kernels import fastcopy  # noqa: E402
+from pytest_weightsync.reference_impl.kernels.fastcopy import (  # noqa: E402
     PairMismatchError,
     PairTypeError,
     choose_backend,
@@ -114,7 +114,7 @@ def test_choose_backend_falls_back_without_triton_or_cuda():
 
 def test_triton_unavailable_when_its_import_fails(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.delitem(sys.modules, "pytest_weightsync.reference_impl.triton_copy", raising=False)
+    monkeypatch.delitem(sys.modules, "pytest_weightsync.reference_impl.kernels.triton_copy", raising=False)
     assert fastcopy.triton_available() is False
 
 
@@ -184,7 +184,7 @@ def check_even_and_32bit_launches(device="cpu"):
 
 def test_launch_evenness_and_offset_width_are_decided_per_copy():
     pytest.importorskip("triton")
-    from pytest_weightsync.reference_impl.triton_copy import LaunchShape
+    from pytest_weightsync.reference_impl.kernels.triton_copy import LaunchShape
 
     shape = LaunchShape(tile=64, tiles_per_program=2)
     # 2-D copy tuples: (src, dst, rows, cols, ss0, ss1, ds0, ds1)
@@ -229,7 +229,7 @@ def test_gpu_auto_uses_triton_when_it_imports():
 @pytest.mark.gpu
 def test_gpu_auto_falls_back_to_foreach_without_triton(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.delitem(sys.modules, "pytest_weightsync.reference_impl.triton_copy", raising=False)
+    monkeypatch.delitem(sys.modules, "pytest_weightsync.reference_impl.kernels.triton_copy", raising=False)
     cases = strided_cases(torch.bfloat16, "cuda")
     want = [d.clone().copy_(s) for _, d, s in cases]
     assert copy_pairs([(d, s) for _, d, s in cases]) == "foreach"

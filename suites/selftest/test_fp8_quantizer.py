@@ -17,8 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_weightsync.reference_impl import fp8
-from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology
+from pytest_weightsync.reference_impl.model import fp8
+from pytest_weightsync.reference_impl.oracle import fp8 as fp8_oracle
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology
 
 pytestmark = pytest.mark.weightsync_property("fp8_quantizer")
 
@@ -26,7 +27,7 @@ SPEC = MoESpec(1, 2, 10, 16)
 
 
 def _weights(rows, cols, block, version=3):
-    return fp8.source_block(MoESpec(1, 1, cols, rows), block, version, 0, 0, "gate",
+    return fp8_oracle.source_block(MoESpec(1, 1, cols, rows), block, version, 0, 0, "gate",
                             torch.arange(rows), torch.arange(cols))
 
 
@@ -63,7 +64,7 @@ def test_suite_weights_give_every_neighbour_and_version_its_own_scale():
     topo = ReceiverTopology(weight_quant="fp8_block", quant_block=(4, 4))
     scales = {}
     for version in (1, 2):
-        full = fp8.source_weights(SPEC, topo, version)
+        full = fp8_oracle.source_weights(SPEC, topo, version)
         for key, qt in fp8.quantize_full(full, 4).items():
             s = qt.scale_inv
             scales[(version, *key)] = s

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytest_weightsync.reference_impl.gather_plan import (
+from pytest_weightsync.reference_impl.trainer.gather_plan import (
     GatherBudgetError,
     GatherPlanError,
     ShardSpec,

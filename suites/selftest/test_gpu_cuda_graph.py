@@ -3,7 +3,7 @@
 SGLang captures CUDA graphs of its forward at startup; a weight update that reallocates a
 parameter (instead of copying into it) leaves the graph reading the old storage, and the
 engine keeps serving the old policy without any error. For each sync path (compat, packed,
-direct) a graph of the reference MoE forward (:mod:`pytest_weightsync.reference_impl.moe_forward`) is captured
+direct) a graph of the reference MoE forward (:mod:`pytest_weightsync.reference_impl.oracle.moe_forward`) is captured
 over the receiver's live ``w13``/``w2`` after one update and replayed after the next: its
 output must be bit-equal to an eager forward over separately built tensors holding the new
 weights (same kernels, same shapes), and different from the old output.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from . import gpu_harness as h
-from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology
 
 pytestmark = [pytest.mark.gpu, pytest.mark.weightsync_property("cuda-graph")]
 
@@ -42,7 +42,7 @@ def test_graph_that_reads_a_reallocated_parameter_is_caught():
     does) leaves the graph on the old weights, and the replay no longer matches eager."""
     import torch
 
-    from pytest_weightsync.reference_impl.layout import fused_name
+    from pytest_weightsync.reference_impl.model.layout import fused_name
 
     scenario = h.Scenario(SPEC, ReceiverTopology(tp=1), tokens=64, top_k=8)
     (receiver,) = h.make_receivers(SPEC, scenario.topo, "cuda")

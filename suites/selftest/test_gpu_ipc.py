@@ -2,7 +2,7 @@
 
 A trainer process serializes its payload tensors (CUDA IPC handles, not bytes: SGLang's
 ``MultiprocessingSerializer``) and every receiver rank, in its own process, rebuilds its entry,
-loads it into its pre-allocated parameters and drops it (:mod:`pytest_weightsync.reference_impl.ipc`). Over
+loads it into its pre-allocated parameters and drops it (:mod:`pytest_weightsync.reference_impl.transport.ipc`). Over
 repeated updates:
 
 * every receiver parameter is bit-identical to the oracle after every update (read back
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 from . import gpu_harness as h
-from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology
 
 pytestmark = [pytest.mark.gpu, pytest.mark.weightsync_property("cuda-ipc")]
 
@@ -36,7 +36,7 @@ QWEN35_UPDATES = 21
 def receivers_on_gpu0():
     """Two receiver processes on cuda:0 (a colocated engine of up to two ranks), reused by
     every test of the module; each test configures fresh parameters."""
-    from pytest_weightsync.reference_impl.ipc import ReceiverProcess
+    from pytest_weightsync.reference_impl.engine.process import ReceiverProcess
 
     processes = [ReceiverProcess("cuda:0", timeout=120), ReceiverProcess("cuda:0", timeout=120)]
     try:
@@ -126,8 +126,8 @@ def test_a_receiver_that_keeps_its_payloads_is_caught(receivers_on_gpu0):
 def test_a_refused_payload_leaves_parameters_untouched_and_releases_handles(receivers_on_gpu0):
     import torch
 
-    from pytest_weightsync.reference_impl import ipc
-    from pytest_weightsync.reference_impl.ipc import ReceiverProcessError
+    from pytest_weightsync.reference_impl.transport import ipc
+    from pytest_weightsync.reference_impl.engine.process import ReceiverProcessError
 
     topo = ReceiverTopology(tp=1)
     process = receivers_on_gpu0[0]
@@ -147,7 +147,7 @@ def test_a_refused_payload_leaves_parameters_untouched_and_releases_handles(rece
 def test_receiver_ranks_on_two_gpus_rebuild_by_uuid_and_copy_to_their_device():
     """Trainer on cuda:0, receiver rank r on cuda:r: the handle opens on the trainer's GPU
     (found by UUID) and rank 1 copies to its own device, as SGLang's ``_unwrap_tensor`` does."""
-    from pytest_weightsync.reference_impl.ipc import ReceiverProcess
+    from pytest_weightsync.reference_impl.engine.process import ReceiverProcess
 
     topo = ReceiverTopology(tp=2)
     with ReceiverProcess("cuda:0") as rank0, ReceiverProcess("cuda:1") as rank1:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_weightsync.reference_impl.layout import ReceiverTopology
-from pytest_weightsync.reference_impl.model_spec import qwen3_5_35b_a3b
+from pytest_weightsync.reference_impl.model.layout import ReceiverTopology
+from pytest_weightsync.reference_impl.model.model_spec import qwen3_5_35b_a3b
 from pytest_weightsync.vocabulary import MODEL_FORMATS
 
 from . import gpu_harness as h

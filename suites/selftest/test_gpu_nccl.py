@@ -1,7 +1,7 @@
 """Multi-rank gathers over NCCL on two GPUs, bit-identical to the CPU expectation.
 
-The gather executors (:mod:`pytest_weightsync.reference_impl.bf16_gather`, :mod:`pytest_weightsync.reference_impl.component_gather`,
-:func:`pytest_weightsync.reference_impl.trainer.gather_full_weights_dist`) run their CPU suites over gloo; here
+The gather executors (:mod:`pytest_weightsync.reference_impl.trainer.bf16_gather`, :mod:`pytest_weightsync.reference_impl.trainer.component_gather`,
+:func:`pytest_weightsync.reference_impl.trainer.trainer.gather_full_weights_dist`) run their CPU suites over gloo; here
 the same code runs over NCCL with one rank per GPU, the way a trainer runs it. Each rank builds
 its shards from a seeded generator on the CPU, moves them to its GPU and gathers; the test
 process rebuilds the unsharded tensors from the same generator and compares raw bits. The rank
@@ -110,8 +110,8 @@ def gather_experts(case: ExpertCase) -> dict:
     import torch
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl.bf16_gather import gather_bf16, plan_from_local
-    from pytest_weightsync.reference_impl.component_gather import assemble_components, glu_fc1_layout
+    from pytest_weightsync.reference_impl.trainer.bf16_gather import gather_bf16, plan_from_local
+    from pytest_weightsync.reference_impl.trainer.component_gather import assemble_components, glu_fc1_layout
 
     torch.set_num_threads(1)
     device = rank_device()
@@ -158,7 +158,7 @@ def test_bf16_expert_gather_over_nccl_equals_the_cpu_expectation(rank_pool, case
 
 
 def component_layouts():
-    from pytest_weightsync.reference_impl.component_gather import gdn_conv1d_layout, gdn_in_proj_layout, glu_fc1_layout
+    from pytest_weightsync.reference_impl.trainer.component_gather import gdn_conv1d_layout, gdn_in_proj_layout, glu_fc1_layout
 
     # Qwen3.5 GDN: 16 key heads / 32 value heads of dim 128; MoE ffn 512.
     return {
@@ -177,7 +177,7 @@ def gather_components(seed: int) -> dict:
     """Rank body: this rank's TP shard of each fused tensor, gathered both ways."""
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl.component_gather import gather_components_async, gather_components_sequential, shard_of
+    from pytest_weightsync.reference_impl.trainer.component_gather import gather_components_async, gather_components_sequential, shard_of
 
     rank, device = dist.get_rank(), rank_device()
     out = {}
@@ -193,7 +193,7 @@ def gather_components(seed: int) -> dict:
 def check_component_gather(seed: int, results: list) -> None:
     import torch
 
-    from pytest_weightsync.reference_impl.component_gather import shard_of
+    from pytest_weightsync.reference_impl.trainer.component_gather import shard_of
 
     for name, (layout, _) in component_layouts().items():
         full = full_component_tensor(name, seed)
@@ -220,7 +220,8 @@ def gather_trainer_weights(spec, topo, version: int) -> dict:
     rank's device, gather the full HF weights through the trainer's process groups."""
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl import synth, trainer
+    from pytest_weightsync.reference_impl.oracle import synth
+    from pytest_weightsync.reference_impl.trainer import trainer
 
     device = rank_device()
     state = {k: t.to(device) for k, t in
@@ -232,7 +233,7 @@ def gather_trainer_weights(spec, topo, version: int) -> dict:
 
 
 def check_trainer_gather(spec, version: int, results: list) -> None:
-    from pytest_weightsync.reference_impl import synth
+    from pytest_weightsync.reference_impl.oracle import synth
 
     expected = synth.full_weights(spec, version)
     for rank, got in enumerate(results):
@@ -242,7 +243,7 @@ def check_trainer_gather(spec, version: int, results: list) -> None:
 
 
 def trainer_cases():
-    from pytest_weightsync.reference_impl.layout import MoESpec, TrainerTopology
+    from pytest_weightsync.reference_impl.model.layout import MoESpec, TrainerTopology
 
     spec = MoESpec(num_layers=2, num_experts=4, hidden=96, intermediate=64)
     return [(spec, TrainerTopology(ep=2)), (spec, TrainerTopology(etp=2)),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from . import gpu_harness as h
-from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology
 
 pytestmark = [pytest.mark.gpu, pytest.mark.weightsync_property("repeated-updates")]
 
@@ -55,7 +55,7 @@ def test_weights_expected_values_and_poison_built_on_the_gpu_equal_the_cpu_bits(
     (first element, across a chunk boundary, last element): same bits on both devices."""
     import torch
 
-    from pytest_weightsync.reference_impl import synth
+    from pytest_weightsync.reference_impl.oracle import synth
 
     spec = MoESpec(num_layers=2, num_experts=4, hidden=96, intermediate=64)
     gpu = synth.full_weights(spec, 3, 5, device="cuda", finite=finite)
@@ -98,7 +98,7 @@ def test_the_registered_reference_replays_cached_copy_plans_and_stays_exact(payl
 
     from pytest_weightsync import compare
     from pytest_weightsync.reference_impl.impl import ReferenceImplementation
-    from pytest_weightsync.reference_impl.layout import TrainerTopology
+    from pytest_weightsync.reference_impl.model.layout import TrainerTopology
     from pytest_weightsync.suites.harness import inputs, judge, loader
     from pytest_weightsync.suites.harness.cases import Case
 

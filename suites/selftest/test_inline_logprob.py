@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_weightsync.reference_impl import inline_logprob
-from pytest_weightsync.reference_impl.inline_logprob import (
+from pytest_weightsync.reference_impl.rl import inline_logprob
+from pytest_weightsync.reference_impl.rl.inline_logprob import (
     FIELDS,
     ConfigFieldTypeError,
     ConfigFieldValueError,

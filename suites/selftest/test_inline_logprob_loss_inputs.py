@@ -14,11 +14,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pytest_weightsync.reference_impl.inline_logprob import (  # noqa: E402
+from pytest_weightsync.reference_impl.rl.inline_logprob import (  # noqa: E402
     ConfigFieldTypeError,
     inline_logprob_eligibility,
 )
-from pytest_weightsync.reference_impl.loss_inputs import (  # noqa: E402
+from pytest_weightsync.reference_impl.rl.loss_inputs import (  # noqa: E402
     LossInputsError,
     assemble_loss_inputs,
     kl_loss_coefficient,

@@ -1,7 +1,7 @@
 """The expected receiver state, rebuilt from plain slicing arithmetic, independent of layout.py.
 
 Every other suite takes its expected receiver parameters from
-``synth.expected_receiver_params``, which asks ``pytest_weightsync.reference_impl.layout.receiver_shard`` which
+``synth.expected_receiver_params``, which asks ``pytest_weightsync.reference_impl.model.layout.receiver_shard`` which
 experts and rows a rank owns - the same function the reference receiver and the direct path
 use. A bug there (expert range, row start, gate/up half) would cancel out. This module states
 SGLang's ownership rules again in a few lines of arithmetic (DOMAIN.md section 3), slices the
@@ -16,7 +16,7 @@ import torch
 
 from ..harness.inputs import fresh_receivers, stream
 from pytest_weightsync.compare import assert_bitwise_equal
-from pytest_weightsync.reference_impl import synth
+from pytest_weightsync.reference_impl.oracle import synth
 
 pytestmark = pytest.mark.weightsync_property("receiver_layout_oracle")
 

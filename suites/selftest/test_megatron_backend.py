@@ -2,7 +2,7 @@
 
 Real ``MoELayer``s (SequentialMLP experts, CPU initialization, allgather dispatcher) are built
 in four gloo ranks at each essential expert topology. In every rank the suite checks that the
-reference's ownership model (:func:`pytest_weightsync.reference_impl.layout.trainer_shard`) puts the rank where
+reference's ownership model (:func:`pytest_weightsync.reference_impl.model.layout.trainer_shard`) puts the rank where
 Megatron's ``parallel_state`` puts it, and that the reference's parameter names and shapes are
 the layer's own. It then writes the reference's synthetic shards into the real parameters,
 exports them through the reference trainer-side gather and requires the synthetic HF tensors
@@ -84,7 +84,7 @@ def megatron_pool(rank_pool):
 def _spec_and_topology(tp, ep, etp, expert_impl="sequential"):
     import torch
 
-    from pytest_weightsync.reference_impl.layout import MoESpec, TrainerTopology
+    from pytest_weightsync.reference_impl.model.layout import MoESpec, TrainerTopology
 
     spec = MoESpec(num_layers=1, num_experts=EXPERTS, hidden=HIDDEN, intermediate=FFN, dtype=torch.bfloat16)
     return spec, TrainerTopology(tp=tp, ep=ep, etp=etp, dp=WORLD // tp, expert_impl=expert_impl)
@@ -109,9 +109,10 @@ def megatron_export_in_rank(tp, ep, etp, version):
     """One rank: build the real layer, check naming/ownership, load, export, compare."""
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl import compat, synth
-    from pytest_weightsync.reference_impl.layout import trainer_shard
-    from pytest_weightsync.reference_impl.trainer import TrainerGroups, gather_full_weights_dist, trainer_state
+    from pytest_weightsync.reference_impl.senders import compat
+    from pytest_weightsync.reference_impl.oracle import synth
+    from pytest_weightsync.reference_impl.model.layout import trainer_shard
+    from pytest_weightsync.reference_impl.trainer.trainer import TrainerGroups, gather_full_weights_dist, trainer_state
 
     rank = dist.get_rank()
     spec, topo = _spec_and_topology(tp, ep, etp)
@@ -181,7 +182,7 @@ def megatron_export_in_rank(tp, ep, etp, version):
 @pytest.mark.parametrize("tp, ep, etp", TOPOLOGIES)
 def test_megatron_layer_shards_export_to_reference_hf_tensors(megatron_pool, tp, ep, etp):
     results = megatron_pool.run(megatron_export_in_rank, tp, ep, etp, 3)
-    from pytest_weightsync.reference_impl import synth
+    from pytest_weightsync.reference_impl.oracle import synth
 
     spec, topo = _spec_and_topology(tp, ep, etp)
     full = synth.full_weights(spec, 3)
@@ -212,8 +213,8 @@ def naive_etp_concat_in_rank():
     import torch
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl import synth
-    from pytest_weightsync.reference_impl.trainer import trainer_state
+    from pytest_weightsync.reference_impl.oracle import synth
+    from pytest_weightsync.reference_impl.trainer.trainer import trainer_state
 
     spec, topo = _spec_and_topology(1, 1, 2)
     full = synth.full_weights(spec, 3)

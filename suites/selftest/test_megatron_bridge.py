@@ -9,12 +9,12 @@ its component split and its EP all_gather - next to the reference's gather of th
 
 * experts: ``GatedMLPMapping`` (fc1 ``[gate_r; up_r]`` over the ETP group, then EP) and
   ``AutoMapping`` (fc2, row-parallel, then EP) on the shards of a real ``MoELayer`` (written from
-  :func:`~pytest_weightsync.reference_impl.trainer.trainer_state`), against
-  :func:`~pytest_weightsync.reference_impl.trainer.gather_full_weights_dist` and the synthetic
+  :func:`~pytest_weightsync.reference_impl.trainer.trainer.trainer_state`), against
+  :func:`~pytest_weightsync.reference_impl.trainer.trainer.gather_full_weights_dist` and the synthetic
   HF tensors;
 * attention: ``QKVMapping`` on a real ``ColumnParallelLinear`` holding Megatron's
   per-query-group ``linear_qkv`` shards, against the reference's
-  :func:`~pytest_weightsync.reference_impl.component_gather.split_megatron_qkv`;
+  :func:`~pytest_weightsync.reference_impl.trainer.component_gather.split_megatron_qkv`;
 * Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention): ``GDNLinearMapping`` (``in_proj``)
   and ``GDNConv1dMapping`` (``conv1d``) against the reference's component-major gathers.
   Bridge emits Qwen3-Next's HF format (``in_proj_qkvz`` grouped per key head, ``in_proj_ba``);
@@ -106,10 +106,10 @@ def bridge_expert_export_in_rank(tp, ep, etp):
     import torch
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl import synth
+    from pytest_weightsync.reference_impl.oracle import synth
     from pytest_weightsync.reference_impl.backends.megatron import MegatronMoEConfig, megatron_moe_layer, write_expert_shards
-    from pytest_weightsync.reference_impl.layout import MoESpec, TrainerTopology, hf_expert_name
-    from pytest_weightsync.reference_impl.trainer import TrainerGroups, gather_full_weights_dist, trainer_state
+    from pytest_weightsync.reference_impl.model.layout import MoESpec, TrainerTopology, hf_expert_name
+    from pytest_weightsync.reference_impl.trainer.trainer import TrainerGroups, gather_full_weights_dist, trainer_state
 
     pm = _param_mapping()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -227,7 +227,7 @@ def bridge_attention_in_rank(tp):
     import torch
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl import component_gather as cg
+    from pytest_weightsync.reference_impl.trainer import component_gather as cg
     from pytest_weightsync.reference_impl.backends.megatron import model_parallel
 
     pm = _param_mapping()
@@ -300,7 +300,7 @@ def bridge_attention_in_rank(tp):
 def test_bridge_qkv_and_gdn_exports_equal_reference_gathers(rank_pool, tp):
     results = rank_pool.run(bridge_attention_in_rank, 4, tp)
     assert all(r["qkv_control_differs"] for r in results), "the [q; k; v] control gather matched Megatron's layout"
-    from pytest_weightsync.reference_impl.component_gather import gdn_in_proj_layout
+    from pytest_weightsync.reference_impl.trainer.component_gather import gdn_in_proj_layout
 
     names = gdn_in_proj_layout(*(GDN[k] for k in ("linear_key_head_dim", "linear_num_key_heads", "linear_value_head_dim", "linear_num_value_heads"))).components
     for rank, result in enumerate(results):

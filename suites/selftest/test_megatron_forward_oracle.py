@@ -1,7 +1,7 @@
 """Megatron-Core's own expert forward as an oracle for the reference's shard layout.
 
 The reference says trainer rank ``r`` of an ETP group holds ``linear_fc1 = [gate_r; up_r]`` and
-``linear_fc2 = down[:, cols_r]`` (:func:`~pytest_weightsync.reference_impl.trainer.trainer_state`).
+``linear_fc2 = down[:, cols_r]`` (:func:`~pytest_weightsync.reference_impl.trainer.trainer.trainer_state`).
 Comparing the reference's gather with those same shards cannot catch a wrong convention - both
 sides would share it. Running the model can: the real ``SequentialMLP`` experts (CPU, float32,
 gloo ranks) are loaded with the reference's shards and given a few tokens per local expert
@@ -31,8 +31,8 @@ def _forward_safe_weights(spec):
     """``{0: (ExpertWeights, ...)}``: synthetic values (finite set) scaled to [0.5, 1) magnitude."""
     import torch
 
-    from pytest_weightsync.reference_impl import synth
-    from pytest_weightsync.reference_impl.layout import ExpertWeights
+    from pytest_weightsync.reference_impl.oracle import synth
+    from pytest_weightsync.reference_impl.model.layout import ExpertWeights
 
     experts = []
     for expert in range(spec.num_experts):
@@ -69,8 +69,8 @@ def expert_forward_in_rank(tp, ep, etp):
     from megatron.core import parallel_state as ps
 
     from pytest_weightsync.reference_impl.backends.megatron import MegatronMoEConfig, megatron_moe_layer, write_expert_shards
-    from pytest_weightsync.reference_impl.layout import MoESpec, TrainerTopology
-    from pytest_weightsync.reference_impl.trainer import trainer_state
+    from pytest_weightsync.reference_impl.model.layout import MoESpec, TrainerTopology
+    from pytest_weightsync.reference_impl.trainer.trainer import trainer_state
 
     rank = dist.get_rank()
     spec = MoESpec(num_layers=1, num_experts=EXPERTS, hidden=HIDDEN, intermediate=FFN, dtype=torch.float32)

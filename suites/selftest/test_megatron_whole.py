@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_weightsync.reference_impl import megatron_whole
-from pytest_weightsync.reference_impl.layout import TopologyError, TrainerTopology, stage_layers
-from pytest_weightsync.reference_impl.megatron_model import trainer_params
-from pytest_weightsync.reference_impl.megatron_state import MegatronPlacementError
-from pytest_weightsync.reference_impl.model_spec import qwen3_5_moe, qwen3_moe
+from pytest_weightsync.reference_impl.trainer import megatron_whole
+from pytest_weightsync.reference_impl.model.layout import TopologyError, TrainerTopology, stage_layers
+from pytest_weightsync.reference_impl.trainer.megatron_model import trainer_params
+from pytest_weightsync.reference_impl.trainer.megatron_state import MegatronPlacementError
+from pytest_weightsync.reference_impl.model.model_spec import qwen3_5_moe, qwen3_moe
 
 NORM = "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
 
@@ -64,7 +64,7 @@ def test_uneven_stages_follow_megatrons_first_stage_split():
 
 
 def test_the_mtp_stage_holds_a_copy_of_the_embedding_read_once():
-    from pytest_weightsync.reference_impl.megatron_model import (
+    from pytest_weightsync.reference_impl.trainer.megatron_model import (
         EMBEDDING,
         is_shared_embedding_copy,
     )

@@ -21,10 +21,12 @@ import pytest
 import torch
 
 from pytest_weightsync.compare import assert_bitwise_equal
-from pytest_weightsync.reference_impl import megatron_model, model_senders, model_synth, synth
-from pytest_weightsync.reference_impl.layout import ReceiverTopology, TrainerTopology
-from pytest_weightsync.reference_impl.model_receiver import ModelReceiver
-from pytest_weightsync.reference_impl.model_spec import qwen3_5_moe, qwen3_moe
+from pytest_weightsync.reference_impl.trainer import megatron_model
+from pytest_weightsync.reference_impl.senders import model_senders
+from pytest_weightsync.reference_impl.oracle import model_synth, synth
+from pytest_weightsync.reference_impl.model.layout import ReceiverTopology, TrainerTopology
+from pytest_weightsync.reference_impl.engine.model_receiver import ModelReceiver
+from pytest_weightsync.reference_impl.model.model_spec import qwen3_5_moe, qwen3_moe
 
 pytestmark = pytest.mark.weightsync_property("receiver_layout_oracle")
 
@@ -213,8 +215,8 @@ def test_qwen3_5_35b_a3b_engine_shapes():
     """The GPU shapes (docs/layout.md, DOMAIN): at TP 1 ``in_proj_qkvz`` [12288, 2048] and
     ``in_proj_ba`` [64, 2048]; one layer's experts ``w13`` [256, 1024, 2048], ``w2`` [256,
     2048, 512]; at TP 2 (the recipe's engine) each rank holds half of every GDN component."""
-    from pytest_weightsync.reference_impl.model_layout import engine_params
-    from pytest_weightsync.reference_impl.model_spec import qwen3_5_35b_a3b
+    from pytest_weightsync.reference_impl.model.model_layout import engine_params
+    from pytest_weightsync.reference_impl.model.model_spec import qwen3_5_35b_a3b
 
     spec = qwen3_5_35b_a3b(num_layers=4)
     tp1 = engine_params(spec, ReceiverTopology(tp=1), 0)

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from pytest_weightsync.compare import assert_unchanged, snapshot
-from pytest_weightsync.reference_impl import model_receiver as mr
-from pytest_weightsync.reference_impl import model_senders, model_synth, synth
-from pytest_weightsync.reference_impl import receiver as er
-from pytest_weightsync.reference_impl.layout import ReceiverTopology
-from pytest_weightsync.reference_impl.model_spec import qwen3_5_moe
+from pytest_weightsync.reference_impl.engine import model_receiver as mr
+from pytest_weightsync.reference_impl.senders import model_senders
+from pytest_weightsync.reference_impl.oracle import model_synth, synth
+from pytest_weightsync.reference_impl.engine import receiver as er
+from pytest_weightsync.reference_impl.model.layout import ReceiverTopology
+from pytest_weightsync.reference_impl.model.model_spec import qwen3_5_moe
 
 pytestmark = pytest.mark.weightsync_property("reference_strictness")
 

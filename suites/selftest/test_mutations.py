@@ -15,9 +15,9 @@ from ..harness.cases import Case
 from ..harness.inputs import fresh_receivers
 from ..harness.reference import sync_and_check
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl import trainer
-from pytest_weightsync.reference_impl.layout import ExpertWeights, MoESpec, ReceiverTopology, TrainerTopology
-from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
+from pytest_weightsync.reference_impl.trainer import trainer
+from pytest_weightsync.reference_impl.model.layout import ExpertWeights, MoESpec, ReceiverTopology, TrainerTopology
+from pytest_weightsync.reference_impl.engine.receiver import ReferenceReceiver
 
 CASE = Case(MoESpec(num_layers=2, num_experts=4, hidden=8, intermediate=8),
             TrainerTopology(tp=2, ep=2, etp=2),

@@ -37,13 +37,13 @@ class _Planted(ReferenceImplementation):
     """The reference distributed exporter, its gather and send steps open to a planted bug."""
 
     def gathered(self, spec, model_state):
-        from pytest_weightsync.reference_impl.distributed_export import gather_full
+        from pytest_weightsync.reference_impl.senders.distributed_export import gather_full
 
         return gather_full(spec, model_state)
 
     def export_weights_distributed(self, model_state, *, config, format, spec, trainer,
                                    receiver, delivery, bucket_bytes):
-        from pytest_weightsync.reference_impl.distributed_export import engine_streams
+        from pytest_weightsync.reference_impl.senders.distributed_export import engine_streams
 
         full = self.gathered(spec, model_state)
         return engine_streams(self.placed(full, format, spec, trainer, receiver), format=format,
@@ -93,7 +93,7 @@ class DenseTPGather(_Planted):
     def gathered(self, spec, model_state):
         from megatron.core import parallel_state as ps
 
-        from pytest_weightsync.reference_impl.distributed_export import gather_full
+        from pytest_weightsync.reference_impl.senders.distributed_export import gather_full
 
         return gather_full(spec, model_state, etp=ps.get_tensor_model_parallel_group())
 

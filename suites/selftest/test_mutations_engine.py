@@ -28,14 +28,14 @@ import pytest
 from ..conformance import test_loader as suite
 from ..harness import cases
 from ..harness.judge import ConformanceError
-from pytest_weightsync.reference_impl import engine_layout
-from pytest_weightsync.reference_impl.engine_receivers import (
+from pytest_weightsync.reference_impl.model import engine_layout
+from pytest_weightsync.reference_impl.engine.engine_receivers import (
     PostLoadReceiver,
     RedundantExpertReceiver,
 )
-from pytest_weightsync.reference_impl.fp8_receiver import Fp8BlockReceiver
+from pytest_weightsync.reference_impl.engine.fp8_receiver import Fp8BlockReceiver
 from pytest_weightsync.reference_impl.impl import ReferenceImplementation
-from pytest_weightsync.reference_impl.receiver import ReferenceReceiver
+from pytest_weightsync.reference_impl.engine.receiver import ReferenceReceiver
 
 pytestmark = pytest.mark.weightsync_property("mutation_detected")
 

@@ -1,7 +1,7 @@
 """Planted bugs in the component gather are caught by its suite's own tests, located.
 
 Each mutant replaces one function of
-:mod:`pytest_weightsync.reference_impl.component_gather` with a realistic wrong version and
+:mod:`pytest_weightsync.reference_impl.trainer.component_gather` with a realistic wrong version and
 runs an unchanged test function of ``test_component_gather``; the failure must name the
 first wrong row, its component and the TP rank's block it came from.
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from . import test_component_gather as suite
-from pytest_weightsync.reference_impl import component_gather as cg
+from pytest_weightsync.reference_impl.trainer import component_gather as cg
 
 pytestmark = pytest.mark.weightsync_property("mutation_detected")
 

@@ -32,8 +32,12 @@ from ..harness import reference as harness
 from . import test_expert_sync as expert_suite
 from . import test_layout_oracle as oracle_suite
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl import compat, direct, hf_fused, layout, packed, synth, trainer
-from pytest_weightsync.reference_impl.layout import ExpertWeights, Location, WeightSyncError
+from pytest_weightsync.reference_impl.senders import compat, direct, hf_fused, packed
+from pytest_weightsync.reference_impl.model import layout
+from pytest_weightsync.reference_impl.oracle import synth
+from pytest_weightsync.reference_impl.trainer import trainer
+from pytest_weightsync.reference_impl.model.layout import ExpertWeights, WeightSyncError
+from pytest_weightsync.reference_impl.model.locate import Location
 
 pytestmark = pytest.mark.weightsync_property("mutation_detected")
 

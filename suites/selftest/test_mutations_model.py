@@ -26,7 +26,7 @@ import torch
 
 from pytest_weightsync.protocols import Capabilities
 from pytest_weightsync.reference_impl.impl import ReferenceImplementation
-from pytest_weightsync.reference_impl.model_receiver import ModelReceiver
+from pytest_weightsync.reference_impl.engine.model_receiver import ModelReceiver
 from pytest_weightsync.vocabulary import MODEL_PARTS, TARGETS
 
 from ..conformance import test_model as suite

@@ -50,9 +50,9 @@ class _Planted(ReferenceImplementation):
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from pytest_weightsync.reference_impl import distributed_model_export as dme
-        from pytest_weightsync.reference_impl import model_senders
-        from pytest_weightsync.reference_impl.distributed_export import engine_streams
+        from pytest_weightsync.reference_impl.senders import distributed_model_export as dme
+        from pytest_weightsync.reference_impl.senders import model_senders
+        from pytest_weightsync.reference_impl.senders.distributed_export import engine_streams
 
         weights = self.gathered(dme.gather_model(spec, trainer, model_state, config=config,
                                                  model=model))
@@ -171,7 +171,7 @@ class TiedSourceFromLastStageHead(_Planted):
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from pytest_weightsync.reference_impl.trainer import all_gather_bits
+        from pytest_weightsync.reference_impl.trainer.trainer import all_gather_bits
 
         name = next((n for n in model_state if n.endswith("output_layer.weight")), None)
         head = None

@@ -18,9 +18,9 @@ from pytest_weightsync.vocabulary import FORMATS
 from ..harness import inputs, judge, loader
 from ..harness.cases import Case
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl import synth
+from pytest_weightsync.reference_impl.oracle import synth
 from pytest_weightsync.reference_impl.impl import ReferenceImplementation
-from pytest_weightsync.reference_impl.layout import MoESpec, ReceiverTopology, TrainerTopology
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology, TrainerTopology
 
 pytestmark = pytest.mark.weightsync_property("mutation_detected")
 

@@ -26,9 +26,9 @@ from pytest_weightsync.vocabulary import FORMATS, LOAD_FORMAT
 from ..harness.cases import Case
 from ..harness.inputs import gathered_weights, payload
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl import receiver as rx
-from pytest_weightsync.reference_impl import synth
-from pytest_weightsync.reference_impl.layout import (MoESpec, ReceiverTopology, TrainerTopology,
+from pytest_weightsync.reference_impl.engine import receiver as rx
+from pytest_weightsync.reference_impl.oracle import synth
+from pytest_weightsync.reference_impl.model.layout import (MoESpec, ReceiverTopology, TrainerTopology,
                                                      hf_expert_name, hf_fused_name,
                                                      parse_receiver_name)
 

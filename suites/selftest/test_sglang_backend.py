@@ -29,16 +29,17 @@ pytest.importorskip(
 import torch  # noqa: E402
 
 from pytest_weightsync.compare import assert_same_storage, assert_state_equal, snapshot  # noqa: E402
-from pytest_weightsync.reference_impl import compat, direct, packed, synth  # noqa: E402
+from pytest_weightsync.reference_impl.senders import compat, direct, packed  # noqa: E402
+from pytest_weightsync.reference_impl.oracle import synth  # noqa: E402
 from pytest_weightsync.reference_impl.backends.sglang import ReceiverPlacement, build_fused_moe  # noqa: E402
-from pytest_weightsync.reference_impl.layout import (  # noqa: E402
+from pytest_weightsync.reference_impl.model.layout import (  # noqa: E402
     MoESpec,
     ReceiverTopology,
     fused_name,
-    locate_receiver_element,
     receiver_shard,
 )
-from pytest_weightsync.reference_impl.receiver import ReferenceReceiver  # noqa: E402
+from pytest_weightsync.reference_impl.model.locate import locate_receiver_element  # noqa: E402
+from pytest_weightsync.reference_impl.engine.receiver import ReferenceReceiver  # noqa: E402
 
 from pytest_weightsync.reference_impl.backends.sglang_models import (  # noqa: E402
     Qwen35MoeLoader,

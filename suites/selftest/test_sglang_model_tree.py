@@ -20,16 +20,17 @@ pytest.importorskip("sglang.srt.models.qwen3_5", reason="sglang (Qwen3.5 model) 
 import torch  # noqa: E402
 
 from pytest_weightsync.compare import assert_bitwise_equal, snapshot  # noqa: E402
-from pytest_weightsync.reference_impl import model_senders, model_synth, synth  # noqa: E402
+from pytest_weightsync.reference_impl.senders import model_senders  # noqa: E402
+from pytest_weightsync.reference_impl.oracle import model_synth, synth
 from pytest_weightsync.reference_impl.backends.sglang_model_tree import (  # noqa: E402
     SGLangPlacementError,
     build_engine_rank,
 )
-from pytest_weightsync.reference_impl.buckets import split_buckets  # noqa: E402
-from pytest_weightsync.reference_impl.layout import ReceiverTopology  # noqa: E402
-from pytest_weightsync.reference_impl.model_layout import engine_params  # noqa: E402
-from pytest_weightsync.reference_impl.model_receiver import ModelReceiver  # noqa: E402
-from pytest_weightsync.reference_impl.model_spec import qwen3_5_moe, qwen3_moe  # noqa: E402
+from pytest_weightsync.reference_impl.senders.buckets import split_buckets  # noqa: E402
+from pytest_weightsync.reference_impl.model.layout import ReceiverTopology  # noqa: E402
+from pytest_weightsync.reference_impl.model.model_layout import engine_params  # noqa: E402
+from pytest_weightsync.reference_impl.engine.model_receiver import ModelReceiver  # noqa: E402
+from pytest_weightsync.reference_impl.model.model_spec import qwen3_5_moe, qwen3_moe  # noqa: E402
 
 pytestmark = [pytest.mark.weightsync_backend("sglang"),
               pytest.mark.weightsync_property("receiver_layout")]

@@ -24,11 +24,12 @@ from ..harness.inputs import bucket_bytes, fresh_receivers, gathered_weights, pa
 from ..harness.reference import check_receiver
 from pytest_weightsync import compare
 from pytest_weightsync.protocols import as_stream
-from pytest_weightsync.reference_impl import receiver as rx
-from pytest_weightsync.reference_impl import synth, trainer
-from pytest_weightsync.reference_impl.buckets import split_buckets
+from pytest_weightsync.reference_impl.engine import receiver as rx
+from pytest_weightsync.reference_impl.oracle import synth
+from pytest_weightsync.reference_impl.trainer import trainer
+from pytest_weightsync.reference_impl.senders.buckets import split_buckets
 from pytest_weightsync.reference_impl.impl import ReferenceImplementation
-from pytest_weightsync.reference_impl.layout import (MoESpec, ReceiverTopology, TrainerTopology,
+from pytest_weightsync.reference_impl.model.layout import (MoESpec, ReceiverTopology, TrainerTopology,
                                                      hf_expert_name, parse_receiver_name)
 
 pytestmark = pytest.mark.weightsync_property("bucket_streams")

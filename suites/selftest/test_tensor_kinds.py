@@ -23,8 +23,8 @@ import torch
 
 from . import tensor_kind_probes as kp
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl import receiver as rx
-from pytest_weightsync.reference_impl import synth
+from pytest_weightsync.reference_impl.engine import receiver as rx
+from pytest_weightsync.reference_impl.oracle import synth
 from pytest_weightsync.reference_impl.errors import PayloadError, shown
 from pytest_weightsync.reference_impl.impl import ReferenceImplementation
 
@@ -167,7 +167,7 @@ def test_receiver_refuses_parameters_it_cannot_write(kind):
 
 def test_a_lock_in_a_distributed_exporters_bucket_is_named():
     from pytest_weightsync import distributed
-    from pytest_weightsync.reference_impl.layout import ReceiverTopology
+    from pytest_weightsync.reference_impl.model.layout import ReceiverTopology
 
     good = kp.bucket("compat", [0])[:2]
     result = [good, [good[0], ("model.layers.0.mlp.experts.1.up_proj.weight", threading.Lock())]]
@@ -184,7 +184,7 @@ def test_a_lock_in_a_distributed_exporters_bucket_is_named():
 
 
 def test_a_lock_in_a_stream_to_split_is_named():
-    from pytest_weightsync.reference_impl.buckets import BucketEntryError, split_buckets
+    from pytest_weightsync.reference_impl.senders.buckets import BucketEntryError, split_buckets
 
     named = kp.bucket("compat", [0])[:2] + [("model.layers.0.mlp.experts.9.up_proj.weight",
                                              threading.Lock())]

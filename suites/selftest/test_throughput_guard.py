@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pytest_weightsync.reference_impl.fastcopy import copy_pairs, plan_copies  # noqa: E402
+from pytest_weightsync.reference_impl.kernels.fastcopy import copy_pairs, plan_copies  # noqa: E402
 
 from .expert_layers import (  # noqa: E402
     assert_bits_equal,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_weightsync.reference_impl.layout import MoESpec, TrainerTopology
+from pytest_weightsync.reference_impl.model.layout import MoESpec, TrainerTopology
 
 #: NVIDIA/TransformerEngine ``transformer_engine/pytorch/module/grouped_linear.py``,
 #: ``GroupedLinear.reset_parameters`` (commit 3ea1356190e88a50d8c2cae17e80c4e6ae96d442, the
@@ -36,7 +36,7 @@ ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "all
 
 
 def test_modelled_te_grouped_linear_sets_what_te_sets():
-    from pytest_weightsync.reference_impl.te_grouped import TE_PARALLEL_MODES, te_weight_attributes
+    from pytest_weightsync.reference_impl.trainer.te_grouped import TE_PARALLEL_MODES, te_weight_attributes
 
     assert set(TE_PARALLEL_MODES) == set(TE_SOURCE_FACTS)
     for mode, facts in TE_SOURCE_FACTS.items():
@@ -56,7 +56,7 @@ def test_the_installed_te_sets_what_the_facts_say():
 
 def test_megatron_core_still_defines_what_is_compiled_from_it():
     pytest.importorskip("megatron.core")
-    from pytest_weightsync.reference_impl.te_grouped import (
+    from pytest_weightsync.reference_impl.trainer.te_grouped import (
         MEGATRON_TE_CLASSES,
         megatron_te_grouped_linears,
     )
@@ -71,8 +71,9 @@ def _built_state(spec, topo):
     """Rank body: build the rank's model as the harness does; report what exporters read."""
     import torch.distributed as dist
 
-    from pytest_weightsync.reference_impl import synth, trainer
-    from pytest_weightsync.reference_impl.megatron_state import (
+    from pytest_weightsync.reference_impl.oracle import synth
+    from pytest_weightsync.reference_impl.trainer import trainer
+    from pytest_weightsync.reference_impl.trainer.megatron_state import (
         megatron_model_state,
         megatron_parallel_state,
         unwrapped,

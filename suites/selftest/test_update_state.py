@@ -14,10 +14,10 @@ import torch
 
 from . import tensor_kind_probes as kp
 from pytest_weightsync import compare
-from pytest_weightsync.reference_impl import receiver as rx
+from pytest_weightsync.reference_impl.engine import receiver as rx
 from pytest_weightsync.reference_impl.impl import ReferenceImplementation, UpdateMismatchError
-from pytest_weightsync.reference_impl.layout import ReceiverTopology
-from pytest_weightsync.reference_impl.senders import PayloadFormatError
+from pytest_weightsync.reference_impl.model.layout import ReceiverTopology
+from pytest_weightsync.reference_impl.senders.formats import PayloadFormatError
 
 KWARGS = dict(format="compat", spec=kp.SPEC, topology=kp.TOPOLOGY, rank=kp.RANK)
 OTHER = {

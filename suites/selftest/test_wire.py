@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from pytest_weightsync import wire
 from pytest_weightsync.broadcast import WireFormatError as BroadcastFormatError
 from pytest_weightsync.broadcast import announced, dense_offsets
-from pytest_weightsync.reference_impl.buckets import split_buckets
+from pytest_weightsync.reference_impl.senders.buckets import split_buckets
 
 tensor_bucket = pytest.importorskip("sglang.srt.weight_sync.tensor_bucket",
                                     reason="sglang is not importable")

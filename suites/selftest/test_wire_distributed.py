@@ -19,7 +19,7 @@ import pytest
 from ..harness import distributed as dh
 from ..harness import judge
 from ..harness.cases import DIST_CASES
-from pytest_weightsync.reference_impl.distributed_export import REFERENCE_TRANSPORTS
+from pytest_weightsync.reference_impl.senders.distributed_export import REFERENCE_TRANSPORTS
 from pytest_weightsync.reference_impl.impl import ReferenceImplementation
 
 pytestmark = pytest.mark.weightsync_property("mutation_detected")
@@ -168,7 +168,7 @@ class BroadcastsOutOfOrder(ReferenceImplementation):
                                    receiver, delivery, bucket_bytes, engine=None):
         import torch.distributed as dist
 
-        from pytest_weightsync.reference_impl import distributed_export as de
+        from pytest_weightsync.reference_impl.senders import distributed_export as de
 
         if dist.get_rank() != 0:
             de.gather_full(spec, model_state)

@@ -1,0 +1,163 @@
+"""Copy plans a receiver reuses across updates: a bucket validated and planned once, replayed after.
+
+Per bucket a receiver validates every entry, plans one ``(dst, src)`` pair per expert
+projection and builds a copy plan (:func:`fastcopy.plan_copies`: runs, Triton tables) - host
+work per entry that, for 30,720 per-expert entries, costs far more than the copy. When an
+update carries a bucket an earlier update carried - the same names, dtypes, shapes, strides,
+at the same addresses - all of that comes out the same, so :class:`LoadCache` keeps it, keyed
+by exactly those facts, and replays the copy plan (a CUDA graph on a GPU, captured at its
+second run: no host work or gaps between launches).
+
+Two kinds of payload:
+
+* a :class:`~pytest_weightsync.reference_impl.transport.shared_payload.ReceivedPayload` carries its key
+  (its table and its storages' addresses determine every tensor of it exactly), so a bucket
+  whose key was seen skips validation and planning altogether;
+* any other payload (a list of ``(name, tensor)``) is validated and planned in full every
+  time - its tensors could differ in anything a check looks at - and only the copy plan is
+  reused, keyed by every pair's addresses, shapes, strides, dtype and device.
+
+What does not change: a bucket is validated before its first byte is written (a key is stored
+only after its bucket passed every check); duplicates across the open update are checked
+against a cached bucket's pieces on every hit, and a duplicate takes the full path, which
+names it; parameters are written in place, and a cached bucket whose destination parameters
+were replaced or reshaped is planned again.
+
+Memory: an entry keeps its sources alive (a CUDA graph reads their addresses), so the cache
+holds one entry per slot - a bucket's names and load format - and replaces it when the same
+bucket arrives at other addresses: a sender that allocates a fresh payload each update keeps
+one of them alive on each receiver, never one per update.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import torch
+
+from pytest_weightsync.reference_impl.kernels import fastcopy
+
+#: Buckets a receiver remembers (least recently used dropped first).
+MAX_SLOTS = 256
+
+
+@dataclass
+class CachedBucket:
+    """One validated, planned bucket: what to zero, the copy plan, and what it was keyed by."""
+
+    addresses: Any
+    plan: Any  # the receiver's LoadPlan (pairs, zero views, touched parameters, pieces)
+    copy: fastcopy.CopyPlan
+    params: tuple  # (name, address, shape, strides) of every parameter the bucket writes
+    hits: int = 0
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    #: What the last bucket did: "hit", "miss" (new slot) or "replan" (known slot, changed key).
+    last: Optional[str] = None
+    counts: dict = field(default_factory=dict)
+
+
+def _param_signature(params: dict, names) -> tuple:
+    out = []
+    for name in sorted(names):
+        t = params[name]
+        out.append((name, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device)))
+    return tuple(out)
+
+
+def _pairs_key(plan) -> tuple:
+    pairs = tuple((d.data_ptr(), s.data_ptr(), tuple(d.shape), d.stride(), s.stride(), d.dtype,
+                   str(d.device), str(s.device)) for d, s in plan.pairs)
+    zero = tuple((z.data_ptr(), tuple(z.shape), z.stride()) for z in plan.zero)
+    return pairs, zero
+
+
+class LoadCache:
+    """The plan cache of one :class:`~pytest_weightsync.reference_impl.engine.receiver.ReferenceReceiver`
+    (``plan_cache=True``); see the module docstring."""
+
+    def __init__(self, max_slots: int = MAX_SLOTS):
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        self.max_slots = max_slots
+        self._slots: OrderedDict = OrderedDict()
+        self.stats = CacheStats()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def clear(self) -> None:
+        """Forget every bucket (releases the sources they kept alive)."""
+        self._slots.clear()
+
+    def entry(self, slot) -> Optional[CachedBucket]:
+        return self._slots.get(slot)
+
+    def load(self, receiver, payload, load_format, seen: dict, bucket: int):
+        """Validate (or recognise) and write one bucket; returns the receiver's LoadPlan."""
+        key_of = getattr(payload, "cache_key", None)
+        if callable(key_of):
+            table, addresses = key_of()
+            slot = ("shared", load_format, table)
+            entry = self._slots.get(slot)
+            if entry is not None and entry.addresses == addresses and self._usable(receiver, entry):
+                if not seen or seen.keys().isdisjoint(entry.plan.units):
+                    return self._hit(slot, entry, bucket)
+            return self._store(receiver, slot, addresses, receiver.plan(payload.items(), load_format))
+        if isinstance(payload, Iterator):
+            payload = list(payload)
+        plan = receiver.plan(payload, load_format)  # every check, every time
+        slot = ("pairs", load_format, tuple(item[0] for item in payload))
+        addresses = _pairs_key(plan)
+        entry = self._slots.get(slot)
+        if entry is not None and entry.addresses == addresses:
+            self._hit(slot, entry, bucket)
+            return plan
+        return self._store(receiver, slot, addresses, plan)
+
+    def _usable(self, receiver, entry: CachedBucket) -> bool:
+        return entry.params == _param_signature(receiver.params, entry.plan.touched)
+
+    def _run(self, entry: CachedBucket) -> None:
+        with torch.no_grad():
+            for view in entry.plan.zero:
+                view.zero_()
+            entry.copy.run()
+
+    def _hit(self, slot, entry: CachedBucket, bucket: int):
+        self._slots.move_to_end(slot)
+        self._run(entry)
+        entry.hits += 1
+        self._count("hit")
+        plan = entry.plan
+        sample = next(iter(plan.units.values()), None)
+        if sample is not None and sample[0] != bucket:  # the pieces say which bucket carried them
+            plan = replace(plan, units={u: (bucket, i, n) for u, (_, i, n) in plan.units.items()})
+            entry.plan = plan
+        return plan
+
+    def _store(self, receiver, slot, addresses, plan):
+        copy = fastcopy.plan_copies(plan.pairs)  # validates the pairs before anything is written
+        entry = CachedBucket(addresses, plan, copy, _param_signature(receiver.params, plan.touched))
+        known = self._slots.pop(slot, None) is not None  # the old entry's sources are released
+        self._run(entry)
+        self._slots[slot] = entry
+        while len(self._slots) > self.max_slots:
+            self._slots.popitem(last=False)
+        self._count("replan" if known else "miss")
+        return plan
+
+    def _count(self, what: str) -> None:
+        self.stats.last = what
+        self.stats.counts[what] = self.stats.counts.get(what, 0) + 1
+        if what == "hit":
+            self.stats.hits += 1
+        else:
+            self.stats.misses += 1

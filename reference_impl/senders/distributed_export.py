@@ -1,0 +1,212 @@
+"""The reference distributed exporter: what runs in every trainer rank of a real Megatron job.
+
+It reads what a real trainer holds - this rank's ``named_parameters()`` of a (DDP-wrapped)
+Megatron model, local layer and expert numbering, SequentialMLP or TEGroupedMLP spelling - and
+the process groups of ``megatron.core.parallel_state``, then:
+
+1. stacks its local expert shards (``fc1 = [gate_r; up_r]``, ``fc2 = down[:, cols_r]``);
+2. all_gathers over the EP/ETP/PP groups of ``parallel_state`` and regroups fc1 into gate and
+   up, joins fc2 along its partition dim, offsets expert ids by EP rank and layers by PP stage
+   (:func:`pytest_weightsync.reference_impl.trainer.trainer.gather_stacked`);
+3. builds the payload in the requested format for the engine rank(s) it feeds and cuts it
+   into buckets (:func:`pytest_weightsync.reference_impl.senders.buckets.split_buckets`).
+
+Delivery (see :mod:`pytest_weightsync.protocols`): ``colocated`` returns one stream for the
+engine rank colocated with this trainer rank; ``distributed`` returns every engine rank's
+stream from trainer rank 0 and ``None`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping, Optional
+
+from pytest_weightsync.protocols import colocated_engine_rank
+from pytest_weightsync.reference_impl.model.layout import (
+    MoESpec,
+    WeightSyncError,
+    parse_megatron_name,
+)
+
+#: Everything up to and including the model wrappers' prefixes (``module.module.``, ...).
+_DECODER = re.compile(r"^(?:.*?\.)?(decoder\..*)$")
+
+
+class ModelStateError(WeightSyncError):
+    """The model state lacks an expert parameter, or holds one twice or of the wrong shape."""
+
+
+def local_expert_stacks(spec: MoESpec, model_state: Mapping, rows: int):
+    """``(fc1 [L_stage, e_local, 2*rows, H], fc2 [L_stage, e_local, H, rows])`` from this
+    rank's named parameters (either expert spelling, any wrapper prefix)."""
+    import torch
+
+    found = {}
+    for name, param in model_state.items():
+        m = _DECODER.match(name)
+        parsed = parse_megatron_name(m.group(1)) if m else None
+        if parsed is None:
+            continue
+        if parsed in found:
+            raise ModelStateError(f"two parameters for local (layer, expert, fc) {parsed}: "
+                                  f"{found[parsed][0]!r} and {name!r}")
+        found[parsed] = (name, param)
+    if not found:
+        raise ModelStateError("the model state holds no Megatron expert parameter "
+                              "(decoder.layers.L.mlp.experts...linear_fc1/2.weight)")
+    n_layers = 1 + max(k[0] for k in found)
+    n_experts = 1 + max(k[1] for k in found)
+    shapes = {1: (2 * rows, spec.hidden), 2: (spec.hidden, rows)}
+    stacks = {}
+    for fc in (1, 2):
+        per_layer = []
+        for li in range(n_layers):
+            row = []
+            for ei in range(n_experts):
+                if (li, ei, fc) not in found:
+                    raise ModelStateError(f"no linear_fc{fc} weight for local layer {li}, "
+                                          f"local expert {ei}")
+                name, param = found[li, ei, fc]
+                if tuple(param.shape) != shapes[fc]:
+                    raise ModelStateError(f"{name}: shape {tuple(param.shape)}, expected "
+                                          f"{shapes[fc]}")
+                row.append(param.detach())
+            per_layer.append(torch.stack(row))
+        stacks[fc] = torch.stack(per_layer)
+    return stacks[1], stacks[2]
+
+
+#: ``gather_full(..., pp=NO_PP_GATHER)``: gather experts within the stage only.
+NO_PP_GATHER = "stage"
+
+
+def gather_full(spec: MoESpec, model_state: Mapping, *, etp=None, ep=None, pp=None):
+    """Full HF expert weights of every layer (``{layer: (ExpertWeights, ...)}``) from this
+    rank's named parameters, gathered over the ETP / EP / PP groups of Megatron's
+    ``parallel_state`` (or the groups given; ``pp=NO_PP_GATHER``: this stage's layers only,
+    stage-local index). Collective over the trainer world."""
+    from megatron.core import parallel_state as ps
+
+    from pytest_weightsync.reference_impl.trainer.trainer import gather_stacked
+
+    etp_size = ps.get_expert_tensor_parallel_world_size()
+    if spec.intermediate % etp_size:
+        raise WeightSyncError(f"intermediate {spec.intermediate} is not divisible by the "
+                              f"expert tensor parallel size {etp_size}")
+    fc1, fc2 = local_expert_stacks(spec, model_state, spec.intermediate // etp_size)
+    return gather_stacked(spec, fc1, fc2,
+                          etp=ps.get_expert_tensor_parallel_group() if etp is None else etp,
+                          ep=ps.get_expert_model_parallel_group() if ep is None else ep,
+                          pp=(ps.get_pipeline_model_parallel_group() if pp is None else
+                              None if pp == NO_PP_GATHER else pp))
+
+
+def encoded(stream: list, transport: str, *, engine_rank: int, engine_tp: int) -> list:
+    """``stream`` (buckets of ``(name, tensor)``) on the wire ``transport``
+    (:mod:`pytest_weightsync.wire`): each bucket a flattened bucket, or a serialized update
+    whose entry for ``engine_rank`` holds it (the other engine ranks' entries are empty: each
+    stream is one engine rank's)."""
+    from pytest_weightsync import wire
+
+    if transport == "tensors":
+        return stream
+    if transport == "flattened_bucket":
+        return [wire.flattened_bucket(bucket) for bucket in stream]
+    if transport in ("serialized", "serialized_flattened"):
+        return [wire.serialized_update([bucket if r == engine_rank else []
+                                        for r in range(engine_tp)],
+                                       flattened=transport == "serialized_flattened")
+                for bucket in stream]
+    raise WeightSyncError(f"unknown transport {transport!r}")
+
+
+def broadcast(engine, stream: list, *, flattened: bool) -> None:
+    """Send ``stream`` to every engine rank of ``engine`` as SGLang's distributed path takes
+    it: per bucket, names/dtypes/shapes announced, then each tensor broadcast from this rank
+    (with ``flattened``: the bucket ordered by item size, largest first, so that densely
+    packed offsets stay aligned, and broadcast as one uint8 buffer)."""
+    import torch
+    import torch.distributed as dist
+
+    from pytest_weightsync import wire
+
+    for bucket in stream:
+        if flattened:
+            bucket = sorted(bucket, key=lambda pair: -pair[1].element_size())
+        engine.update_weights_from_distributed(
+            [n for n, _ in bucket], [t.dtype for _, t in bucket],
+            [tuple(t.shape) for _, t in bucket],
+            load_format="flattened_bucket" if flattened else None)
+        if flattened:
+            flat = torch.cat([wire.tensor_bytes(t) for _, t in bucket]) if bucket else \
+                torch.empty(0, dtype=torch.uint8)
+            dist.broadcast(flat, src=0, group=engine.group)
+            continue
+        for _, tensor in bucket:
+            dist.broadcast(tensor.contiguous(), src=0, group=engine.group)
+
+
+#: Formats whose payload is the same for every engine rank: the only ones a broadcast to all
+#: of them can carry (a ``direct`` payload is each rank's own slice).
+BROADCAST_FORMATS = ("compat", "hf_fused", "packed")
+
+
+def engine_streams(full, *, format, spec, receiver, delivery, bucket_bytes: Optional[int],
+                   export=None, transport: str = "tensors", engine=None):
+    """What this trainer rank returns for ``delivery`` (see the module docstring) from the
+    full weights: one stream for its colocated engine rank, or every engine rank's stream
+    from rank 0 (``None`` elsewhere), on ``transport``. ``export(format, spec, receiver,
+    engine_rank, full)`` builds one engine rank's payload (default: the expert senders';
+    whole models pass :func:`pytest_weightsync.reference_impl.senders.model_senders.export`).
+    ``transport="broadcast"`` (distributed delivery, given the ``engine``) broadcasts instead
+    of returning, for the formats of :data:`BROADCAST_FORMATS`; ``broadcast_flattened``
+    broadcasts one buffer per bucket."""
+    import torch.distributed as dist
+
+    from pytest_weightsync.reference_impl.senders import formats as senders
+    from pytest_weightsync.reference_impl.senders.buckets import split_buckets
+
+    export = senders.export if export is None else export
+    rank = dist.get_rank()
+
+    def stream_for(engine_rank):
+        return split_buckets(export(format, spec, receiver, engine_rank, full), bucket_bytes)
+
+    if delivery == "colocated":
+        engine_rank = colocated_engine_rank(rank, receiver.tp)
+        if transport.startswith("broadcast"):
+            transport = "tensors"  # nobody to broadcast to: every rank feeds its own engine rank
+        return encoded(stream_for(engine_rank), transport, engine_rank=engine_rank,
+                       engine_tp=receiver.tp)
+    if delivery == "distributed":
+        if rank != 0:
+            return None
+        if transport.startswith("broadcast") and engine is not None and \
+                format in BROADCAST_FORMATS:
+            broadcast(engine, stream_for(0), flattened=transport == "broadcast_flattened")
+            return None
+        if transport.startswith("broadcast"):
+            transport = "tensors"
+        return {r: encoded(stream_for(r), transport, engine_rank=r, engine_tp=receiver.tp)
+                for r in range(receiver.tp)}
+    raise WeightSyncError(f"unknown delivery {delivery!r}; expected 'colocated' or 'distributed'")
+
+
+#: The ways the reference can put its buckets on the wire (:func:`engine_streams`).
+REFERENCE_TRANSPORTS = ("tensors", "flattened_bucket", "serialized", "serialized_flattened",
+                        "broadcast", "broadcast_flattened")
+
+
+def export_weights_distributed(model_state, *, config, format, spec, trainer, receiver,
+                               delivery, bucket_bytes: Optional[int], transport: str = "tensors",
+                               engine=None):
+    """See the module docstring. Collective over every rank of the trainer world."""
+    if delivery not in ("colocated", "distributed"):
+        raise WeightSyncError(f"unknown delivery {delivery!r}; expected 'colocated' or "
+                              f"'distributed'")
+    if transport not in REFERENCE_TRANSPORTS:
+        raise WeightSyncError(f"unknown transport {transport!r}; expected one of "
+                              f"{REFERENCE_TRANSPORTS}")
+    return engine_streams(gather_full(spec, model_state), format=format, spec=spec,
+                          receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes,
+                          transport=transport, engine=engine)

@@ -1,0 +1,66 @@
+"""One entry point to the sender paths: the ``fmt`` payload a receiver rank gets.
+
+The reference exporters (single-process and distributed) and the suites' harnesses all pick
+the sender by wire format here, so a format is added, or an unknown one refused, in one place.
+The format modules (and torch) are imported on first use: importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Optional, Sequence
+
+from pytest_weightsync.protocols import FORMATS
+from pytest_weightsync.reference_impl.errors import PayloadError, shown
+
+
+class PayloadFormatError(PayloadError):
+    """An unknown format, or a payload name that does not belong to the declared format."""
+
+
+def check_format(fmt) -> None:
+    """Raise :class:`PayloadFormatError` unless ``fmt`` is one of :data:`FORMATS`."""
+    if fmt not in FORMATS:
+        raise PayloadFormatError(f"unknown payload format {shown(fmt)}; expected one of {FORMATS}")
+
+
+def export(fmt: str, spec, receiver, rank: int, full: Mapping[int, Sequence],
+           layers: Optional[Iterable[int]] = None) -> list:
+    """The ``fmt`` payload of ``layers`` (default all) for receiver ``rank`` of ``receiver``
+    (a :class:`~pytest_weightsync.reference_impl.model.layout.ReceiverTopology`), built from the full
+    expert weights ``full``; one bucket of ``(name, tensor)`` pairs. Only ``direct`` depends on
+    the rank."""
+    check_format(fmt)
+    from pytest_weightsync.reference_impl.senders import compat, direct, hf_fused, packed
+
+    if fmt == "compat":
+        return compat.export(full, layers)
+    if fmt == "hf_fused":
+        return hf_fused.export(full, layers)
+    if fmt == "packed":
+        return packed.export(spec, full, receiver.order, layers)
+    return direct.export(spec, receiver, rank, full, layers)
+
+
+def layer_payload(fmt: str, spec, receiver, rank: int, full: Mapping[int, Sequence], layer: int,
+                  alloc=None) -> tuple[list, list]:
+    """One layer of the ``fmt`` payload for receiver ``rank`` and the ``(dst, src)`` pairs
+    still to be copied into it: fused tensors are views of the trainer's memory where it
+    already has their layout (:mod:`pytest_weightsync.reference_impl.senders.zerocopy`), else staging
+    tensors from ``alloc(shape, dtype, device, zero)`` (default: fresh ones) that the pairs
+    fill; ``compat`` sends the trainer's tensors themselves (no pairs)."""
+    check_format(fmt)
+    from pytest_weightsync.reference_impl.senders import compat, direct, hf_fused, packed
+
+    if fmt == "compat":
+        return compat.export(full, [layer]), []
+    if fmt == "hf_fused":
+        return hf_fused.layer_payload(layer, full[layer], alloc=alloc)
+    if fmt == "packed":
+        return packed.layer_payload(spec, layer, full[layer], receiver.order, alloc=alloc)
+    return direct.layer_payload(spec, receiver, rank, layer, full[layer], alloc=alloc)
+
+
+def rank_independent(fmt: str) -> bool:
+    """Whether every receiver rank gets the same ``fmt`` payload (all but ``direct``)."""
+    check_format(fmt)
+    return fmt != "direct"

@@ -1,0 +1,74 @@
+"""Payload tensors that are views of the trainer's own memory instead of staging copies.
+
+A sender builds each fused payload tensor (``w13 [E, 2I, H]``, ``gate_up_proj``, ...) by
+copying source blocks into it in a fixed order. When the trainer already holds those blocks
+back to back in one storage, in exactly that order (a grouped-GEMM trainer's one buffer per
+layer and projection: :func:`pytest_weightsync.reference_impl.oracle.synth.grouped_full_weights`),
+the staging buffer would be a byte-for-byte copy of a region that already exists: the payload
+can be a view of that region, and the sync moves every byte once (trainer memory straight into
+the engine's parameters) instead of twice.
+
+The check is strict, because a wrong view would send unrelated trainer memory: every source
+contiguous, of the payload's dtype and device, of one storage, each starting exactly where the
+previous one ended, together exactly the payload's elements; a conjugated or negated view
+(lazy bits torch resolves only on copy) never qualifies. Separate allocations are separate
+storages even when the allocator places them side by side, so they always take the staging
+path. A view aliases the trainer's tensors: it shows the values they hold when the receiver
+copies, which is what a synchronous update (the trainer waits for the engine's answer) wants.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+def tiled_view(sources: Sequence[torch.Tensor], shape: Sequence[int], dtype: torch.dtype,
+               device=None) -> Optional[torch.Tensor]:
+    """A contiguous ``shape`` view of the memory ``sources`` already occupy, or ``None``.
+
+    ``sources`` are the blocks a sender would copy into a contiguous tensor of ``shape``, in
+    the order they land in it (block ``k`` right after block ``k - 1``). The view exists when
+    the sources lie the same way in one storage (see the module docstring); ``device`` (when
+    given) must be theirs, since a copy to another device cannot be a view."""
+    if not sources:
+        return None
+    first = sources[0]
+    if device is not None and torch.device(device) != first.device:
+        want = torch.device(device)
+        if not (want.type == first.device.type and want.index is None):
+            return None
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    storage = first.untyped_storage()
+    base = storage.data_ptr()
+    elem = first.element_size()
+    expected_ptr = first.data_ptr()
+    total = 0
+    for src in sources:
+        if (src.dtype != dtype or src.device != first.device or not src.is_contiguous()
+                or src.is_conj() or src.is_neg() or src.layout != torch.strided):
+            return None
+        if src.untyped_storage().data_ptr() != base or src.data_ptr() != expected_ptr:
+            return None
+        expected_ptr += src.numel() * elem
+        total += src.numel()
+    if total != numel or numel == 0:
+        return None
+    offset_bytes = first.data_ptr() - base
+    if offset_bytes % elem or offset_bytes + numel * elem > storage.nbytes():
+        return None
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= int(size)
+    view = torch.empty(0, dtype=dtype, device=first.device)
+    return view.set_(storage, offset_bytes // elem, tuple(shape), tuple(reversed(strides)))
+
+
+def staging_tensor(shape, dtype: torch.dtype, device, zero: bool) -> torch.Tensor:
+    """A fresh staging tensor for a payload that cannot be a view (zeroed where the receiver
+    pads, since no pair writes the padding)."""
+    return (torch.zeros if zero else torch.empty)(tuple(shape), dtype=dtype, device=device)

@@ -1,0 +1,300 @@
+"""A real Megatron-Core ``GPTModel`` of a whole model in one trainer rank, filled from the oracle.
+
+:mod:`~pytest_weightsync.reference_impl.trainer.megatron_state` builds the expert-only trainer; this
+builds every parameter of a :class:`~pytest_weightsync.reference_impl.model.model_spec.ModelSpec`
+the same way (``megatron.training.get_model``: a ``GPTModel`` per stage
+from megatron-core's local layer spec, ``Float16Module``, DDP with the distributed
+optimizer's contiguous buffers) under the real ``parallel_state``:
+
+* GQA attention (``num_query_groups`` KV heads, ``kv_channels`` = head dim) with q/k RMS norms
+  (``qk_layernorm``) and, for Qwen3.5, the attention output gate (``attention_output_gate``:
+  ``linear_qkv`` per group ``[q_g; gate_g; k_g; v_g]``);
+* the MoE block: router (``moe_router_enable_expert_bias`` registers the float32
+  ``expert_bias`` buffer, with the sigmoid score function Megatron requires for it), routed
+  experts (SequentialMLP, or TEGroupedMLP over the modelled Transformer Engine linears), the
+  shared expert and its gate (``moe_shared_expert_gate``);
+* norms, the embedding and the output layer with Megatron's padded vocabulary
+  (``make_vocab_size_divisible_by`` 128 x TP), tied (``share_embeddings_and_output_weights``:
+  with PP > 1 the last stage holds a copy) or untied, rotary positions (no parameters);
+* pipeline stages of equal size or uneven (``num_layers_in_first_pipeline_stage``); each
+  ``TransformerLayer.layer_number`` is global.
+
+Every parameter is then overwritten in place with the oracle's shard
+(:func:`pytest_weightsync.reference_impl.trainer.megatron_model.trainer_model_state`): the real names
+are mapped to the oracle's (:func:`modelled_name`: the local spec keeps the input norm apart
+where the Transformer Engine spec Megatron-Bridge maps from fuses it into ``linear_qkv``) and
+each shape and dtype must agree, or :class:`~pytest_weightsync.reference_impl.trainer.megatron_state.
+MegatronPlacementError` names the parameter. Two deviations from megatron-core 0.16.1, both in
+``docs/backends.md``: a float32 router keeps its weight in float32 (Megatron casts it to
+``params_dtype`` and computes in float32 with ``moe_router_dtype="fp32"``; GLM-4.5 /
+DeepSeek-V3 checkpoints and the trainers that refit them hold it in float32), and the expert
+bias is returned to float32 after ``Float16Module`` as the router's own
+``_maintain_float32_expert_bias`` does before every use. The constructor runs with two CPU
+stand-ins (:func:`_on_cpu`). MODELLED: the Gated DeltaNet mixer of Qwen3.5's GDN layers
+(megatron-core's ``GatedDeltaNet`` needs the ``fla`` kernels): :func:`modelled_gated_delta_net`,
+in a real ``TransformerLayer`` beside a real MoE block. The MTP draft is megatron-core's own
+``MultiTokenPredictionBlock`` on the last stage (:func:`mtp_block_spec`), with the embedding
+copy ``GPTModel`` builds for it there when PP > 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from pytest_weightsync.reference_impl.trainer.megatron_state import (
+    MegatronPlacementError,
+    _ddp_buffers_on_cpu,
+    layer_spec,
+    name_prefix,
+    unwrapped,
+    wrapped,
+)
+
+#: The oracle names its input norm as the Transformer Engine spec fuses it.
+_LOCAL_TO_MODELLED = ((".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight"),)
+
+
+def modelled_name(local_name: str) -> str:
+    """The oracle's (``megatron_model``) name of a real local-spec parameter name (wrapper
+    prefix removed)."""
+    for real, modelled in _LOCAL_TO_MODELLED:
+        if local_name.endswith(real):
+            return local_name[:-len(real)] + modelled
+    return local_name
+
+
+def _sharded(tensor, dim: int):
+    """``tensor`` as a TP-sharded Megatron parameter along ``dim`` (the attributes
+    ``ColumnParallelLinear`` / ``RowParallelLinear`` set)."""
+    import torch
+
+    param = torch.nn.Parameter(tensor)
+    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
+    return param
+
+
+def modelled_gated_delta_net(spec, tp: int):
+    """A ``ModuleSpec`` of the MODELLED Gated DeltaNet mixer: megatron-core's
+    ``GatedDeltaNet`` imports the ``fla`` kernels, absent here. It holds what the Transformer
+    Engine spec of Megatron-Bridge's Qwen3-Next / Qwen3.5 maps (``in_proj`` with its fused
+    input norm ``layer_norm_weight``, ``conv1d``, ``A_log`` (float32), ``dt_bias``,
+    ``out_norm``, ``out_proj``) with this rank's TP shapes - computed here from the spec,
+    not read from the oracle - and the partition attributes Megatron's parallel linears set
+    (column: dim 0, ``out_proj`` row: dim 1; norms replicated)."""
+    import torch
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    qk, v, heads, hidden = spec.gdn_qk, spec.gdn_v, spec.linear_v_heads, spec.hidden
+    bf = spec.dtype
+
+    class ModelledGatedDeltaNet(torch.nn.Module):
+        def __init__(self, config, layer_number=None, **_):
+            super().__init__()
+            self.layer_number = layer_number
+            self.in_proj = torch.nn.Module()
+            self.in_proj.weight = _sharded(
+                torch.empty((2 * qk + 2 * v + 2 * heads) // tp, hidden, dtype=bf), 0)
+            self.in_proj.layer_norm_weight = torch.nn.Parameter(torch.empty(hidden, dtype=bf))
+            self.conv1d = torch.nn.Module()
+            self.conv1d.weight = _sharded(
+                torch.empty((2 * qk + v) // tp, 1, spec.conv_kernel, dtype=bf), 0)
+            self.A_log = _sharded(torch.empty(heads // tp, dtype=torch.float32), 0)
+            self.dt_bias = _sharded(torch.empty(heads // tp, dtype=bf), 0)
+            self.out_norm = torch.nn.Module()
+            self.out_norm.weight = torch.nn.Parameter(torch.empty(spec.linear_v_dim, dtype=bf))
+            self.out_proj = torch.nn.Module()
+            self.out_proj.weight = _sharded(torch.empty(hidden, v // tp, dtype=bf), 1)
+
+    return ModuleSpec(module=ModelledGatedDeltaNet)
+
+
+def block_spec(spec, topo, config):
+    """This stage's ``TransformerBlockSubmodules``: megatron-core's local layer spec for each
+    attention layer; for each GDN layer the same with :func:`modelled_gated_delta_net` as its
+    mixer (its input norm fused into ``in_proj``, as in the Transformer Engine spec)."""
+    import dataclasses
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    attention = layer_spec(spec.experts, topo, qk_layernorm=True, normalization="RMSNorm")
+    gdn = dataclasses.replace(attention, submodules=dataclasses.replace(
+        attention.submodules, input_layernorm=IdentityOp,
+        self_attention=modelled_gated_delta_net(spec, topo.tp)))
+    offset = get_transformer_layer_offset(config)
+    layers = range(offset, offset + get_num_layers_to_build(config))
+    return TransformerBlockSubmodules(
+        layer_specs=[attention if spec.layer_kind(layer) == "attention" else gdn
+                     for layer in layers], layer_norm=LayerNormImpl)
+
+
+def mtp_block_spec(spec, topo, config):
+    """The MTP block's spec on the stage that builds it (the last: megatron-core's
+    ``get_gpt_mtp_block_spec`` over the local spec - ``enorm``, ``hnorm``, ``eh_proj``, one
+    attention ``TransformerLayer`` with its own MoE block, ``final_layernorm``), else
+    ``None``."""
+    if not spec.mtp_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    attention = layer_spec(spec.experts, topo, qk_layernorm=True, normalization="RMSNorm")
+    return get_gpt_mtp_block_spec(config, attention, use_transformer_engine=False)
+
+
+def transformer_config(spec, topo):
+    """The real ``TransformerConfig`` of the whole model ``spec`` under ``topo``."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden,
+        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim, qk_layernorm=True,
+        attention_output_gate=spec.attn_output_gate, normalization="RMSNorm",
+        ffn_hidden_size=spec.intermediate, moe_ffn_hidden_size=spec.intermediate,
+        num_moe_experts=spec.num_experts, moe_router_topk=min(2, spec.num_experts),
+        moe_router_pre_softmax=spec.num_experts == 1,
+        moe_router_enable_expert_bias=spec.expert_bias,
+        moe_router_score_function="sigmoid" if spec.expert_bias else "softmax",
+        moe_router_dtype="fp32" if spec.router_dtype == torch.float32 else None,
+        moe_shared_expert_intermediate_size=spec.intermediate_shared or None,
+        moe_shared_expert_gate=bool(spec.intermediate_shared),
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=topo.expert_impl == "te_grouped",
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=topo.tp, pipeline_model_parallel_size=topo.pp,
+        num_layers_in_first_pipeline_stage=topo.first_stage_layers,
+        pipeline_dtype=spec.dtype, expert_model_parallel_size=topo.ep,
+        expert_tensor_parallel_size=topo.etp, params_dtype=spec.dtype,
+        bf16=spec.dtype == torch.bfloat16, mtp_num_layers=spec.mtp_layers or None,
+    )
+
+
+def _keep_float32(spec):
+    """What the trainer holds in float32 after ``Float16Module`` (see the module docstring)."""
+    import torch
+
+    def restore(chunk):
+        for module in chunk.modules():
+            kind = type(module).__name__
+            if kind == "ModelledGatedDeltaNet":
+                module.A_log.data = module.A_log.data.to(torch.float32)
+            if kind != "TopKRouter":
+                continue
+            if spec.router_dtype == torch.float32:
+                module.weight.data = module.weight.data.to(torch.float32)
+            module._maintain_float32_expert_bias()
+
+    return restore
+
+
+@contextlib.contextmanager
+def _on_cpu():
+    """For the ``GPTModel`` constructor: the router allocates its expert bias at
+    ``torch.cuda.current_device()`` and a tied model's stages move the shared embedding
+    ``.cuda()`` before all-reducing it over the embedding group; here both stay on CPU
+    (the all-reduce itself runs, over gloo)."""
+    import torch
+
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        with _ddp_buffers_on_cpu():
+            yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def build_model(spec, topo, config) -> list:
+    """This rank's model chunks (one DDP-wrapped ``GPTModel`` of its stage). Needs
+    :func:`~pytest_weightsync.reference_impl.trainer.megatron_state.megatron_parallel_state`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from pytest_weightsync.reference_impl.trainer.megatron_model import padded_vocab
+
+    with _on_cpu():
+        chunk = GPTModel(config=config,
+                         transformer_layer_spec=block_spec(spec, topo, config),
+                         vocab_size=padded_vocab(spec.vocab, topo.tp), max_sequence_length=8,
+                         pre_process=ps.is_pipeline_first_stage(),
+                         post_process=ps.is_pipeline_last_stage(),
+                         share_embeddings_and_output_weights=spec.tied,
+                         position_embedding_type="rope",
+                         mtp_block_spec=mtp_block_spec(spec, topo, config))
+    return [wrapped(chunk, config, before_ddp=_keep_float32(spec))]
+
+
+def model_state(model) -> dict:
+    """What a whole-model exporter reads: the chunk's ``named_parameters()`` and the routers'
+    ``expert_bias`` buffers (in ``state_dict()``, not a parameter), real objects."""
+    (chunk,) = model
+    state = dict(chunk.named_parameters())
+    state.update((name, buf) for name, buf in chunk.named_buffers()
+                 if name.endswith(".router.expert_bias"))
+    return state
+
+
+def write_model(state: dict, modelled: dict, rank: int) -> None:
+    """Copy the oracle's state ``modelled`` (``{oracle name: tensor}``, local numbering) into
+    the real tensors of ``state`` in place; every real tensor must get exactly one value of
+    its own shape and dtype."""
+    import torch
+
+    prefix = name_prefix(state)
+    targets, used = {}, set()
+    for name, tensor in state.items():
+        own = modelled_name(name[len(prefix):]) if name.startswith(prefix) else None
+        value = modelled.get(own)
+        if value is None:
+            raise MegatronPlacementError(f"rank {rank}: the oracle holds no tensor for Megatron's "
+                                         f"{name!r} (read as {own!r})")
+        if tuple(tensor.shape) != tuple(value.shape) or tensor.dtype != value.dtype:
+            raise MegatronPlacementError(
+                f"rank {rank}: {name} is {tuple(tensor.shape)} {tensor.dtype} in the Megatron "
+                f"model, the oracle's {own} is {tuple(value.shape)} {value.dtype}")
+        targets[name] = value
+        used.add(own)
+    unbuilt = sorted(set(modelled) - used)
+    if unbuilt:
+        raise MegatronPlacementError(f"rank {rank}: the Megatron model has no parameter for the "
+                                     f"oracle's {unbuilt[:4]}")
+    with torch.no_grad():
+        for name, value in targets.items():
+            state[name].copy_(value)
+
+
+def check_stage(spec, topo, rank: int, model) -> None:
+    """The stage's layers are numbered (globally) where the reference layout puts them; the
+    MTP block's transformer layers follow the decoder's last (``num_layers + 1``, ...)."""
+    from pytest_weightsync.reference_impl.model.layout import trainer_shard
+
+    chunk = unwrapped(model[0])
+    layers = [layer.layer_number for layer in chunk.decoder.layers]
+    want = [layer + 1 for layer in trainer_shard(spec.experts, topo, rank).layers]
+    mtp = getattr(chunk, "mtp", None)
+    if mtp is not None:
+        layers += [layer.transformer_layer.layer_number for layer in mtp.layers]
+        want += [spec.num_layers + 1 + layer for layer in range(spec.mtp_layers)]
+    if layers != want:
+        raise MegatronPlacementError(f"rank {rank}: Megatron built layer numbers {layers}, the "
+                                     f"reference layout gives this stage {want} (1-based)")
+
+
+def whole_model_state(spec, topo, rank: int, weights, config) -> tuple[list, dict]:
+    """``(model chunks, model_state)`` of trainer rank ``rank``: the real model, its stage
+    checked, every tensor set to the oracle's shard of ``weights`` (a ``ModelWeights``)."""
+    from pytest_weightsync.reference_impl.trainer.megatron_model import trainer_model_state
+
+    model = build_model(spec, topo, config)
+    check_stage(spec, topo, rank, model)
+    state = model_state(model)
+    write_model(state, trainer_model_state(spec, topo, rank, weights), rank)
+    return model, state

@@ -1,0 +1,178 @@
+"""Handing tensors from a trainer process to a receiver process without copying them.
+
+This is how SGLang's ``update_weights_from_tensor`` gets weights from a colocated trainer:
+the trainer pickles its tensors with ``multiprocessing``'s ``ForkingPickler`` and
+``torch.multiprocessing``'s reductions (``MultiprocessingSerializer.serialize``), which for a
+CUDA tensor writes a CUDA IPC handle of its memory block, not its bytes; receiver rank ``r``
+unpickles entry ``r`` of the list (``rebuild_cuda_tensor`` opens the handle), moves the tensor
+to its device (a no-op on the same device) and loads it. CPU tensors travel the same way
+through shared memory, which is what lets the protocol be exercised on a machine without GPU.
+
+Two details decide whether this can run for thousands of updates:
+
+* the device travels as the GPU's UUID, not its index (SGLang patches torch's reductions the
+  same way), so a receiver whose ``CUDA_VISIBLE_DEVICES`` numbers GPUs differently still opens
+  the handle on the right one;
+* handles must be released. The receiver drops every rebuilt tensor once its copies have
+  finished (closing its mappings); the trainer keeps its payload alive until the receiver
+  answered, then drops it and calls :func:`collect` (``torch.cuda.ipc_collect``), which frees
+  blocks whose consumers are done. A receiver that keeps a payload makes the trainer's
+  allocated memory grow by one payload per update.
+
+The engine side of this protocol, one receiver rank in its own spawned process, is
+:class:`pytest_weightsync.reference_impl.engine.process.ReceiverProcess`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from typing import Optional
+
+import torch
+from torch.multiprocessing import reductions
+
+from pytest_weightsync.reference_impl.errors import WeightSyncError
+
+#: Position of ``storage_device`` in the arguments of ``reductions.rebuild_cuda_tensor``.
+_DEVICE_ARG = 6
+
+
+class IpcError(WeightSyncError):
+    """A payload that cannot be shared or rebuilt (non-tensor entry, unknown GPU)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Serialization (trainer side) and rebuilding (receiver side)
+# --------------------------------------------------------------------------------------------
+
+
+def _device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _device_index(uuid_or_index) -> int:
+    if isinstance(uuid_or_index, int):
+        return uuid_or_index
+    for index in range(torch.cuda.device_count()):
+        if _device_uuid(index) == uuid_or_index:
+            return index
+    raise IpcError(f"no visible GPU has UUID {uuid_or_index!r} (this process sees "
+                   f"{torch.cuda.device_count()} GPU(s)); the sender's GPU must be visible")
+
+
+def rebuild_cuda_tensor_by_uuid(*args):
+    """``reductions.rebuild_cuda_tensor`` with the device given as a GPU UUID."""
+    args = list(args)
+    args[_DEVICE_ARG] = _device_index(args[_DEVICE_ARG])
+    return reductions.rebuild_cuda_tensor(*args)
+
+
+def _reduce_tensor(tensor: torch.Tensor):
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if rebuild is reductions.rebuild_cuda_tensor:
+        args = list(args)
+        args[_DEVICE_ARG] = _device_uuid(args[_DEVICE_ARG])
+        return rebuild_cuda_tensor_by_uuid, tuple(args)
+    return rebuild, args
+
+
+class _TensorPickler(ForkingPickler):
+    """``ForkingPickler`` with torch's reductions, CUDA devices named by UUID."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dispatch_table[torch.Tensor] = _reduce_tensor
+        self.dispatch_table[torch.nn.Parameter] = _reduce_tensor
+
+
+def tensor_pickler(buf) -> _TensorPickler:
+    """A pickler writing tensors as IPC handles (CUDA, devices named by UUID) or shared memory
+    (CPU) into ``buf``: what :func:`serialize` and shared payloads use."""
+    return _TensorPickler(buf)
+
+
+def serialize(named_tensors) -> bytes:
+    """One receiver rank's payload ``[(name, tensor), ...]`` as bytes holding handles, not data.
+
+    The caller must keep the tensors alive (and unmodified) until the receiver has loaded them.
+    """
+    named_tensors = list(named_tensors)
+    for i, item in enumerate(named_tensors):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise IpcError(f"payload entry {i} is not a (name, tensor) pair: {item!r:.80}")
+        if item[1].requires_grad:
+            raise IpcError(f"payload entry {item[0]!r} requires grad; send tensor.detach()")
+    buf = io.BytesIO()
+    _TensorPickler(buf).dump(named_tensors)
+    return buf.getvalue()
+
+
+def serialize_per_rank(payloads) -> list[bytes]:
+    """SGLang's ``serialized_named_tensors``: one entry per receiver rank, rank ``r`` reads
+    entry ``r`` (rank-local payloads for the direct path, the same payload for the others)."""
+    return [serialize(p) for p in payloads]
+
+
+def deserialize(data: bytes, device=None) -> list[tuple[str, torch.Tensor]]:
+    """Rebuild a payload in the receiver; with ``device``, move each tensor there (a no-op when
+    it already is, as in SGLang's ``_unwrap_tensor``). Drop the tensors when done with them:
+    that closes the IPC mappings."""
+    named = ForkingPickler.loads(data)
+    if device is None:
+        return named
+    device = torch.device(device)
+    return [(name, tensor.to(device)) for name, tensor in named]
+
+
+def collect(device) -> None:
+    """Trainer side, after the receiver answered: free shared blocks nobody uses any more."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.ipc_collect()
+
+
+def payload_bytes(named_tensors) -> int:
+    return sum(t.numel() * t.element_size() for _, t in named_tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory as each process sees it
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """``allocated``: bytes of live tensors of this process on the device (CUDA only);
+    ``device_free``: free bytes of the whole device (CUDA only, every process counts);
+    ``open_fds``: open file descriptors; ``shared_fds``: those of them that are shared-memory
+    handles (``/dev/shm`` files, memfds: what CPU tensors shared between processes hold), the
+    count a leak of payload mappings grows - the whole count also moves with a library opening
+    a log file or a socket on first use."""
+
+    allocated: Optional[int]
+    device_free: Optional[int]
+    open_fds: int
+    shared_fds: int = -1
+
+
+def _descriptors() -> tuple[int, int]:
+    """(open descriptors, shared-memory ones) of this process; (-1, -1) without /proc."""
+    from pytest_weightsync.ranks.hygiene import descriptor_targets
+
+    if not os.path.isdir("/proc/self/fd"):
+        return -1, -1
+    targets = descriptor_targets().values()
+    return len(targets), sum(t.startswith(("/dev/shm/", "memfd:")) for t in targets)
+
+
+def memory_stats(device) -> MemoryStats:
+    device = torch.device(device)
+    fds, shared = _descriptors()
+    if device.type != "cuda":
+        return MemoryStats(None, None, fds, shared)
+    torch.cuda.synchronize(device)
+    return MemoryStats(torch.cuda.memory_allocated(device), torch.cuda.mem_get_info(device)[0],
+                       fds, shared)

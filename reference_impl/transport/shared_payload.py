@@ -1,0 +1,178 @@
+"""A payload shared once per model: one IPC handle per storage, its table of entries built once.
+
+SGLang's wire format (:func:`pytest_weightsync.reference_impl.transport.ipc.serialize`) pickles every
+tensor on its own, and every update again: per tensor torch shares its storage (a new
+reference-counter slot and a new CUDA event, kept inside the storage's data pointer for as
+long as the storage lives) and the receiver rebuilds it. For a payload made of the same
+tensors every update - views of the trainer's parameters (:mod:`zerocopy`) or staging buffers
+the sender reuses - that per-entry work is the cost of the update: 30,720 per-expert entries
+for the experts of Qwen3.5-35B-A3B.
+
+:class:`SharedPayload` is built once from a ``[(name, tensor), ...]`` payload: the distinct
+storages its tensors live in (one per trainer buffer) and a table - name, storage, dtype,
+offset, shape and strides of every entry - pickled once. :meth:`SharedPayload.serialize`
+shares each storage and embeds the table's bytes. The receiver gets a :class:`ReceivedPayload`:
+the storages rebuilt (CUDA IPC handles opened, or shared memory mapped, once), the tensors made
+from the table when first asked for, and :meth:`ReceivedPayload.cache_key`: the table and the
+storages' addresses, which determine every tensor exactly - what the receiver's plan cache
+(:mod:`plan_cache`) keys a validated, planned bucket by.
+
+A receiver that keeps a :class:`ReceivedPayload` keeps the mappings open, so a payload
+registered once (``ReceiverProcess.register``) is updated every step with a message of a few
+bytes and no IPC work at all; the trainer must then have finished writing before it sends
+that message (:meth:`SharedPayload.ready` synchronizes its streams), since no CUDA event
+travels with it.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Iterable, Optional
+
+import torch
+
+from pytest_weightsync.reference_impl.errors import WeightSyncError, shown
+
+
+class SharedPayloadError(WeightSyncError):
+    """A payload that cannot be shared as one (an entry that is no (name, tensor) pair, a
+    tensor that requires grad, a sparse or conjugated tensor), or a table that does not fit
+    the storages it came with."""
+
+
+class SharedPayload:
+    """Sender side: a payload's storages and table, built once (see the module docstring).
+
+    The tensors must keep their storages and places while the payload is in use (a trainer
+    that updates its parameters in place does); the payload holds their storages alive."""
+
+    def __init__(self, named_tensors: Iterable):
+        names, rows, wholes, index = [], [], [], {}
+        nbytes = 0
+        for i, item in enumerate(named_tensors):
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], torch.Tensor)):
+                raise SharedPayloadError(f"payload entry {i} is not a (name, tensor) pair: "
+                                         f"{item!r:.80}")
+            name, tensor = item
+            if tensor.requires_grad:
+                raise SharedPayloadError(f"payload entry {i} {shown(name)} requires grad; "
+                                         f"share tensor.detach()")
+            if tensor.layout != torch.strided or tensor.is_conj() or tensor.is_neg():
+                raise SharedPayloadError(f"payload entry {i} {shown(name)}: only dense tensors "
+                                         f"without lazy conjugate/negative bits can be shared")
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0:
+                slot = -1
+            else:
+                key = (str(tensor.device), storage.data_ptr())
+                slot = index.get(key)
+                if slot is None:
+                    slot = index[key] = len(wholes)
+                    whole = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+                    wholes.append(whole.set_(storage, 0, (storage.nbytes(),), (1,)))
+            names.append(name)
+            rows.append((slot, tensor.dtype, str(tensor.device), tensor.storage_offset(),
+                         tuple(tensor.shape), tuple(tensor.stride())))
+            nbytes += tensor.numel() * tensor.element_size()
+        self.wholes = wholes
+        self.entries = len(names)
+        self.nbytes = nbytes
+        #: The table, pickled once: the same bytes go out with every serialization.
+        self.table = pickle.dumps((tuple(names), tuple(rows)), protocol=pickle.HIGHEST_PROTOCOL)
+
+    @property
+    def storages(self) -> int:
+        return len(self.wholes)
+
+    def ready(self) -> None:
+        """Wait until every write queued on the payload's GPUs is done: a receiver that kept
+        its mappings may read as soon as it hears from the trainer."""
+        for device in {w.device for w in self.wholes if w.device.type == "cuda"}:
+            torch.cuda.current_stream(device).synchronize()
+
+    def serialize(self) -> bytes:
+        """The payload as bytes holding one handle per storage and the table (call once per
+        receiver rank: torch's reference counting is per serialization)."""
+        from pytest_weightsync.reference_impl.transport import ipc
+
+        self.ready()
+        buf = io.BytesIO()
+        ipc.tensor_pickler(buf).dump(_Wire(self.wholes, self.table, self.entries, self.nbytes))
+        return buf.getvalue()
+
+
+class _Wire:
+    """What travels: the storages (as whole-storage byte tensors) and the table."""
+
+    def __init__(self, wholes, table, entries, nbytes):
+        self.args = (list(wholes), table, entries, nbytes)
+
+    def __reduce__(self):
+        return (_received, self.args)
+
+
+def _received(wholes, table, entries, nbytes) -> "ReceivedPayload":
+    return ReceivedPayload(wholes, table, entries, nbytes)
+
+
+class ReceivedPayload:
+    """Receiver side: a sequence of ``(name, tensor)`` whose tensors are views of the shared
+    storages, made from the table on first use; :meth:`cache_key` without making them."""
+
+    def __init__(self, wholes, table: bytes, entries: int, nbytes: int):
+        self.wholes = list(wholes)
+        self.table = table
+        self.entries = entries
+        self.nbytes = nbytes
+        self._items: Optional[list] = None
+
+    def cache_key(self) -> tuple:
+        """``(table bytes, storage addresses)``: equal keys mean tensor for tensor the same
+        names, dtypes, devices, shapes, strides and addresses."""
+        return (self.table, tuple((str(w.device), w.data_ptr(), w.numel()) for w in self.wholes))
+
+    @property
+    def devices(self) -> set:
+        return {w.device for w in self.wholes}
+
+    def items(self) -> list:
+        if self._items is None:
+            self._items = self._build()
+        return self._items
+
+    def _build(self) -> list:
+        try:
+            names, rows = pickle.loads(self.table)
+        except Exception as exc:
+            raise SharedPayloadError(f"unreadable payload table: {type(exc).__name__}: {exc}") from exc
+        items = []
+        for name, (slot, dtype, device, offset, shape, stride) in zip(names, rows):
+            if slot < 0:  # an empty tensor has no storage to share
+                where = self.wholes[0].device if self.wholes else device
+                items.append((name, torch.empty_strided(shape, stride, dtype=dtype, device=where)))
+                continue
+            whole = self.wholes[slot]
+            try:
+                tensor = torch.empty(0, dtype=dtype, device=whole.device).set_(
+                    whole.untyped_storage(), offset, shape, stride)
+            except RuntimeError as exc:
+                raise SharedPayloadError(f"payload entry {shown(name)} does not fit its shared "
+                                         f"storage: {exc}") from exc
+            items.append((name, tensor))
+        return items
+
+    def __iter__(self):
+        return iter(self.items())
+
+    def __len__(self) -> int:
+        return self.entries
+
+    def __getitem__(self, index):
+        return self.items()[index]
+
+    def release(self) -> None:
+        """Drop the tensors and storages (closes the mappings once nothing else holds them)."""
+        self._items = None
+        self.wholes = []
