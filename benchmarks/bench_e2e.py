@@ -46,7 +46,7 @@ import time
 
 import torch
 
-from pytest_weightsync.throughput import machine_info
+from pytest_weightsync.timing import machine_info
 
 #: Qwen3.5-35B-A3B's routed experts: 40 MoE layers x 256 experts, hidden 2048, moe_ffn 512
 #: (60 GiB of bf16).

@@ -37,7 +37,7 @@ import sys
 
 import torch
 
-from pytest_weightsync.throughput import machine_info, median_seconds_interleaved, plain_copy
+from pytest_weightsync.timing import machine_info, median_seconds_interleaved, plain_copy
 from pytest_weightsync.reference_impl.kernels.fastcopy import copy_pairs, find_runs, plan_copies
 
 #: Qwen3.5-35B-A3B: 256 experts, hidden 2048, moe_ffn 512 (one layer = 1.5 GiB in bf16).

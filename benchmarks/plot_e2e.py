@@ -11,29 +11,14 @@ so and exits 0.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
+
+from plotting import plot_main
 
 STAGES = ("export_s", "serialize_s", "receive_s", "load_s", "synchronize_s")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json_path", help="output of bench_e2e.py --json")
-    p.add_argument("--out", help="PNG to write (default: docs/e2e-<device>.png)")
-    args = p.parse_args(argv)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'pytest-weightsync[plot]'); no plot written")
-        return 0
-    with open(args.json_path) as f:
-        data = json.load(f)
+def draw(plt, data):
     rows = data["results"]
     registered = [r for r in rows if r["path"] == "registered"]
     per_update = {(r["format"], r["moe_tp"]): r for r in rows if r["path"] == "per_update"}
@@ -75,11 +60,12 @@ def main(argv=None) -> int:
     right.set_ylabel("ms per update (median)")
     right.set_title("stages (engine stages: the slowest rank; load overlaps the copy)", fontsize=9)
     right.legend(fontsize=8)
-    fig.tight_layout()
-    out = args.out or os.path.join("docs", f"e2e-{data.get('device', 'cpu').split(':')[0]}.png")
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
-    return 0
+    return fig
+
+
+def main(argv=None) -> int:
+    return plot_main(argv, __doc__.split("\n\n")[0], "bench_e2e.py", draw,
+                     lambda data: f"e2e-{data.get('device', 'cpu').split(':')[0]}.png")
 
 
 if __name__ == "__main__":

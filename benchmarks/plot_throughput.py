@@ -9,27 +9,12 @@ directly. Needs matplotlib (the ``plot`` extra); without it, says so and exits 0
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 
+from plotting import plot_main
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json_path", help="output of bench_expert_sync.py --json")
-    p.add_argument("--out", help="PNG to write (default: docs/throughput-<device>.png)")
-    args = p.parse_args(argv)
-    try:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'pytest-weightsync[plot]'); no plot written")
-        return 0
-    with open(args.json_path) as f:
-        data = json.load(f)
+def draw(plt, data):
     rows = data["results"]
     groups = list(dict.fromkeys(r["group"] for r in rows))
     fig, ax = plt.subplots(figsize=(10, 4.8))
@@ -65,11 +50,12 @@ def main(argv=None) -> int:
         f"({data['device']}: {gpu}); bar labels: ratio to a plain copy of the same bytes (dashed)",
         fontsize=9,
     )
-    fig.tight_layout()
-    out = args.out or os.path.join("docs", f"throughput-{data['device']}.png")
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
-    return 0
+    return fig
+
+
+def main(argv=None) -> int:
+    return plot_main(argv, __doc__.split("\n\n")[0], "bench_expert_sync.py", draw,
+                     lambda data: f"throughput-{data['device']}.png")
 
 
 if __name__ == "__main__":

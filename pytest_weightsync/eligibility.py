@@ -271,20 +271,23 @@ def disagreement_report(name: str, wrong: Sequence[tuple[Case, Verdict]], total:
         for field in absent_fields:
             absent[field] = absent.get(field, 0) + 1
     if deciding:
-        listed = ", ".join(f"{f!r} (in {n} of them)" for f, n in deciding.items())
         lines.append(
-            f"the difference is decided by field(s): {listed}; changing only that field moves "
+            f"the difference is decided by field(s): {_counted(deciding)}; changing only that "
+            "field moves "
             "the reference's decision but not the function's, or the function's to the "
             "expected one"
         )
     if absent:
-        listed = ", ".join(f"{f!r} (in {n} of them)" for f, n in absent.items())
         lines.append(
-            f"it read field(s) that the config does not carry: {listed}; the real argparse "
+            f"it read field(s) that the config does not carry: {_counted(absent)}; the real argparse "
             "Namespace has no such field, so getattr(args, name, default) always yields the "
             "default"
         )
     return "\n".join(lines)
+
+
+def _counted(fields: dict) -> str:
+    return ", ".join(f"{f!r} (in {n} of them)" for f, n in fields.items())
 
 
 def load_eligibility_function(spec: str) -> EligibilityImpl:

@@ -410,13 +410,20 @@ def weightsync_distributed_exporter(request: pytest.FixtureRequest, weightsync_i
     return _parametrized(request)
 
 
-def implementation_of(item: pytest.Item) -> Optional[str]:
-    """Name of the implementation ``item`` runs against, ``None`` for a test that has none."""
+def registered_of(item: pytest.Item) -> Optional["Registered"]:
+    """The registration ``item`` runs against (its implementation fixture's parameter),
+    ``None`` for a test that has none."""
     callspec = getattr(item, "callspec", None)
     if callspec is None:
         return None
     for argname in IMPL_FIXTURES:
         entry = callspec.params.get(argname)
         if isinstance(entry, Registered):
-            return entry.name
+            return entry
     return None
+
+
+def implementation_of(item: pytest.Item) -> Optional[str]:
+    """Name of the implementation ``item`` runs against, ``None`` for a test that has none."""
+    entry = registered_of(item)
+    return None if entry is None else entry.name

@@ -26,7 +26,7 @@ from typing import Optional
 
 import pytest
 
-from pytest_weightsync.registry import IMPL_FIXTURES, Registered
+from pytest_weightsync.registry import registered_of
 from pytest_weightsync.vocabulary import CONFORMANCE_MODULES, REPORT_PROPERTIES
 
 WORKEROUTPUT_KEY = "weightsync_selection"
@@ -67,17 +67,6 @@ class Selection:
                 if roles & set(for_roles) and m not in self.modules]
 
 
-def _entry(item: pytest.Item) -> Optional[Registered]:
-    callspec = getattr(item, "callspec", None)
-    if callspec is None:
-        return None
-    for argname in IMPL_FIXTURES:
-        value = callspec.params.get(argname)
-        if isinstance(value, Registered):
-            return value
-    return None
-
-
 def _property(item: pytest.Item) -> Optional[str]:
     marker = item.get_closest_marker("weightsync_property")
     return None if marker is None or not marker.args else str(marker.args[0])
@@ -102,7 +91,7 @@ class SelectionRecorder:
         self.selection = Selection()
 
     def _count(self, item, into: dict, ids: bool) -> None:
-        entry = _entry(item)
+        entry = registered_of(item)
         if entry is None:
             return
         self.selection.roles.setdefault(entry.name, list(entry.roles))

@@ -1,8 +1,8 @@
-"""Throughput as a ratio to a plain copy, and a guard that fails a run when a ratio drops.
+"""The throughput guard: a pytest sub-plugin that fails a run when a ratio drops or a count rises.
 
-Absolute GB/s depend on the machine and on whoever else is using it; the ratio of a path's
-throughput to one plain copy of the same bytes, measured in the same run and interleaved with
-it, mostly does not. So the baseline stores ratios only, and the guard compares ratios.
+Tests measure a path as a ratio to a plain copy of the same bytes in the same run
+(:mod:`pytest_weightsync.timing`); the baseline (:mod:`pytest_weightsync.baseline`) stores
+ratios only, and this guard compares ratios.
 
 Ratios still move with the machine's load (30-40% on a shared two-core runner); what a path
 does per call does not. So tests can also record exact counts (aten operations dispatched,
@@ -24,319 +24,32 @@ was not measured although its test was part of the run (skipped, failed, or no l
 recording it); an entry whose test was deselected or not collected is listed as not run.
 Measurements travel from xdist workers in ``user_properties``, so the guard works with ``-n``.
 
-torch is imported only inside the measuring functions.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
-import statistics
-import sys
-import time
-from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import pytest
 
 from pytest_weightsync import opcount
+from pytest_weightsync.baseline import (
+    BASELINE_FORMAT,
+    BaselineError,
+    Comparison,
+    compare,
+    comparison_table,
+    text_table,
+    load_baseline,
+    test_key,
+)
+from pytest_weightsync.timing import Measurement, machine_info, measure
 
 #: Key under which a measurement rides in ``report.user_properties``.
 PROPERTY_KEY = "weightsync_throughput"
-BASELINE_FORMAT = 1
-
-
-# --------------------------------------------------------------------------- measuring
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """One path measured against a plain copy of the same bytes in the same run.
-
-    ``ratio`` is path GB/s over plain-copy GB/s (1.0 = as fast as one plain copy), taken per
-    round of the interleaved measurement and then the median.
-    """
-
-    name: str
-    nbytes: int
-    path_seconds: float
-    copy_seconds: float
-    device: str
-    ratio: float
-
-    @property
-    def path_gbps(self) -> float:
-        return self.nbytes / self.path_seconds / 1e9
-
-    @property
-    def copy_gbps(self) -> float:
-        return self.nbytes / self.copy_seconds / 1e9
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(path_gbps=self.path_gbps, copy_gbps=self.copy_gbps)
-        return d
-
-
-def _timer(device: str) -> Callable[[Callable[[], Any]], float]:
-    """Return a function timing one call of fn in seconds: CUDA events on GPU, else wall."""
-    import torch
-
-    if device.startswith("cuda"):
-
-        def once(fn):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-
-    else:
-
-        def once(fn):
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-
-    return once
-
-
-def plain_copy(nbytes: int, device: str) -> Callable[[], Any]:
-    """A callable doing one contiguous copy of ``nbytes`` bytes on ``device`` (the limit)."""
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    src.random_(0, 256)
-    dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
-
-
-def interleaved_samples(
-    fns: dict[str, Callable[[], Any]],
-    device: str,
-    repeats: int = 7,
-    warmup: int = 2,
-    best_of: int = 1,
-) -> dict[str, list[float]]:
-    """Seconds per call of each fn, ``repeats`` rounds, each round running every fn in turn.
-
-    Round-robin order means load from other processes hits every fn of a round alike. With
-    ``best_of > 1`` a sample is the fastest of that many consecutive calls, which drops a call
-    that lost the core to another process mid-copy (common on a busy two-core CI machine).
-    Single-threaded on CPU (``torch.set_num_threads(1)`` for the duration): with two threads
-    on a shared two-core machine a small copy can take 100x longer.
-    """
-    import torch
-
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if best_of < 1:
-        raise ValueError(f"best_of must be >= 1, got {best_of}")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        once = _timer(device)
-        for _ in range(warmup):
-            for fn in fns.values():
-                once(fn)
-        samples: dict[str, list[float]] = {k: [] for k in fns}
-        for _ in range(repeats):
-            for k, fn in fns.items():
-                samples[k].append(min(once(fn) for _ in range(best_of)))
-    finally:
-        torch.set_num_threads(threads)
-    return samples
-
-
-def median_seconds_interleaved(
-    fns: dict[str, Callable[[], Any]], device: str, repeats: int = 7, warmup: int = 2
-) -> dict[str, float]:
-    """Median seconds per call of each fn, measured round-robin (see interleaved_samples)."""
-    samples = interleaved_samples(fns, device, repeats, warmup)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
-def measure(
-    name: str,
-    fn: Callable[[], Any],
-    nbytes: int,
-    device: str = "cpu",
-    repeats: int = 7,
-    warmup: int = 2,
-    best_of: int = 3,
-) -> Measurement:
-    """Measure ``fn`` (which moves ``nbytes``) and a plain copy of ``nbytes`` in one run.
-
-    The ratio is the median over rounds of (plain-copy time / path time) within the round, so
-    a slow stretch of a busy machine cancels out instead of landing on one side; GB/s figures
-    are from the median times.
-    """
-    if nbytes <= 0:
-        raise ValueError(f"nbytes must be positive, got {nbytes} for {name!r}")
-    s = interleaved_samples(
-        {"path": fn, "copy": plain_copy(nbytes, device)}, device, repeats, warmup, best_of
-    )
-    ratio = statistics.median(c / p for c, p in zip(s["copy"], s["path"]))
-    return Measurement(
-        name, nbytes, statistics.median(s["path"]), statistics.median(s["copy"]), device, ratio
-    )
-
-
-def machine_info(world_size: int = 1) -> dict[str, Any]:
-    """What a stored ratio was measured on (informational; the guard compares ratios only)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info: dict[str, Any] = {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "world_size": world_size,
-    }
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    except ImportError:  # pragma: no cover - torch is a dependency
-        info["torch"] = None
-        info["gpu"] = None
-    return info
-
-
-# --------------------------------------------------------------------------- baseline
-
-
-class BaselineError(ValueError):
-    """A baseline file that is missing or not in the expected format."""
-
-
-def load_baseline(path: str) -> dict[str, Any]:
-    """Read a baseline written by ``--weightsync-save-baseline``; errors name the file."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise BaselineError(
-            f"--weightsync-baseline: file {path!r} does not exist "
-            "(create one with --weightsync-save-baseline FILE)"
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise BaselineError(f"--weightsync-baseline: {path!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict) or not ("ratios" in data or "counts" in data):
-        raise BaselineError(
-            f"--weightsync-baseline: {path!r} has neither 'ratios' (name -> positive number) "
-            "nor 'counts' (name -> {field: count})"
-        )
-    ratios = data.get("ratios", {})
-    if not isinstance(ratios, dict) or not all(
-        isinstance(v, (int, float)) and v > 0 for v in ratios.values()
-    ):
-        raise BaselineError(
-            f"--weightsync-baseline: {path!r} has no 'ratios' mapping of name -> positive number"
-        )
-    if "counts" in data and not opcount.valid_counts(data["counts"]):
-        raise BaselineError(
-            f"--weightsync-baseline: {path!r}: 'counts' must map name -> {{field: non-negative int}}"
-        )
-    sources = data.get("sources", {})
-    if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
-        raise BaselineError(f"--weightsync-baseline: {path!r}: 'sources' must map name -> test id")
-    return data
-
-
-def test_key(nodeid: str) -> str:
-    """A test id that does not depend on where the suite was collected from: the file's base
-    name and the rest (``test_x.py::test_y[p]``), so a baseline saved from a checkout still
-    names its tests when the suites run from an installed package."""
-    path, sep, rest = nodeid.partition("::")
-    return path.replace("\\", "/").rsplit("/", 1)[-1] + sep + rest
-
-
-@dataclass(frozen=True)
-class Comparison:
-    name: str
-    baseline: float | None
-    measured: float | None
-    tolerance: float
-    #: For an entry not measured: "" when its test was part of the run (a failure), else why
-    #: it is excused (deselected / not collected).
-    excused: str = ""
-
-    @property
-    def limit(self) -> float | None:
-        return None if self.baseline is None else self.baseline * (1 - self.tolerance)
-
-    @property
-    def change(self) -> float | None:
-        if self.baseline is None or self.measured is None:
-            return None
-        return self.measured / self.baseline - 1
-
-    @property
-    def status(self) -> str:
-        if self.baseline is None:
-            return "new"
-        if self.measured is None:
-            return f"not run ({self.excused})" if self.excused else "NOT MEASURED"
-        return "REGRESSED" if self.measured < self.limit else "ok"
-
-    @property
-    def failed(self) -> bool:
-        return self.status in ("REGRESSED", "NOT MEASURED")
-
-
-def compare(
-    baseline: dict[str, float],
-    measured: dict[str, float],
-    tolerance: float,
-    excused: Callable[[str], str] = lambda name: "",
-) -> list[Comparison]:
-    names = sorted(set(baseline) | set(measured))
-    return [
-        Comparison(n, baseline.get(n), measured.get(n), tolerance,
-                   excused(n) if n in baseline and n not in measured else "")
-        for n in names
-    ]
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def comparison_table(rows: list[Comparison]) -> list[str]:
-    header = ("name", "baseline ratio", "measured ratio", "change", "limit", "status")
-    cells = [
-        (
-            r.name,
-            _fmt(r.baseline, ".3f"),
-            _fmt(r.measured, ".3f"),
-            _fmt(r.change, "+.1%"),
-            _fmt(r.limit, ".3f"),
-            r.status,
-        )
-        for r in rows
-    ]
-    return _table(header, cells)
-
-
-def _table(header, cells) -> list[str]:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *cells)]
-    line = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
-    return [line(header), line(["-" * w for w in widths]), *(line(c) for c in cells)]
-
-
-# --------------------------------------------------------------------------- plugin
 
 
 DEFAULT_TOLERANCE = 0.10
@@ -400,21 +113,13 @@ class ThroughputRecorder:
     def __init__(self, node: pytest.Item):
         self._node = node
 
-    def measure(
-        self,
-        name: str,
-        fn: Callable[[], Any],
-        nbytes: int,
-        device: str = "cpu",
-        repeats: int = 7,
-        warmup: int = 2,
-        best_of: int = 3,
-    ) -> Measurement:
+    def measure(self, name: str, fn: Callable[[], Any], nbytes: int, **options) -> Measurement:
         """Time ``fn`` and a plain copy of ``nbytes`` interleaved; record ratio under ``name``.
 
-        See :func:`measure`: the ratio is the median over ``repeats`` rounds, each sample the
-        fastest of ``best_of`` calls."""
-        m = measure(name, fn, nbytes, device=device, repeats=repeats, warmup=warmup, best_of=best_of)
+        ``options`` (``device``, ``repeats``, ``warmup``, ``best_of``) are those of
+        :func:`pytest_weightsync.timing.measure`: the ratio is the median over ``repeats``
+        rounds, each sample the fastest of ``best_of`` calls."""
+        m = measure(name, fn, nbytes, **options)
         self.record(m)
         return m
 
@@ -576,7 +281,7 @@ class ThroughputGuard:
                 )
                 for n, m in sorted(self.measurements.items())
             ]
-            for line in _table(("name", "device", "MiB", "path GB/s", "copy GB/s", "ratio"), cells):
+            for line in text_table(("name", "device", "MiB", "path GB/s", "copy GB/s", "ratio"), cells):
                 tr.write_line(line)
         if self.counts:
             tr.write_sep("-", "weightsync op counts (per call)")
@@ -585,7 +290,7 @@ class ThroughputGuard:
                 f = c["fields"]
                 ops = ", ".join(f"{k[3:]} x{v}" for k, v in f.items() if k.startswith("op:"))
                 cells.append((n, ops or "-", f["bytes_written"], f["allocations"], f["allocated_bytes"]))
-            for line in _table(("name", "ops", "bytes written", "allocations", "allocated bytes"), cells):
+            for line in text_table(("name", "ops", "bytes written", "allocations", "allocated bytes"), cells):
                 tr.write_line(line)
         if self.duplicates:
             tr.write_line(
@@ -626,7 +331,7 @@ class ThroughputGuard:
                      "MORE" if c.worse else "fewer (update the baseline)")
                     for c in self.count_changes
                 ]
-                for line in _table(("name", "count", "baseline", "measured", "status"), rows):
+                for line in text_table(("name", "count", "baseline", "measured", "status"), rows):
                     tr.write_line(line, red=any(c.worse for c in self.count_changes))
             if any(c.status == "REGRESSED" for c in self.comparisons):
                 tr.write_line(

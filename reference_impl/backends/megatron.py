@@ -141,33 +141,45 @@ def _dtype(name: str):
     return value
 
 
-def _transformer_config(cfg: MegatronMoEConfig):
+def moe_transformer_config(*, hidden: int, ffn: int, experts: int, topk: int, tp: int,
+                           ep: int, etp: int, dtype, grouped: bool, cpu_init: bool,
+                           heads: int | None = None, **more):
+    """A real ``TransformerConfig`` of gated (SwiGLU) MoE layers without biases, experts of
+    ``ffn`` rows, ``heads`` attention heads (default one per TP rank); ``more`` adds what a
+    caller's model needs (layers, pipeline, head size, router options)."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    dtype = _dtype(cfg.dtype)
     return TransformerConfig(
-        num_layers=1,
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.tp,
-        ffn_hidden_size=cfg.ffn_hidden_size,
-        moe_ffn_hidden_size=cfg.ffn_hidden_size,
-        num_moe_experts=cfg.num_experts,
-        moe_router_topk=cfg.topk,
+        hidden_size=hidden,
+        num_attention_heads=tp if heads is None else heads,
+        ffn_hidden_size=ffn,
+        moe_ffn_hidden_size=ffn,
+        num_moe_experts=experts,
+        moe_router_topk=topk,
         moe_token_dispatcher_type="allgather",
-        moe_grouped_gemm=cfg.expert_type == "te_grouped",
+        moe_grouped_gemm=grouped,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        use_cpu_initialization=cfg.expert_type == "sequential",
-        tensor_model_parallel_size=cfg.tp,
-        expert_model_parallel_size=cfg.ep,
-        expert_tensor_parallel_size=cfg.etp,
+        use_cpu_initialization=cpu_init,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
+        **more,
     )
+
+
+def _transformer_config(cfg: MegatronMoEConfig):
+    return moe_transformer_config(
+        hidden=cfg.hidden_size, ffn=cfg.ffn_hidden_size, experts=cfg.num_experts, topk=cfg.topk,
+        tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, dtype=_dtype(cfg.dtype),
+        grouped=cfg.expert_type == "te_grouped", cpu_init=cfg.expert_type == "sequential",
+        num_layers=1)
 
 
 def _module_spec(cfg: MegatronMoEConfig):

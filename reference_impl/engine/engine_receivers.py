@@ -30,7 +30,6 @@ from pytest_weightsync.reference_impl.model.layout import (
     MoESpec,
     ReceiverTopology,
     fused_name,
-    gate_up_halves,
 )
 from pytest_weightsync.reference_impl.engine.receiver import ReferenceReceiver
 
@@ -127,28 +126,10 @@ class RedundantExpertReceiver(ReferenceReceiver):
         for slot in self.shard.slots_of(layer, expert):
             super()._write_w2(plan, layer, slot, full)
 
-    def _plan_packed(self, plan, parsed, tensor) -> None:
-        size = self.spec.intermediate
-        first, _ = gate_up_halves(self.topo.order)
-        for expert in self._held(parsed.layer):
-            if parsed.projection == "w13":
-                for projection in ("gate", "up"):
-                    start = 0 if projection == first else size
-                    self._write_w13(plan, parsed.layer, expert, projection,
-                                    tensor[expert].narrow(0, start, size))
-            else:
-                self._write_w2(plan, parsed.layer, expert, tensor[expert])
-
-    def _plan_hf_fused(self, plan, parsed, tensor) -> None:
-        size = self.spec.intermediate
-        for expert in self._held(parsed.layer):
-            if parsed.projection == "gate_up":
-                self._write_w13(plan, parsed.layer, expert, "gate",
-                                tensor[expert].narrow(0, 0, size))
-                self._write_w13(plan, parsed.layer, expert, "up",
-                                tensor[expert].narrow(0, size, size))
-            else:
-                self._write_w2(plan, parsed.layer, expert, tensor[expert])
+    def _planned_slots(self, layer: int) -> list[tuple[int, int]]:
+        """Every logical expert this rank holds a copy of in ``layer``; the writers fan it out
+        to each of its slots."""
+        return [(expert, expert) for expert in self._held(layer)]
 
     def _units_of(self, parsed, load_format):
         if load_format != "direct":

@@ -31,7 +31,6 @@ from typing import Mapping, Optional
 import torch
 
 from pytest_weightsync.reference_impl.kernels import fastcopy
-from pytest_weightsync.reference_impl.engine import tensor_checks
 from pytest_weightsync.reference_impl.errors import PayloadError, WeightSyncError, shown
 from pytest_weightsync.reference_impl.model.layout import ReceiverTopology, parse_receiver_name
 from pytest_weightsync.reference_impl.model.model_layout import (
@@ -50,12 +49,13 @@ from pytest_weightsync.reference_impl.engine.receiver import (
     PayloadDtypeError,
     PayloadShapeError,
     PayloadTypeError,
-    ReceiverParamsError,
     ReferenceReceiver,
     TensorLayoutError,
     UnknownNameError,
     _extent,
-    _refuse,
+    checked_params,
+    entry_pair,
+    entry_readable_on,
 )
 from pytest_weightsync.vocabulary import LOAD_FORMATS
 
@@ -130,7 +130,8 @@ class ModelReceiver:
             self.params = {name: torch.zeros(p.shape, dtype=p.dtype, device=device)
                            for name, p in self.layout.items()}
         else:
-            self.params = _checked(params, self.layout, rank)
+            self.params = checked_params(params, {n: (p.shape, p.dtype) for n, p in self.layout.items()},
+                                         rank, "the engine layout")
         first = next(iter(self.params.values()))
         self.device = first.device
         self.catalogue = hf_params(spec)
@@ -302,24 +303,8 @@ class ModelReceiver:
         return dense, expert_plans
 
     def _check_item(self, index, item):
-        if not (isinstance(item, tuple) and len(item) == 2):
-            raise PayloadTypeError(f"{self.describe_entry(index)} is a {type(item).__name__}, "
-                                   f"not a (name, tensor) pair")
-        name, tensor = item
-        if not isinstance(name, str):
-            raise PayloadTypeError(f"{self.describe_entry(index)}: the name is a "
-                                   f"{type(name).__name__} {shown(name)}, not a str")
-        where = self.describe_entry(index, name)
-        if not isinstance(tensor, torch.Tensor):
-            raise PayloadTypeError(f"{where} is a {type(tensor).__name__}, not a torch.Tensor")
-        _refuse(tensor_checks.kind_problem(tensor), where)
-        if tensor.layout != torch.strided:
-            raise TensorLayoutError(f"{where}: {tensor.layout} tensor; only dense (strided) "
-                                    f"tensors can be loaded")
-        if tensor.device != self.device:
-            raise TensorLayoutError(f"{where}: tensor on device {tensor.device}, receiver rank "
-                                    f"{self.rank} parameters are on {self.device}")
-        _refuse(tensor_checks.storage_problem(tensor), where)
+        name, tensor, where = entry_pair(index, item, self.describe_entry)
+        entry_readable_on(tensor, self.device, self.rank, where)
         return name, tensor
 
     def _dense_entry(self, index, name, load_format):
@@ -384,32 +369,6 @@ class ModelReceiver:
                 k -= 1
 
 
-def _checked(params, layout, rank) -> dict:
-    if not isinstance(params, Mapping):
-        raise ReceiverParamsError(f"receiver rank {rank} params is a {type(params).__name__}, "
-                                  f"not a mapping of name -> tensor")
-    out = {}
-    for name, p in layout.items():
-        tensor = params.get(name)
-        if not isinstance(tensor, torch.Tensor):
-            raise ReceiverParamsError(f"receiver rank {rank} has no parameter {name!r}" if tensor
-                                      is None else f"receiver rank {rank} parameter {name!r} is a "
-                                      f"{type(tensor).__name__}, not a torch.Tensor")
-        problem = tensor_checks.kind_problem(tensor)
-        if problem is None and tensor.device.type != "meta":
-            problem = tensor_checks.storage_problem(tensor)
-        if problem is not None:
-            raise ReceiverParamsError(f"receiver rank {rank} parameter {name!r}: {problem[1]}")
-        if tuple(tensor.shape) != p.shape or tensor.dtype != p.dtype:
-            raise ReceiverParamsError(f"receiver rank {rank} parameter {name!r} is "
-                                      f"{tuple(tensor.shape)} {tensor.dtype}; the engine layout "
-                                      f"needs {p.shape} {p.dtype}")
-        out[name] = tensor
-    devices = {t.device for t in out.values()}
-    if len(devices) > 1:
-        raise ReceiverParamsError(f"receiver rank {rank} parameters are spread over devices "
-                                  f"{sorted(map(str, devices))}; they must share one")
-    return out
 
 
 def make_model_receivers(spec: ModelSpec, topo: ReceiverTopology, device="cpu", targets=None):

@@ -145,6 +145,37 @@ def _refuse(problem, where: str) -> None:
         raise cls(f"{where}: {reason}")
 
 
+def entry_pair(index: int, item, where_of) -> tuple[str, "torch.Tensor", str]:
+    """``(name, tensor, where)`` of payload entry ``index`` once it is a ``(str, Tensor)`` pair
+    of a dense, readable kind (every receiver asks this first, before reading the name);
+    ``where_of(index[, name])`` words the entry for messages."""
+    if not (isinstance(item, tuple) and len(item) == 2):
+        raise PayloadTypeError(f"{where_of(index)} is a {type(item).__name__}, not a "
+                               f"(name, tensor) pair")
+    name, tensor = item
+    if not isinstance(name, str):
+        raise PayloadTypeError(f"{where_of(index)}: the name is a {type(name).__name__} "
+                               f"{shown(name)}, not a str")
+    where = where_of(index, name)
+    if not isinstance(tensor, torch.Tensor):
+        raise PayloadTypeError(f"{where} is a {type(tensor).__name__}, not a torch.Tensor")
+    _refuse(tensor_checks.kind_problem(tensor), where)
+    if tensor.layout != torch.strided:
+        raise TensorLayoutError(f"{where}: {tensor.layout} tensor; only dense (strided) "
+                                f"tensors can be loaded")
+    return name, tensor, where
+
+
+def entry_readable_on(tensor, device, rank: int, where: str) -> None:
+    """Refuse an entry on another device than receiver ``rank``'s parameters, or whose storage
+    cannot be read (freed, too small): asked after the device, since a meta tensor is a wrong
+    device and not a freed one."""
+    if tensor.device != device:
+        raise TensorLayoutError(f"{where}: tensor on device {tensor.device}, receiver rank "
+                                f"{rank} parameters are on {device}")
+    _refuse(tensor_checks.storage_problem(tensor), where)
+
+
 class ReceiverParamsError(WeightSyncError):
     """Existing parameters handed to :class:`ReferenceReceiver` do not match its topology."""
 
@@ -218,7 +249,8 @@ class ReferenceReceiver:
                 for name, shape in shapes.items()
             }
         else:
-            self.params = _checked_params(params, shapes, spec.dtype, rank)
+            self.params = checked_params(params, {n: (s, spec.dtype) for n, s in shapes.items()},
+                                         rank, "the topology")
         # The device the parameters really live on: "cuda" means the current GPU, and a payload
         # tensor reports "cuda:0", so compare against the resolved device, not the request.
         first = next(iter(self.params.values()), None)
@@ -395,20 +427,7 @@ class ReferenceReceiver:
 
     def _check_entry(self, index, item, load_format):
         spec = self.spec
-        if not (isinstance(item, tuple) and len(item) == 2):
-            raise PayloadTypeError(f"{self._where(index)} is a {type(item).__name__}, not a "
-                                   f"(name, tensor) pair")
-        name, tensor = item
-        if not isinstance(name, str):
-            raise PayloadTypeError(f"{self._where(index)}: the name is a {type(name).__name__} "
-                                   f"{shown(name)}, not a str")
-        where = self._where(index, name)
-        if not isinstance(tensor, torch.Tensor):
-            raise PayloadTypeError(f"{where} is a {type(tensor).__name__}, not a torch.Tensor")
-        _refuse(tensor_checks.kind_problem(tensor), where)
-        if tensor.layout != torch.strided:
-            raise TensorLayoutError(f"{where}: {tensor.layout} tensor; only dense (strided) "
-                                    f"tensors can be loaded")
+        name, tensor, where = entry_pair(index, item, self._where)
         parsed = parse_receiver_name(name)
         if parsed is None:
             raise UnknownNameError(f"{where}: unknown name: {name_problem(name)}")
@@ -424,10 +443,7 @@ class ReferenceReceiver:
                                         f"(num_experts={spec.num_experts})")
         if tensor.dtype != spec.dtype:
             raise PayloadDtypeError(f"{where}: dtype {tensor.dtype}, receiver holds {spec.dtype}")
-        if tensor.device != self.device:
-            raise TensorLayoutError(f"{where}: tensor on device {tensor.device}, receiver "
-                                    f"rank {self.rank} parameters are on {self.device}")
-        _refuse(tensor_checks.storage_problem(tensor), where)
+        entry_readable_on(tensor, self.device, self.rank, where)
         shape, what = self._expected_shape(parsed, load_format)
         if tuple(tensor.shape) != tuple(shape):
             raise PayloadShapeError(f"{where}: shape {tuple(tensor.shape)}, expected "
@@ -520,10 +536,7 @@ class ReferenceReceiver:
         """Receiver-order halves: ``w13[e]`` is ``[first; second]`` of ``self.topo.order``."""
         size = self.spec.intermediate
         first, _ = gate_up_halves(self.topo.order)
-        for expert in self.shard.experts:
-            slot = self._local_slot(expert)
-            if slot is None:
-                continue
+        for expert, slot in self._planned_slots(parsed.layer):
             if parsed.projection == "w13":
                 for projection in ("gate", "up"):
                     start = 0 if projection == first else size
@@ -535,15 +548,18 @@ class ReferenceReceiver:
     def _plan_hf_fused(self, plan: LoadPlan, parsed, tensor) -> None:
         """Gate rows first whatever the receiver order (SGLang splits with ``chunk(2, -2)``)."""
         size = self.spec.intermediate
-        for expert in self.shard.experts:
-            slot = self._local_slot(expert)
-            if slot is None:
-                continue
+        for expert, slot in self._planned_slots(parsed.layer):
             if parsed.projection == "gate_up":
                 self._write_w13(plan, parsed.layer, slot, "gate", tensor[expert].narrow(0, 0, size))
                 self._write_w13(plan, parsed.layer, slot, "up", tensor[expert].narrow(0, size, size))
             else:
                 self._write_w2(plan, parsed.layer, slot, tensor[expert])
+
+    def _planned_slots(self, layer: int) -> list[tuple[int, int]]:
+        """``(expert, slot)`` of every expert of ``layer`` an all-expert tensor (packed,
+        hf_fused) is read for, and the slot :meth:`_write_w13` / :meth:`_write_w2` get."""
+        return [(expert, slot) for expert in self.shard.experts
+                if (slot := self._local_slot(expert)) is not None]
 
     def _plan_direct(self, plan: LoadPlan, parsed, tensor) -> None:
         name = fused_name(parsed.layer, parsed.projection)
@@ -580,15 +596,16 @@ class ReferenceReceiver:
                 k -= 1
 
 
-def _checked_params(params: Mapping[str, torch.Tensor], shapes: dict[str, tuple],
-                    dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor]:
-    """``params`` restricted to ``shapes``' names, each checked against its expected shape and
-    ``dtype``; all on one device. Raises :class:`ReceiverParamsError` naming the first misfit."""
+def checked_params(params: Mapping[str, torch.Tensor], wants: Mapping[str, tuple],
+                   rank: int, needs: str) -> dict[str, torch.Tensor]:
+    """``params`` restricted to the names of ``wants`` (``{name: (shape, dtype)}``), each a
+    dense, readable tensor of its shape and dtype, all on one device (``needs`` words what asks
+    for them). Raises :class:`ReceiverParamsError` naming the first misfit."""
     if not isinstance(params, Mapping):
         raise ReceiverParamsError(f"receiver rank {rank} params is a {type(params).__name__}, "
                                   f"not a mapping of name -> tensor")
     checked = {}
-    for name, shape in shapes.items():
+    for name, (shape, dtype) in wants.items():
         if name not in params:
             raise ReceiverParamsError(f"receiver rank {rank} has no parameter {name!r}")
         tensor = params[name]
@@ -602,10 +619,10 @@ def _checked_params(params: Mapping[str, torch.Tensor], shapes: dict[str, tuple]
             problem = tensor_checks.storage_problem(tensor)
         if problem is not None:
             raise ReceiverParamsError(f"receiver rank {rank} parameter {name!r}: {problem[1]}")
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
             raise ReceiverParamsError(
                 f"receiver rank {rank} parameter {name!r} is {tuple(tensor.shape)} "
-                f"{tensor.dtype}; the topology needs {shape} {dtype}")
+                f"{tensor.dtype}; {needs} needs {tuple(shape)} {dtype}")
         checked[name] = tensor
     devices = {t.device for t in checked.values()}
     if len(devices) > 1:

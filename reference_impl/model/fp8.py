@@ -53,8 +53,6 @@ FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 #: Suffix of a scale's name (checkpoint and receiver).
 SCALE_SUFFIX = "_scale_inv"
-#: A projection's position in :data:`PROJECTIONS` (the order checkpoints list them in).
-PROJECTION_INDEX = {p: i for i, p in enumerate(PROJECTIONS)}
 
 
 class Fp8LayoutError(WeightSyncError):

@@ -32,6 +32,8 @@ from pytest_weightsync.vocabulary import (
 
 #: Projections of one gated expert, in Hugging Face terms.
 PROJECTIONS = ("gate", "up", "down")
+#: A projection's position in :data:`PROJECTIONS` (the order checkpoints list them in).
+PROJECTION_INDEX = {p: i for i, p in enumerate(PROJECTIONS)}
 #: Receiver orders of the two halves of ``w13_weight``; how padded buffers slice the
 #: intermediate dimension (see ``ReceiverTopology``); trainer expert modules.
 GATE_UP_ORDERS = ORDERS

@@ -14,7 +14,6 @@ import torch
 
 from pytest_weightsync.reference_impl.model.fp8 import (
     FP8,
-    PROJECTION_INDEX,
     block_of,
     ceil_div,
     plain_topology,
@@ -22,6 +21,7 @@ from pytest_weightsync.reference_impl.model.fp8 import (
     scale_name,
 )
 from pytest_weightsync.reference_impl.model.layout import (
+    PROJECTION_INDEX,
     PROJECTIONS,
     ExpertWeights,
     MoESpec,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from pytest_weightsync.reference_impl.model.layout import (
+    PROJECTION_INDEX,
     PROJECTIONS,
     ExpertWeights,
     MoESpec,
@@ -39,7 +40,6 @@ from pytest_weightsync.reference_impl.model.layout import (
 )
 
 _M32 = 0xFFFFFFFF
-_PROJ_ID = {p: i for i, p in enumerate(PROJECTIONS)}
 
 
 def _s32(value: int) -> int:
@@ -66,7 +66,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def _scalar_key(seed: int, layer: int, expert: int, projection: str) -> int:
     key = 0x9E3779B9
-    for part in (seed, layer, expert, _PROJ_ID[projection]):
+    for part in (seed, layer, expert, PROJECTION_INDEX[projection]):
         key = ((key ^ (part & _M32)) * 0x01000193) & _M32
         key ^= key >> 13
     return key

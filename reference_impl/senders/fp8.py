@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 
 from pytest_weightsync.reference_impl.model.fp8 import (
-    PROJECTION_INDEX,
     SCALE_SUFFIX,
     plain_topology,
     scale_spec,
     weight_spec,
 )
 from pytest_weightsync.reference_impl.model.layout import (
+    PROJECTION_INDEX,
     PROJECTIONS,
     ExpertWeights,
     MoESpec,

@@ -18,7 +18,6 @@ import torch
 from pytest_weightsync.reference_impl.kernels import fastcopy
 from pytest_weightsync.reference_impl.senders import zerocopy
 from pytest_weightsync.reference_impl.model.layout import ExpertWeights, WeightSyncError, hf_fused_name
-from pytest_weightsync.reference_impl.senders.zerocopy import staging_tensor
 
 
 def layer_payload(layer: int, experts: Sequence[ExpertWeights], device=None,
@@ -32,24 +31,8 @@ def layer_payload(layer: int, experts: Sequence[ExpertWeights], device=None,
         raise WeightSyncError(f"hf_fused export of layer {layer} needs every expert, got none")
     gate = experts[0].gate
     device = gate.device if device is None else device
-    alloc = alloc or staging_tensor
-    size, hidden = gate.shape
-    gate_up_shape, down_shape = (len(experts), 2 * size, hidden), (len(experts), hidden, size)
-    gate_up = zerocopy.tiled_view([w[p] for w in experts for p in ("gate", "up")],
-                                  gate_up_shape, gate.dtype, device)
-    down = zerocopy.tiled_view([w.down for w in experts], down_shape, gate.dtype, device)
-    stage_gate_up, stage_down = gate_up is None, down is None
-    if stage_gate_up:
-        gate_up = alloc(gate_up_shape, gate.dtype, device, False)
-    if stage_down:
-        down = alloc(down_shape, gate.dtype, device, False)
-    pairs = []
-    for e, weights in enumerate(experts):
-        if stage_gate_up:
-            pairs.append((gate_up[e, :size], weights.gate))
-            pairs.append((gate_up[e, size:], weights.up))
-        if stage_down:
-            pairs.append((down[e], weights.down))
+    gate_up, down, pairs = zerocopy.stacked_experts(experts, ("gate", "up"), *gate.shape,
+                                                    gate.dtype, device, alloc)
     return [(hf_fused_name(layer, "gate_up"), gate_up), (hf_fused_name(layer, "down"), down)], pairs
 
 

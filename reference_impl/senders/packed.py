@@ -24,9 +24,7 @@ from pytest_weightsync.reference_impl.model.layout import (
     WeightSyncError,
     fused_name,
     gate_up_halves,
-    packed_shape,
 )
-from pytest_weightsync.reference_impl.senders.zerocopy import staging_tensor
 
 
 def layer_payload(spec: MoESpec, layer: int, experts: Sequence[ExpertWeights], order: str,
@@ -40,25 +38,8 @@ def layer_payload(spec: MoESpec, layer: int, experts: Sequence[ExpertWeights], o
         raise WeightSyncError(f"packed export of layer {layer} needs all {spec.num_experts} "
                               f"experts, got {len(experts)}")
     device = experts[0].gate.device if device is None else device
-    alloc = alloc or staging_tensor
-    first, second = gate_up_halves(order)
-    size = spec.intermediate
-    w13_shape, w2_shape = packed_shape(spec, "w13"), packed_shape(spec, "w2")
-    w13 = zerocopy.tiled_view([w[p] for w in experts for p in (first, second)], w13_shape,
-                              spec.dtype, device)
-    w2 = zerocopy.tiled_view([w.down for w in experts], w2_shape, spec.dtype, device)
-    stage13, stage2 = w13 is None, w2 is None
-    if stage13:
-        w13 = alloc(w13_shape, spec.dtype, device, False)
-    if stage2:
-        w2 = alloc(w2_shape, spec.dtype, device, False)
-    pairs = []
-    for e, weights in enumerate(experts):
-        if stage13:
-            pairs.append((w13[e, :size], weights[first]))
-            pairs.append((w13[e, size:], weights[second]))
-        if stage2:
-            pairs.append((w2[e], weights.down))
+    w13, w2, pairs = zerocopy.stacked_experts(experts, gate_up_halves(order), spec.intermediate,
+                                              spec.hidden, spec.dtype, device, alloc)
     return [(fused_name(layer, "w13"), w13), (fused_name(layer, "w2"), w2)], pairs
 
 

@@ -72,3 +72,31 @@ def staging_tensor(shape, dtype: torch.dtype, device, zero: bool) -> torch.Tenso
     """A fresh staging tensor for a payload that cannot be a view (zeroed where the receiver
     pads, since no pair writes the padding)."""
     return (torch.zeros if zero else torch.empty)(tuple(shape), dtype=dtype, device=device)
+
+
+def stacked_experts(experts: Sequence, halves: tuple[str, str], size: int, hidden: int,
+                    dtype: torch.dtype, device, alloc=None) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """One layer's experts stacked as the fused formats send them: ``[E, 2 * size, hidden]``
+    with each expert's ``halves`` rows one after the other, and ``[E, hidden, size]`` of the
+    down projections; plus the ``(dst, src)`` pairs still to be copied. Each tensor is a
+    view of the trainer's memory where its sources already lie in that layout in one storage
+    (:func:`tiled_view`: no pairs), else a staging tensor from ``alloc(shape, dtype, device,
+    zero)`` (default :func:`staging_tensor`) that the pairs fill."""
+    alloc = alloc or staging_tensor
+    n = len(experts)
+    up_shape, down_shape = (n, 2 * size, hidden), (n, hidden, size)
+    up = tiled_view([w[p] for w in experts for p in halves], up_shape, dtype, device)
+    down = tiled_view([w.down for w in experts], down_shape, dtype, device)
+    stage_up, stage_down = up is None, down is None
+    if stage_up:
+        up = alloc(up_shape, dtype, device, False)
+    if stage_down:
+        down = alloc(down_shape, dtype, device, False)
+    pairs = []
+    for e, weights in enumerate(experts):
+        if stage_up:
+            pairs.append((up[e, :size], weights[halves[0]]))
+            pairs.append((up[e, size:], weights[halves[1]]))
+        if stage_down:
+            pairs.append((down[e], weights.down))
+    return up, down, pairs

@@ -69,34 +69,17 @@ class MegatronPlacementError(WeightSyncError):
 
 def transformer_config(spec: MoESpec, topo: TrainerTopology):
     """A real ``TransformerConfig`` of the model ``spec`` describes, under ``topo``."""
-    import torch
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from pytest_weightsync.reference_impl.backends.megatron import moe_transformer_config
 
-    return TransformerConfig(
+    return moe_transformer_config(
+        hidden=spec.hidden, ffn=spec.intermediate, experts=spec.num_experts,
+        topk=min(2, spec.num_experts), tp=topo.tp, ep=topo.ep, etp=topo.etp, dtype=spec.dtype,
+        grouped=topo.expert_impl == "te_grouped", cpu_init=True,
         num_layers=spec.num_layers,
-        hidden_size=spec.hidden,
-        num_attention_heads=topo.tp,
         kv_channels=KV_CHANNELS,
-        ffn_hidden_size=spec.intermediate,
-        moe_ffn_hidden_size=spec.intermediate,
-        num_moe_experts=spec.num_experts,
-        moe_router_topk=min(2, spec.num_experts),
         moe_router_pre_softmax=spec.num_experts == 1,  # Megatron requires it for top-1
-        moe_token_dispatcher_type="allgather",
-        moe_grouped_gemm=topo.expert_impl == "te_grouped",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        tensor_model_parallel_size=topo.tp,
         pipeline_model_parallel_size=topo.pp,
         pipeline_dtype=spec.dtype,
-        expert_model_parallel_size=topo.ep,
-        expert_tensor_parallel_size=topo.etp,
-        params_dtype=spec.dtype,
-        bf16=spec.dtype == torch.bfloat16,
-        fp16=spec.dtype == torch.float16,
     )
 
 
@@ -234,8 +217,6 @@ def _check_placement(spec: MoESpec, topo: TrainerTopology, rank: int, chunk) -> 
 def write_shards(params: dict, shard_values, rank: int) -> None:
     """Copy ``shard_values`` (``{megatron_expert_name: tensor}``, local numbering) into the
     model's expert parameters in place; every expert parameter must get exactly one."""
-    import torch
-
     prefix = name_prefix(params)
     targets = {}
     for name, value in shard_values.items():
@@ -244,19 +225,31 @@ def write_shards(params: dict, shard_values, rank: int) -> None:
             raise MegatronPlacementError(
                 f"rank {rank}: the Megatron model has no parameter {full_name!r} "
                 f"(expert parameters: {sorted(n for n in params if '.experts.' in n)[:4]}...)")
-        target = params[full_name]
-        if tuple(target.shape) != tuple(value.shape) or target.dtype != value.dtype:
-            raise MegatronPlacementError(
-                f"rank {rank}: {full_name} is {tuple(target.shape)} {target.dtype} in the "
-                f"Megatron model, the reference shard is {tuple(value.shape)} {value.dtype}")
         targets[full_name] = value
     unset = sorted(n for n in params if ".experts." in n and n not in targets)
     if unset:
         raise MegatronPlacementError(f"rank {rank}: expert parameters with no reference shard: "
                                      f"{unset[:4]}")
+    fill_in_place(params, {name: ("", value) for name, value in targets.items()}, rank,
+                  "the reference shard")
+
+
+def fill_in_place(tensors: dict, values: dict, rank: int, source: str) -> None:
+    """Copy ``values`` (``{real name: (source name or "", tensor)}``) into the real ``tensors`` of
+    trainer rank ``rank`` in place, once every one of them is known to match its tensor's shape
+    and dtype (nothing is written otherwise); ``source`` words where the values come from."""
+    import torch
+
+    for name, (own, value) in values.items():
+        tensor = tensors[name]
+        if tuple(tensor.shape) != tuple(value.shape) or tensor.dtype != value.dtype:
+            shown_own = f" {own}" if own else ""
+            raise MegatronPlacementError(
+                f"rank {rank}: {name} is {tuple(tensor.shape)} {tensor.dtype} in the Megatron "
+                f"model, {source}{shown_own} is {tuple(value.shape)} {value.dtype}")
     with torch.no_grad():
-        for full_name, value in targets.items():
-            params[full_name].copy_(value)
+        for name, (_, value) in values.items():
+            tensors[name].copy_(value)
 
 
 def megatron_model_state(spec: MoESpec, topo: TrainerTopology, rank: int, shard_values,

@@ -44,6 +44,7 @@ import contextlib
 from pytest_weightsync.reference_impl.trainer.megatron_state import (
     MegatronPlacementError,
     _ddp_buffers_on_cpu,
+    fill_in_place,
     layer_spec,
     name_prefix,
     unwrapped,
@@ -149,31 +150,25 @@ def mtp_block_spec(spec, topo, config):
 def transformer_config(spec, topo):
     """The real ``TransformerConfig`` of the whole model ``spec`` under ``topo``."""
     import torch
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
-        num_layers=spec.num_layers, hidden_size=spec.hidden,
-        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads,
+    from pytest_weightsync.reference_impl.backends.megatron import moe_transformer_config
+
+    return moe_transformer_config(
+        hidden=spec.hidden, ffn=spec.intermediate, experts=spec.num_experts,
+        topk=min(2, spec.num_experts), tp=topo.tp, ep=topo.ep, etp=topo.etp, dtype=spec.dtype,
+        grouped=topo.expert_impl == "te_grouped", cpu_init=True, heads=spec.num_heads,
+        num_layers=spec.num_layers, num_query_groups=spec.num_kv_heads,
         kv_channels=spec.head_dim, qk_layernorm=True,
         attention_output_gate=spec.attn_output_gate, normalization="RMSNorm",
-        ffn_hidden_size=spec.intermediate, moe_ffn_hidden_size=spec.intermediate,
-        num_moe_experts=spec.num_experts, moe_router_topk=min(2, spec.num_experts),
         moe_router_pre_softmax=spec.num_experts == 1,
         moe_router_enable_expert_bias=spec.expert_bias,
         moe_router_score_function="sigmoid" if spec.expert_bias else "softmax",
         moe_router_dtype="fp32" if spec.router_dtype == torch.float32 else None,
         moe_shared_expert_intermediate_size=spec.intermediate_shared or None,
         moe_shared_expert_gate=bool(spec.intermediate_shared),
-        moe_token_dispatcher_type="allgather",
-        moe_grouped_gemm=topo.expert_impl == "te_grouped",
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        use_cpu_initialization=True,
-        tensor_model_parallel_size=topo.tp, pipeline_model_parallel_size=topo.pp,
+        pipeline_model_parallel_size=topo.pp,
         num_layers_in_first_pipeline_stage=topo.first_stage_layers,
-        pipeline_dtype=spec.dtype, expert_model_parallel_size=topo.ep,
-        expert_tensor_parallel_size=topo.etp, params_dtype=spec.dtype,
-        bf16=spec.dtype == torch.bfloat16, mtp_num_layers=spec.mtp_layers or None,
+        pipeline_dtype=spec.dtype, mtp_num_layers=spec.mtp_layers or None,
     )
 
 
@@ -246,8 +241,6 @@ def write_model(state: dict, modelled: dict, rank: int) -> None:
     """Copy the oracle's state ``modelled`` (``{oracle name: tensor}``, local numbering) into
     the real tensors of ``state`` in place; every real tensor must get exactly one value of
     its own shape and dtype."""
-    import torch
-
     prefix = name_prefix(state)
     targets, used = {}, set()
     for name, tensor in state.items():
@@ -256,19 +249,13 @@ def write_model(state: dict, modelled: dict, rank: int) -> None:
         if value is None:
             raise MegatronPlacementError(f"rank {rank}: the oracle holds no tensor for Megatron's "
                                          f"{name!r} (read as {own!r})")
-        if tuple(tensor.shape) != tuple(value.shape) or tensor.dtype != value.dtype:
-            raise MegatronPlacementError(
-                f"rank {rank}: {name} is {tuple(tensor.shape)} {tensor.dtype} in the Megatron "
-                f"model, the oracle's {own} is {tuple(value.shape)} {value.dtype}")
-        targets[name] = value
+        targets[name] = (own, value)
         used.add(own)
     unbuilt = sorted(set(modelled) - used)
     if unbuilt:
         raise MegatronPlacementError(f"rank {rank}: the Megatron model has no parameter for the "
                                      f"oracle's {unbuilt[:4]}")
-    with torch.no_grad():
-        for name, value in targets.items():
-            state[name].copy_(value)
+    fill_in_place(state, targets, rank, "the oracle's")
 
 
 def check_stage(spec, topo, rank: int, model) -> None:

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_weightsync import compare, distributed
-from pytest_weightsync.protocols import as_stream
+from pytest_weightsync import compare
 from pytest_weightsync.vocabulary import BUCKET_LIMITS, MODEL_FORMATS as FORMATS
 
-from ..harness import calls, claims, coverage, judge, model_cases, model_inputs
+from ..harness import claims, coverage, judge, model_cases, model_inputs
+from ..harness import exporter as exporter_harness
 
 CASES = model_cases.model_case_params()
 #: Exporters export what the trainer holds: every target of the model.
@@ -124,27 +124,9 @@ def test_loader_updates_the_draft_when_reached_and_leaves_a_frozen_one(weightsyn
 # --- exporters --------------------------------------------------------------------------------
 
 
-def _export_and_judge(exporter, case, fmt, version, states, shards_before):
-    for rank in range(case.receiver.tp):
-        result = calls.call(exporter, "export_weights", states, format=fmt, spec=case.spec,
-                            trainer=case.trainer, receiver=case.receiver, rank=rank)
-        for trainer_rank, (shards, state) in enumerate(zip(shards_before, states)):
-            where = distributed.first_modification(shards, state)
-            if where is not None:
-                raise judge.ConformanceError(f"export call for engine rank {rank} ({fmt}) "
-                                             f"modified trainer rank {trainer_rank}'s {where}")
-        try:
-            stream = as_stream(result, source=f"{exporter.name}.export_weights")
-        except TypeError as error:
-            raise judge.ConformanceError(f"export call for engine rank {rank} ({fmt}): "
-                                         f"{error}") from None
-        yield rank, stream
-
-
 def _exports(exporter, case, fmt, version=1):
     states = model_inputs.trainer_states(case, version)
-    shards = [distributed.snapshot(state) for state in states]
-    return states, _export_and_judge(exporter, case, fmt, version, states, shards)
+    return states, exporter_harness.exported_streams(exporter, case, fmt, states)
 
 
 @pytest.mark.weightsync_property("coverage")
@@ -175,9 +157,8 @@ def test_exporter_second_version_after_in_place_change(weightsync_exporter, case
         for state, new in zip(states, changed):
             for name, tensor in state.items():
                 tensor.copy_(new[name])
-    shards = [distributed.snapshot(state) for state in states]
-    for rank, stream in _export_and_judge(weightsync_exporter, case, payload_format, 2, states,
-                                          shards):
+    for rank, stream in exporter_harness.exported_streams(weightsync_exporter, case,
+                                                          payload_format, states):
         coverage.judge_model_stream(case, rank, stream, payload_format, 2,
                                     f"second version ({payload_format}, "
                                     f"{weightsync_exporter.name})")

@@ -29,7 +29,7 @@ import time
 import pytest
 
 from pytest_weightsync import compare
-from pytest_weightsync.throughput import Measurement, interleaved_samples, plain_copy
+from pytest_weightsync.timing import Measurement, interleaved_samples, plain_copy
 from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology, TrainerTopology
 from pytest_weightsync.vocabulary import FORMATS
 
@@ -63,7 +63,8 @@ def _entries(stream) -> int:
 
 
 @pytest.mark.parametrize("payload_format", FORMATS)
-def test_loader_update_profile(weightsync_loader, payload_format, throughput, record_property):
+def test_loader_update_profile(weightsync_loader, payload_format, throughput,
+                               weightsync_record_property):
     _claimed(weightsync_loader, payload_format)
     case, rank = PROFILE_CASE, PROFILE_RANK
     params = inputs.receiver_params(case, rank)
@@ -79,7 +80,7 @@ def test_loader_update_profile(weightsync_loader, payload_format, throughput, re
     judge.check_rank(params, case, rank, 2, before, previous_version=1)
     entries = _entries(stream)
     payload = sum(t.numel() * t.element_size() for bucket in stream for _, t in bucket)
-    record_property("weightsync_speed", json.dumps({
+    weightsync_record_property("weightsync_speed", json.dumps({
         "format": payload_format, "ops": sum(counts.ops.values()),
         "bytes_written": counts.bytes_written, "allocations": counts.allocations,
         "allocated_bytes": counts.allocated_bytes, "payload_bytes": payload,
@@ -89,7 +90,7 @@ def test_loader_update_profile(weightsync_loader, payload_format, throughput, re
 @pytest.mark.gpu
 @pytest.mark.parametrize("payload_format", FORMATS)
 def test_loader_update_throughput_on_gpu(weightsync_loader, payload_format, throughput,
-                                         record_property):
+                                         weightsync_record_property):
     """The update moved onto the GPU (parameters and payload on the device): its ratio to a
     plain device copy of the bytes it writes, median and spread over rounds."""
     import torch
@@ -117,7 +118,7 @@ def test_loader_update_throughput_on_gpu(weightsync_loader, payload_format, thro
                                   statistics.median(ratios)))
     judge.check_rank({n: t.cpu() for n, t in params.items()}, case, rank, 1)
     compare.assert_same_storage(before, params)
-    record_property("weightsync_speed", json.dumps({
+    weightsync_record_property("weightsync_speed", json.dumps({
         "format": payload_format, "gpu_ratio": round(statistics.median(ratios), 4),
         "gpu_ratio_min": round(min(ratios), 4), "gpu_ratio_max": round(max(ratios), 4),
         "bytes": written}))

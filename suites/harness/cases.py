@@ -256,17 +256,13 @@ def engine_updates(case: Case) -> list[tuple[int, Case]]:
             for step in range(ENGINE_UPDATES)]
 
 
-@dataclass(frozen=True)
-class DistCase:
-    """One distributed-export scenario: a topology case, how the streams are delivered
-    (``pytest_weightsync.vocabulary.DELIVERIES``) and the bucket limit the exporter is given."""
-
-    case: Case
-    delivery: str
-    bucket_bytes: Optional[int]
+class DeliveredCase:
+    """A scenario around a topology case (``self.case``: expert-only or whole-model): its
+    model, trainer, engine and trainer world are the case's; the scenario adds how it is
+    delivered."""
 
     @property
-    def spec(self) -> MoESpec:
+    def spec(self):
         return self.case.spec
 
     @property
@@ -280,6 +276,16 @@ class DistCase:
     @property
     def world(self) -> int:
         return self.case.trainer.world_size
+
+
+@dataclass(frozen=True)
+class DistCase(DeliveredCase):
+    """One distributed-export scenario: a topology case, how the streams are delivered
+    (``pytest_weightsync.vocabulary.DELIVERIES``) and the bucket limit the exporter is given."""
+
+    case: Case
+    delivery: str
+    bucket_bytes: Optional[int]
 
     @property
     def id(self) -> str:

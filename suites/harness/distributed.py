@@ -77,35 +77,51 @@ def export_in_rank(exporter, dcase: DistCase, updates):
     format)`` of ``updates``, the shard values of each version written in place before its
     call. Returns one :class:`pytest_weightsync.distributed.RankExport` (or an error string)
     per update."""
-    import torch.distributed as dist
-
     from pytest_weightsync.reference_impl.oracle import synth
     from pytest_weightsync.reference_impl.trainer import trainer
     from pytest_weightsync.reference_impl.trainer.megatron_state import (
         megatron_model_state,
-        megatron_parallel_state,
         transformer_config,
         write_shards,
     )
 
     case = dcase.case
-    rank = dist.get_rank()
 
-    def shard_values(version):
-        full = synth.full_weights(case.spec, version)
-        return trainer.trainer_state(case.spec, case.trainer, rank, full)  # only its own
+    def shard_values(version, rank):  # only its own
+        return trainer.trainer_state(case.spec, case.trainer, rank,
+                                     synth.full_weights(case.spec, version))
 
-    with megatron_parallel_state(case.spec, case.trainer):
-        config = transformer_config(case.spec, case.trainer)
-        model, params = megatron_model_state(case.spec, case.trainer, rank,
-                                             shard_values(updates[0][0]), config)
+    return export_from_trainer_rank(
+        exporter, dcase, updates, case.spec,
+        configure=lambda: transformer_config(case.spec, case.trainer),
+        build=lambda rank, config, version: megatron_model_state(
+            case.spec, case.trainer, rank, shard_values(version, rank), config),
+        write=lambda params, rank, version: write_shards(params, shard_values(version, rank),
+                                                         rank))
+
+
+def export_from_trainer_rank(exporter, dcase, updates, parallel_spec, *, configure, build,
+                             write) -> list:
+    """The rank body both distributed suites run, inside megatron-core's parallel state of
+    ``parallel_spec`` and the case's trainer: ``configure()`` the model config, ``build(rank,
+    config, version)`` the real model and its tensors at the first version, then
+    :func:`call_each_update` with ``write(tensors, rank, version)`` as the optimizer step. The
+    model is dropped before the parallel state (and its groups) goes."""
+    import torch.distributed as dist
+
+    from pytest_weightsync.reference_impl.trainer.megatron_state import megatron_parallel_state
+
+    case, rank = dcase.case, dist.get_rank()
+    with megatron_parallel_state(parallel_spec, case.trainer):
+        config = configure()
+        model, tensors = build(rank, config, updates[0][0])
         try:
             return call_each_update(
-                exporter, params, updates, lambda v: write_shards(params, shard_values(v), rank),
+                exporter, tensors, updates, lambda version: write(tensors, rank, version),
                 config=config, spec=case.spec, trainer=case.trainer, receiver=case.receiver,
                 delivery=dcase.delivery, bucket_bytes=dcase.bucket_bytes, rank=rank, model=model)
         finally:
-            del model, params  # before the parallel state (and its groups) goes
+            del model, tensors
 
 
 def call_each_update(exporter, state, updates, write_version, **call) -> list:

@@ -17,13 +17,27 @@ from . import calls, judge, reference
 def export_and_check(exporter, case, fmt, version, ranks=None):
     """Export ``version`` for each receiver rank in ``ranks`` (default all; one call per rank),
     checking the trainer shards after every call, then judge each rank's stream."""
-    from pytest_weightsync import distributed
-    from pytest_weightsync.wire import release_shared_handles
-
     from . import inputs
 
     states = inputs.trainer_states(case, version)
-    shards_before = [distributed.snapshot(state) for state in states]
+    for rank, stream in exported_streams(exporter, case, fmt, states, ranks):
+        reference.judge_stream(case, rank, stream, fmt, version,
+                               f"{fmt} payload of {exporter.name}.export_weights for receiver "
+                               f"rank {rank}")
+
+
+def exported_streams(exporter, case, fmt, states, ranks=None, shards_before=None):
+    """``(rank, stream)`` of one ``export_weights`` call per receiver rank in ``ranks``
+    (default all), for the expert-only and the whole-model suites alike: after every call the
+    trainer ``states`` must still hold ``shards_before`` (default: what they hold now), and the
+    result - pairs, buckets, or buckets on a wire transport (``docs/transports.md``) - is
+    decoded as that receiver rank reads it, the one decoding step every suite shares."""
+    from pytest_weightsync import distributed
+    from pytest_weightsync.wire import release_shared_handles
+
+    if shards_before is None:
+        shards_before = [distributed.snapshot(state) for state in states]
+    source = f"{exporter.name}.export_weights"
     for rank in (range(case.receiver.tp) if ranks is None else ranks):
         result = calls.call(exporter, "export_weights", states, format=fmt, spec=case.spec,
                             trainer=case.trainer, receiver=case.receiver, rank=rank)
@@ -32,7 +46,6 @@ def export_and_check(exporter, case, fmt, version, ranks=None):
             if where is not None:
                 raise judge.ConformanceError(f"export call for receiver rank {rank} ({fmt}) "
                                              f"modified trainer rank {trainer_rank}'s shard {where}")
-        source = f"{exporter.name}.export_weights"
         try:  # wire buckets (flattened, serialized) decoded as that receiver rank reads them
             stream = as_stream(distributed.decoded_stream(
                 result, engine_rank=rank, engine_tp=case.receiver.tp, source=source,
@@ -42,6 +55,4 @@ def export_and_check(exporter, case, fmt, version, ranks=None):
                                          f"{error}") from None
         finally:
             release_shared_handles()
-        reference.judge_stream(case, rank, stream, fmt, version,
-                               f"{fmt} payload of {exporter.name}.export_weights for receiver "
-                               f"rank {rank}")
+        yield rank, stream

@@ -31,6 +31,7 @@ from pytest_weightsync.reference_impl.model.model_spec import qwen3_5_moe, qwen3
 
 from . import coverage, judge
 from . import distributed as dh
+from .cases import DeliveredCase
 from .model_cases import ModelCase
 
 #: Trainer ranks of every built-in case (one warm pool serves them all).
@@ -38,25 +39,13 @@ WORLD = 4
 
 
 @dataclass(frozen=True)
-class ModelDistCase:
+class ModelDistCase(DeliveredCase):
     """A whole-model case exported from real trainer ranks: ``delivery`` and the named bucket
     limit (``vocabulary.BUCKET_LIMITS``) the exporter is given."""
 
     case: ModelCase
     delivery: str
     bucket: str = "whole"
-
-    @property
-    def spec(self):
-        return self.case.spec
-
-    @property
-    def receiver(self) -> ReceiverTopology:
-        return self.case.receiver
-
-    @property
-    def world(self) -> int:
-        return self.case.trainer.world_size
 
     @property
     def bucket_bytes(self) -> Optional[int]:
@@ -147,32 +136,22 @@ def export_model_in_rank(exporter, mcase: ModelDistCase, updates):
     """Rank body: the real whole model of this rank, one exporter call per ``(version,
     format)`` of ``updates``, each version written in place before its call. Returns one
     ``RankExport`` (or the error string of a broken contract) per update."""
-    import torch.distributed as dist
-
-    from pytest_weightsync.reference_impl.trainer import megatron_model, megatron_whole
     from pytest_weightsync.reference_impl.oracle import model_synth
-    from pytest_weightsync.reference_impl.trainer.megatron_state import megatron_parallel_state
+    from pytest_weightsync.reference_impl.trainer import megatron_model, megatron_whole
 
     case = mcase.case
-    rank = dist.get_rank()
 
-    def modelled(version):  # this rank's shard only: the checkpoint is dropped after it
+    def modelled(version, rank):  # this rank's shard only: the checkpoint is dropped after it
         return megatron_model.trainer_model_state(case.spec, case.trainer, rank,
                                                   model_synth.full_model(case.spec, version))
 
-    with megatron_parallel_state(case.spec.experts, case.trainer):
-        config = megatron_whole.transformer_config(case.spec, case.trainer)
-        model, state = megatron_whole.whole_model_state(
-            case.spec, case.trainer, rank, model_synth.full_model(case.spec, updates[0][0]),
-            config)
-        try:
-            return dh.call_each_update(
-                exporter, state, updates,
-                lambda v: megatron_whole.write_model(state, modelled(v), rank),
-                config=config, spec=case.spec, trainer=case.trainer, receiver=case.receiver,
-                delivery=mcase.delivery, bucket_bytes=mcase.bucket_bytes, rank=rank, model=model)
-        finally:
-            del model, state  # before the parallel state (and its groups) goes
+    return dh.export_from_trainer_rank(
+        exporter, mcase, updates, case.spec.experts,
+        configure=lambda: megatron_whole.transformer_config(case.spec, case.trainer),
+        build=lambda rank, config, version: megatron_whole.whole_model_state(
+            case.spec, case.trainer, rank, model_synth.full_model(case.spec, version), config),
+        write=lambda state, rank, version: megatron_whole.write_model(
+            state, modelled(version, rank), rank))
 
 
 @dataclass
