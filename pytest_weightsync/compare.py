@@ -5,7 +5,14 @@ width (BF16 as int16, FP32 as int32, ...), so ``-0.0 != 0.0``, NaN payloads coun
 tolerance can hide a wrong value. Failures raise :class:`AssertionError` subclasses whose
 message gives the mismatch count and the first mismatch located in model terms, through an
 optional ``locate(name, index)`` callable (e.g. ``layer=0 expert=3 projection=up row=5 col=2
-receiver_rank=1``); without one the raw index is shown.
+receiver_rank=1``); without one the raw index is shown. They derive from
+:class:`pytest_weightsync.failures.LocatedFailure`, so a failing test shows that message, not
+the frames above it, and the functions that raise them leave their own frames out of the
+traceback of such a failure.
+
+Snapshots hold copies and the original storages of every tensor they record; their ``repr``
+names the tensors and never their data (a storage's own ``repr`` prints every byte, one per
+line, and pytest computes it for the arguments of every frame that holds a snapshot).
 
 torch is imported lazily: importing this module is cheap.
 """
@@ -16,13 +23,21 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
 
+from pytest_weightsync.failures import LocatedFailure
+
 Locate = Callable[[str, tuple], object]
 
 _INT_BY_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
-class ComparisonError(AssertionError):
+class ComparisonError(LocatedFailure):
     """Base of every comparison failure."""
+
+
+def _hide_frame(excinfo) -> bool:
+    """``__tracebackhide__`` of the functions that raise comparison failures: their frames add
+    nothing to the message of one, but do show where any other error (a bug) came from."""
+    return excinfo is not None and excinfo.errisinstance(ComparisonError)
 
 
 class BitMismatchError(ComparisonError):
@@ -198,6 +213,7 @@ def assert_bitwise_equal(actual, expected, *, name: str = "tensor",
     """Raise :class:`BitMismatchError` unless ``actual`` and ``expected`` have identical bits.
     The message gives the count, the kind of difference (:class:`DifferenceKinds`) and the
     first differing element, located."""
+    __tracebackhide__ = _hide_frame
     where = f"{name} on receiver rank {rank}" if rank is not None else name
     if tuple(actual.shape) != tuple(expected.shape):
         raise MetadataMismatchError(f"{where}: shape {tuple(actual.shape)}, expected "
@@ -219,6 +235,7 @@ def assert_bitwise_equal(actual, expected, *, name: str = "tensor",
 def assert_state_equal(actual: Mapping, expected: Mapping, *, locate: Optional[Locate] = None,
                        rank=None) -> None:
     """Every name of ``expected`` is in ``actual`` with identical bits, and nothing else is."""
+    __tracebackhide__ = _hide_frame
     missing = sorted(set(expected) - set(actual))
     extra = sorted(set(actual) - set(expected))
     if missing or extra:
@@ -241,6 +258,10 @@ class TensorRecord:
     #: reallocated replacement (which would make a changed parameter look unchanged).
     storage: object = None
 
+    def __repr__(self) -> str:
+        return (f"TensorRecord(shape={self.shape}, dtype={self.dtype}, device={self.device}, "
+                f"data_ptr=0x{self.data_ptr:x})")
+
 
 @dataclass(frozen=True)
 class Snapshot:
@@ -248,6 +269,16 @@ class Snapshot:
     the original storages until it is dropped, so addresses stay meaningful."""
 
     records: Mapping[str, TensorRecord]
+
+    #: Names shown in the repr.
+    SHOWN = 3
+
+    def __repr__(self) -> str:
+        names = list(self.records)
+        shown = ", ".join(repr(n) for n in names[:self.SHOWN])
+        more = f", ... (+{len(names) - self.SHOWN})" if len(names) > self.SHOWN else ""
+        tensors = "tensor" if len(names) == 1 else "tensors"
+        return f"Snapshot({len(names)} {tensors}" + (f": {shown}{more})" if names else ")")
 
     @classmethod
     def take(cls, named: Iterable) -> "Snapshot":
@@ -268,6 +299,7 @@ def snapshot(named) -> Snapshot:
 def assert_same_storage(before: Snapshot, after: Mapping, *, rank=None) -> None:
     """Every parameter still exists at the same address with the same shape, stride, dtype and
     device, and no parameter was added: loads must write in place."""
+    __tracebackhide__ = _hide_frame
     after = dict(after.items() if isinstance(after, Mapping) else after)
     where = f" on receiver rank {rank}" if rank is not None else ""
     missing = sorted(set(before.records) - set(after))
@@ -289,6 +321,7 @@ def assert_unchanged(before: Snapshot, after: Mapping, *, exclude: Iterable[str]
                      locate: Optional[Locate] = None, rank=None) -> None:
     """Parameters (all but ``exclude``) still hold the bits and storage they held at
     ``before``: nothing outside a payload, or nothing at all after a refused one, changed."""
+    __tracebackhide__ = _hide_frame
     assert_same_storage(before, after, rank=rank)
     excluded = set(exclude)
     after = dict(after.items() if isinstance(after, Mapping) else after)
@@ -301,6 +334,7 @@ def assert_loaded(params: Mapping, expected: Mapping, *, before: Optional[Snapsh
                   locate: Optional[Locate] = None, rank=None) -> None:
     """The conformance check of one receiver rank after an update: parameters still at their
     addresses (when ``before`` is given) and bit-identical to ``expected``."""
+    __tracebackhide__ = _hide_frame
     if before is not None:
         assert_same_storage(before, params, rank=rank)
     assert_state_equal(params, expected, locate=locate, rank=rank)

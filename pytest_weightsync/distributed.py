@@ -56,6 +56,12 @@ class RankExport:
     streams: dict
     transports: frozenset = frozenset()
 
+    def __repr__(self) -> str:  # the streams hold the buckets' tensors: counted, never shown
+        buckets = {engine: len(stream) if hasattr(stream, "__len__") else "?"
+                   for engine, stream in self.streams.items()}
+        return (f"RankExport(trainer_rank={self.trainer_rank}, buckets per engine rank "
+                f"{buckets}, transports={sorted(self.transports)})")
+
 
 def snapshot(named: Mapping) -> dict:
     """Detached copies of every tensor in ``named`` (the exporter's inputs)."""

@@ -21,6 +21,7 @@ SUB_PLUGINS = (
     "pytest_weightsync.registry",
     "pytest_weightsync.claims",
     "pytest_weightsync.report",
+    "pytest_weightsync.failures",
     "pytest_weightsync.throughput",
     "pytest_weightsync.eligibility",
 )

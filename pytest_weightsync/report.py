@@ -15,9 +15,10 @@ Verdicts (:mod:`pytest_weightsync.verdict`) count every conformance property but
 deselected or never collected, and a test counts only once its call phase reported. A run
 whose verdicts are not all PASS exits non-zero even when no test failed (PARTIAL, NOT RUN),
 unless ``--weightsync-allow-partial`` is given. :data:`HARDENING` is a report: its tests
-record a finding per bad kind (``record_property("weightsync_finding", ...)``) and are listed
-per implementation, never counted in the verdict (a hardening test that fails - a loader that
-refused a bucket after writing part of it - is a conformance failure and does count).
+record a finding per bad kind (``weightsync_record_property("weightsync_finding", ...)``) and
+are listed per implementation, never counted in the verdict (a hardening test that fails - a
+loader that refused a bucket after writing part of it - is a conformance failure and does
+count).
 :data:`BUCKET_LIMIT` is a report-only column too: every distributed-export test with a bucket
 limit records whether its buckets kept the rule (``within``: none exceeds ``bucket_bytes`` by
 more than one unit) or not (``over``, with the first offending bucket); the column shows
@@ -25,6 +26,16 @@ more than one unit) or not (``over``, with the first offending bucket); the colu
 
 Every message the plugin writes is cut: a failing test's pytest report (terminal, junit) to
 :data:`MAX_LONGREPR` characters, messages in the JSON and the matrix to :data:`MAX_MESSAGE`.
+
+A property a test finds at run time (a hardening finding, a speed profile, a bucket-limit
+finding) is recorded with the :func:`weightsync_record_property` fixture, not pytest's
+``record_property``, which warns on every test that asks for it under pytest's default junit
+family (xunit2); both add to the test's ``user_properties``.
+
+A ``--collect-only`` run prints no matrix and keeps its exit status: it runs nothing, so every
+verdict is NOT RUN (in the JSON report). An interrupted run (Ctrl-C, SIGTERM, ``pytest.exit``)
+reports pytest's exit status for it (2 for Ctrl-C) and is never turned into a failed one, even
+when a second Ctrl-C cut pytest's own handling of the first short.
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ from pytest_weightsync.vocabulary import (
     BUCKET_LIMIT,
     BUCKET_WITHIN,
     HARDENING,
+    NOT_RUN,
     PASS,
     PROPERTIES,
     REPORT_PROPERTIES,
@@ -75,6 +87,8 @@ FINDING_KEYS = ("bad_kind", "finding", "finding_detail")
 #: user_properties keys a distributed-export test records for the bucket-limit column.
 BUCKET_KEYS = (BUCKET_LIMIT, f"{BUCKET_LIMIT}_detail")
 MAX_DETAIL = 100
+#: The detail of every verdict of a --collect-only run.
+COLLECT_ONLY = "--collect-only: no test ran"
 #: Versions of these distributions go into the JSON report (read from metadata, no import).
 VERSIONED = ("pytest-weightsync", "pytest", "pytest-xdist", "hypothesis", "torch", "sglang",
              "megatron-core", "megatron-bridge", "transformer-engine")
@@ -141,6 +155,19 @@ def pytest_collection_modifyitems(items: list) -> None:
             # where the test lives, for a rerun command (a --pyargs node id is relative to
             # the package, not to where pytest runs)
             item.user_properties.append((PREFIX + "file", str(item.path)))
+
+
+@pytest.fixture
+def weightsync_record_property(request: pytest.FixtureRequest):
+    """``record(name, value)``: add a property to the calling test's report, for the matrix
+    and the JSON report (and ``--junitxml``, which writes it; xdist forwards it). It is what
+    pytest's ``record_property`` does, without the warning that fixture gives on every test
+    that requests it under the default junit family (xunit2)."""
+
+    def record(name: str, value: object) -> None:
+        request.node.user_properties.append((name, value))
+
+    return record
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -275,6 +302,8 @@ class ConformanceReport:
         self.workers = WorkerSelections()
         self._verdicts: Optional[dict] = None
         self.exitstatus: Optional[int] = None
+        #: The exit status pytest gives the interruption (set when it is reported).
+        self.interrupt_status: Optional[int] = None
 
     # -- hooks -----------------------------------------------------------------------------
 
@@ -306,22 +335,39 @@ class ConformanceReport:
             self.collection_errors.append({"nodeid": report.nodeid,
                                            "message": cut(str(report.longrepr), MAX_MESSAGE)})
 
+    @pytest.hookimpl(tryfirst=True)
     def pytest_keyboard_interrupt(self, excinfo) -> None:
+        """First of all: pytest's own handler formats the traceback next, and a second Ctrl-C
+        while it does ends the handling before pytest sets the exit status."""
         self.interrupted = f"interrupted: {excinfo.typename}"
+        code = getattr(excinfo.value, "returncode", None)  # pytest.exit(returncode=...)
+        self.interrupt_status = int(pytest.ExitCode.INTERRUPTED) if code is None else int(code)
+
+    def collect_only(self) -> bool:
+        return bool(self.config.getoption("collectonly", False))
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session, exitstatus) -> None:
         self.finished = time.time()
-        self.exitstatus = int(exitstatus)
+        status = int(exitstatus)
+        pending = sys.exc_info()[1]  # an interruption on its way out of pytest's main loop
+        if self.interrupt_status is None and isinstance(pending, KeyboardInterrupt):
+            self.interrupted = f"interrupted: {type(pending).__name__}"
+            self.interrupt_status = int(pytest.ExitCode.INTERRUPTED)
+        if self.interrupt_status is not None and status == int(pytest.ExitCode.OK):
+            status = self.interrupt_status
+            session.exitstatus = status
+        self.exitstatus = status
         if self.interrupted is None and (session.shouldstop or session.shouldfail):
             self.interrupted = f"stopped early: {session.shouldstop or session.shouldfail}"
-        if self.interrupted is None and int(exitstatus) == int(pytest.ExitCode.INTERRUPTED):
+        if self.interrupted is None and status == int(pytest.ExitCode.INTERRUPTED):
             self.interrupted = "interrupted"
         self._verdicts = None
         judged = self.verdicts()
         not_pass = {name: v for name, v in judged.items() if v.word != PASS}
         allow = self.config.getoption("weightsync_allow_partial", False)
-        if not_pass and int(exitstatus) == int(pytest.ExitCode.OK) and not allow:
+        if (not_pass and status == int(pytest.ExitCode.OK) and not allow
+                and not self.collect_only()):
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
             self.exitstatus = int(session.exitstatus)
             self.exit_note = (f"weightsync: exit status {int(session.exitstatus)}: "
@@ -334,7 +380,7 @@ class ConformanceReport:
             Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        if self.results or self.selection().implementations():
+        if not self.collect_only() and (self.results or self.selection().implementations()):
             for line in self.matrix_lines():
                 terminalreporter.write_line(line)
         note = getattr(self, "exit_note", None)
@@ -365,6 +411,11 @@ class ConformanceReport:
         known = self.selection_known()
         impls = sorted({r.tags["implementation"] for r in self.conformance()}
                        | set(selection.implementations()))
+        if self.collect_only():
+            self._verdicts = {impl: verdicts.Verdict(
+                NOT_RUN, total=len(selection.selected.get(impl, ()))
+                + selection.deselected.get(impl, 0), details=[COLLECT_ONLY]) for impl in impls}
+            return self._verdicts
         out = {}
         for impl in impls:
             outcomes = [verdicts.Outcome(r.nodeid, r.outcome, r.skip_kind, r.message,
@@ -677,6 +728,7 @@ class ConformanceReport:
             "markexpr": getattr(option, "markexpr", "") or None,
             "last_failed": bool(getattr(option, "lf", False) or getattr(option, "failedfirst", False)),
             "maxfail": getattr(option, "maxfail", 0) or None,
+            "collect_only": self.collect_only(),
             "weightsync_only": list(self.config.getoption("weightsync_only", None) or ()),
             "selected": selection.selected_total,
             "deselected": selection.deselected_total,

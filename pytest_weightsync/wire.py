@@ -67,6 +67,12 @@ class TensorUpdate:
     serialized_named_tensors: Sequence
     load_format: Optional[str] = None
 
+    def __repr__(self) -> str:  # each entry is a pickled bucket, megabytes long: sized only
+        sizes = [len(e) if isinstance(e, (bytes, str)) else type(e).__name__
+                 for e in self.serialized_named_tensors]
+        return (f"TensorUpdate({len(sizes)} entries, lengths {sizes}, "
+                f"load_format={self.load_format!r})")
+
 
 class FlattenedEntry(NamedTuple):
     """SGLang's ``FlattenedTensorMetadata`` fields, for senders without SGLang installed

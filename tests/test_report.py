@@ -1,5 +1,6 @@
 """The conformance matrix report: terminal table, JSON file and junit properties, built from
-reports alone (so it is the same with and without xdist).
+reports alone (so it is the same with and without xdist); and what it says of a run that ran
+nothing (``--collect-only``) or was cut short (Ctrl-C).
 
 The runs use a toy implementation and toy topology cases defined in the test's own conftest,
 so what each cell must say is known here, independently of the real suites.
@@ -65,12 +66,12 @@ def test_in_place(weightsync_loader, case):
 
 
 @pytest.mark.weightsync_property("hardening")
-def test_hardening(weightsync_loader, case, record_property):
+def test_hardening(weightsync_loader, case, weightsync_record_property):
     strict = weightsync_loader.name == "reference"
-    record_property("weightsync_bad_kind", "wrong_dtype")
-    record_property("weightsync_finding", "refused (ValueError)" if strict else
-                    "accepted, wrong values written")
-    record_property("weightsync_finding_detail", "dtype float32" if strict else "")
+    weightsync_record_property("weightsync_bad_kind", "wrong_dtype")
+    weightsync_record_property("weightsync_finding", "refused (ValueError)" if strict else
+                               "accepted, wrong values written")
+    weightsync_record_property("weightsync_finding_detail", "dtype float32" if strict else "")
 
 
 @pytest.mark.weightsync_backend("sglang")
@@ -155,8 +156,11 @@ def _check_json(data: dict) -> None:
 
 
 def test_matrix_json_and_junit_from_one_run(toy: pytest.Pytester):
-    result = toy.runpytest("--weightsync-report", "out/report.json", "--junitxml", "junit.xml")
+    # junit under its default family (xunit2): recording findings must not warn
+    result = toy.runpytest("--weightsync-report", "out/report.json", "--junitxml", "junit.xml",
+                           "-W", "error::pytest.PytestWarning")
     result.assert_outcomes(passed=15 + _stand_ins(), failed=1, skipped=3)
+    assert "record_property is incompatible" not in result.stdout.str()
     result.stdout.re_match_lines([
         r".*weightsync conformance matrix.*",
         r"implementation\s+bit_exact\s+in_place\s+hardening\s+verdict",
@@ -181,6 +185,9 @@ def test_matrix_json_and_junit_from_one_run(toy: pytest.Pytester):
         "weightsync_implementation": "toy", "weightsync_property": "bit_exact",
         "weightsync_topology": "topoB", "weightsync_format": "compat"}
     assert props["test_backend_two"]["weightsync_backend"] == "sglang"
+    # properties recorded at run time are there too
+    assert props["test_hardening[toy-topoA]"]["weightsync_finding"] == \
+        "accepted, wrong values written"
 
 
 def test_matrix_is_the_same_under_xdist(toy: pytest.Pytester):
@@ -272,13 +279,13 @@ def test_no_stale(weightsync_loader, case):
 @pytest.mark.weightsync_property("hardening")
 @pytest.mark.parametrize("payload_format", ["compat"])
 @pytest.mark.parametrize("kind", ["wrong_dtype", "unknown_name"])
-def test_hardening(weightsync_loader, case, payload_format, kind, record_property):
+def test_hardening(weightsync_loader, case, payload_format, kind, weightsync_record_property):
     finding, detail = FINDINGS[weightsync_loader.name][kind]
     if weightsync_loader.name == "lenient" and case.id == "topoB" and kind == "wrong_dtype":
         finding = "accepted, wrong values written"
-    record_property("weightsync_bad_kind", kind)
-    record_property("weightsync_finding", finding)
-    record_property("weightsync_finding_detail", detail)
+    weightsync_record_property("weightsync_bad_kind", kind)
+    weightsync_record_property("weightsync_finding", finding)
+    weightsync_record_property("weightsync_finding_detail", detail)
     if finding.startswith("refused after writing"):
         raise AssertionError(f"refused a {kind} bucket after writing part of it")
 '''
@@ -337,3 +344,96 @@ def test_verdict_counts_conformance_only_and_lists_hardening_findings(verdicts):
     result.assert_outcomes(passed=28 + _stand_ins(), failed=2, skipped=2)
     result.stdout.re_match_lines(VERDICT_LINES, consecutive=False)
     _check_verdict_json(json.loads((verdicts.path / "report.json").read_text()))
+
+
+def test_shipped_suites_record_properties_without_junit_warnings():
+    """pytest's ``record_property`` warns under the default junit family on every test that
+    asks for it; the shipped suites record through ``weightsync_record_property``."""
+    import ast
+    from pathlib import Path
+
+    suites = Path(__file__).resolve().parents[1] / "suites"
+    asking = []
+    for path in sorted(suites.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    node.name.startswith("test") and \
+                    "record_property" in [a.arg for a in node.args.args + node.args.kwonlyargs]:
+                asking.append(f"{path.relative_to(suites)}::{node.name}")
+    assert not asking, asking
+
+
+# --- how a run ends: --collect-only, Ctrl-C -----------------------------------------------------
+
+
+def test_collect_only_lists_the_tests_and_exits_zero_without_a_verdict(toy: pytest.Pytester):
+    for flag in ("--co", "--collect-only"):
+        result = toy.runpytest(flag, "-q", "--weightsync-report", "report.json")
+        assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+        out = result.stdout.str()
+        result.stdout.fnmatch_lines(
+            ["conformance/test_loader.py::test_bit_exact[[]toy-topoB-compat[]]"])
+        for word in ("conformance matrix", "INTERRUPTED", "verdict", "exit status"):
+            assert word not in out, out
+        data = json.loads((toy.path / "report.json").read_text())
+        assert data["exitstatus"] == 0 and data["interrupted"] is None
+        assert data["selection"]["collect_only"] is True
+        assert {i["name"]: i["verdict"] for i in data["implementations"]} == {
+            "reference": "NOT RUN (--collect-only: no test ran)",
+            "toy": "NOT RUN (--collect-only: no test ran)"}
+
+
+INTERRUPTING_TESTS = '''
+import pytest
+
+
+@pytest.mark.weightsync_property("bit_exact")
+def test_first(weightsync_loader, case):
+    pass
+
+
+@pytest.mark.weightsync_property("in_place")
+def test_ctrl_c(weightsync_loader, case):
+    raise KeyboardInterrupt
+'''
+
+
+def _interrupted_json(data: dict) -> None:
+    assert data["exitstatus"] == pytest.ExitCode.INTERRUPTED == 2, data["exitstatus"]
+    assert data["interrupted"] == "interrupted: KeyboardInterrupt"
+    assert {i["name"]: i["verdict_word"] for i in data["implementations"]} == {
+        "reference": "INTERRUPTED", "toy": "INTERRUPTED"}
+
+
+def test_ctrl_c_in_a_test_is_interrupted_with_pytest_exit_status(pytester: pytest.Pytester):
+    pytester.makeconftest(CONFTEST)
+    _conformance_package(pytester, INTERRUPTING_TESTS)
+    result = pytester.runpytest("--weightsync-report", "report.json", no_reraise_ctrlc=True)
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.re_match_lines([r"toy\s+.*INTERRUPTED \(", r"the run was interrupted: .*"],
+                                 consecutive=False)
+    _interrupted_json(json.loads((pytester.path / "report.json").read_text()))
+
+
+SECOND_CTRL_C = '''
+import pytest
+
+
+@pytest.hookimpl(tryfirst={tryfirst})
+def pytest_keyboard_interrupt(excinfo):
+    raise KeyboardInterrupt("pressed again while pytest formatted the first")
+'''
+
+
+@pytest.mark.parametrize("tryfirst", [False, True], ids=["after-the-report", "before-the-report"])
+def test_a_second_ctrl_c_while_pytest_reports_the_first_is_still_interrupted(
+        pytester: pytest.Pytester, tryfirst: bool):
+    """A second Ctrl-C while pytest formats the first one's traceback ends pytest's handling
+    before it sets the exit status: the report still says interrupted, with status 2."""
+    pytester.makeconftest(CONFTEST + SECOND_CTRL_C.format(tryfirst=tryfirst))
+    _conformance_package(pytester, INTERRUPTING_TESTS)
+    # a subprocess: the second KeyboardInterrupt leaves pytest's main loop
+    result = pytester.runpytest_subprocess("-p", "weightsync", "-p", "no:cacheprovider",
+                                           "--weightsync-report", "report.json")
+    assert "pressed again while pytest formatted the first" in result.stderr.str()
+    _interrupted_json(json.loads((pytester.path / "report.json").read_text()))

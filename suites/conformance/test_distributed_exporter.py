@@ -37,7 +37,7 @@ from ..harness import distributed as dh
 
 @pytest.mark.weightsync_property("distributed_export_bit_exact")
 def test_distributed_exporter_streams_land_bit_exact(weightsync_distributed_exporter, dcase,
-                                                      rank_pool, record_property):
+                                                      rank_pool, weightsync_record_property):
     exporter = weightsync_distributed_exporter
     dh.require_claim(exporter, dcase)
     formats = claims.claimed_formats(exporter, "distributed_exporter", dcase.case, dh.FORMATS)
@@ -45,6 +45,6 @@ def test_distributed_exporter_streams_land_bit_exact(weightsync_distributed_expo
         claims.skip_unclaimed(f"{exporter.name} claims none of {dh.FORMATS} for this receiver")
     dh.require_megatron()
     result = dh.run_and_judge(rank_pool, exporter, dcase, formats)
-    dh.record_bucket_limit(record_property, dcase, result)
-    record_property("weightsync_transports", " ".join(sorted(result.transports)))
+    dh.record_bucket_limit(weightsync_record_property, dcase, result)
+    weightsync_record_property("weightsync_transports", " ".join(sorted(result.transports)))
     assert result.formats == set(formats)

@@ -179,7 +179,7 @@ def test_loader_flattened_buckets_land_bit_exact(weightsync_loader, case, payloa
 @pytest.mark.parametrize("payload_format", FORMATS)
 @pytest.mark.parametrize("topology_class", sorted(hardening.CLASSES))
 def test_loader_hardening_probe(weightsync_loader, topology_class, payload_format, kind,
-                                record_property):
+                                weightsync_record_property):
     """Feed one bad kind at the end of a valid update and record what the loader did (see
     ``suites/harness/hardening.py``). Leniency never fails this test; refusing a bucket after it had
     written part of it does (atomicity)."""
@@ -187,11 +187,11 @@ def test_loader_hardening_probe(weightsync_loader, topology_class, payload_forma
     if case is None:
         claims.skip_unclaimed(why_not)
     rank = case.receiver.world_size - 1
-    record_property("weightsync_topology", case.id)
+    weightsync_record_property("weightsync_topology", case.id)
     finding, _ = hardening.probe(weightsync_loader, kind, payload_format, case, rank)
-    record_property("weightsync_bad_kind", kind)
-    record_property("weightsync_finding", finding.key)
-    record_property("weightsync_finding_detail", finding.detail)
+    weightsync_record_property("weightsync_bad_kind", kind)
+    weightsync_record_property("weightsync_finding", finding.key)
+    weightsync_record_property("weightsync_finding_detail", finding.detail)
     if finding.outcome in hardening.FAILING:
         raise judge.ConformanceError(
             f"{weightsync_loader.name} refused a {kind} {payload_format} bucket on receiver rank "

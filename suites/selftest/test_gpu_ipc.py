@@ -97,7 +97,8 @@ def test_updates_over_cuda_ipc_are_exact_in_place_and_release_handles(receivers_
 
 @pytest.mark.parametrize("topo", [ReceiverTopology(tp=1), ReceiverTopology(tp=2)],
                          ids=["moe_tp1", "moe_tp2"])
-def test_qwen35_layer_direct_path_over_cuda_ipc(receivers_on_gpu0, topo, record_property):
+def test_qwen35_layer_direct_path_over_cuda_ipc(receivers_on_gpu0, topo,
+                                                weightsync_record_property):
     """One real Qwen3.5-35B-A3B MoE layer (256 experts, hidden 2048, moe_ffn 512: 1.5 GiB),
     updated 21 times: exact after every update, and trainer, receiver and device memory flat
     after the warm-up (poison, weights and expected values are all built on the GPU)."""
@@ -107,7 +108,7 @@ def test_qwen35_layer_direct_path_over_cuda_ipc(receivers_on_gpu0, topo, record_
     assert len(log.trainer) == QWEN35_UPDATES
     assert all(b == 3 * 256 * 2048 * 512 * 2 for b in log.payload_bytes)  # the whole layer
     assert_released(log, topo.world_size, f"Qwen3.5 layer, {topo}")
-    record_property("gpu_memory", memory_line(log, topo.world_size))
+    weightsync_record_property("gpu_memory", memory_line(log, topo.world_size))
 
 
 def test_a_receiver_that_keeps_its_payloads_is_caught(receivers_on_gpu0):
