@@ -9,6 +9,12 @@ registry is built at collection, before any test runs).
 
 from __future__ import annotations
 
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import NamedTuple
+
 import pytest
 
 from pytest_weightsync.registry import OPTIONAL_BUILTINS_ENV
@@ -70,3 +76,48 @@ class ShippedSuites:
 def shipped(tmp_path) -> ShippedSuites:
     """The shipped suites in a fresh directory (see :class:`ShippedSuites`)."""
     return ShippedSuites(tmp_path)
+
+
+def tagged_processes(tag: str) -> list:
+    """Live processes (zombies are dead) whose environment carries ``WEIGHTSYNC_TEST_TAG=tag``."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if (proc.status() != psutil.STATUS_ZOMBIE
+                    and proc.environ().get("WEIGHTSYNC_TEST_TAG") == tag):
+                found.append((proc.pid, proc.cmdline()))
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+class Isolation(NamedTuple):
+    tag: str
+    tmpdir: Path
+
+
+@pytest.fixture
+def isolated(pytester, monkeypatch, tmp_path, request):
+    """Tag the inner session's environment (every process it starts inherits the tag) and give
+    it a private TMPDIR; afterwards no tagged process may be alive and TMPDIR must be empty -
+    or, where the test module sets ``ISOLATED_TMP_JUDGES`` to a prefix, hold no entry with that
+    prefix."""
+    pytest.importorskip("psutil")
+    tag = uuid.uuid4().hex
+    tmpdir = tmp_path / "inner-tmp"
+    tmpdir.mkdir()
+    monkeypatch.setenv("WEIGHTSYNC_TEST_TAG", tag)
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    yield Isolation(tag, tmpdir)
+    # multiprocessing's resource tracker leaves when the session's pipe closes: allow it a moment.
+    deadline = time.monotonic() + 10
+    while tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert tagged_processes(tag) == [], "processes outlived the pytest session"
+    prefix = getattr(request.module, "ISOLATED_TMP_JUDGES", "")
+    assert [d for d in os.listdir(tmpdir) if d.startswith(prefix)] == [], \
+        "temporary files outlived the pytest session"

@@ -17,8 +17,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
-import uuid
 
 import pytest
 
@@ -37,36 +35,6 @@ def _leftovers():
     dirs = [d for d in os.listdir(tempfile.gettempdir()) if d.startswith("weightsync-ranks-")]
     return children, dirs
 '''
-
-
-@pytest.fixture
-def isolated(pytester, monkeypatch, tmp_path):
-    """Tag the inner session and give it a private TMPDIR; check both are clean afterwards."""
-    tag = uuid.uuid4().hex
-    tmpdir = tmp_path / "inner-tmp"
-    tmpdir.mkdir()
-    monkeypatch.setenv("WEIGHTSYNC_TEST_TAG", tag)
-    monkeypatch.setenv("TMPDIR", str(tmpdir))
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    yield tag
-    # multiprocessing's resource tracker leaves when the session's pipe closes: allow it a moment.
-    deadline = time.monotonic() + 10
-    while tagged_processes(tag) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert tagged_processes(tag) == [], "rank processes outlived the pytest session"
-    assert os.listdir(tmpdir) == [], "temporary files outlived the pytest session"
-
-
-def tagged_processes(tag: str) -> list:
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.environ().get("WEIGHTSYNC_TEST_TAG") == tag:
-                found.append((proc.pid, proc.cmdline()))
-        except (psutil.Error, OSError):
-            continue
-    return found
 
 
 def test_ranks_marker_passes_fails_skips_and_times_out_without_leftovers(pytester, isolated):

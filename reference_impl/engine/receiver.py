@@ -166,6 +166,17 @@ def entry_pair(index: int, item, where_of) -> tuple[str, "torch.Tensor", str]:
     return name, tensor, where
 
 
+def entry_fits(tensor, shape, load_format: str, where: str, what: str = "") -> None:
+    """Refuse an entry whose shape is not ``shape`` (``what`` says whose), or that is not
+    contiguous where ``load_format='direct'`` copies it whole."""
+    if tuple(tensor.shape) != tuple(shape):
+        raise PayloadShapeError(f"{where}: shape {tuple(tensor.shape)}, expected "
+                                f"{tuple(shape)}{what}")
+    if load_format == "direct" and not tensor.is_contiguous():
+        raise TensorLayoutError(f"{where}: non-contiguous tensor (strides {tensor.stride()}); "
+                                f"load_format='direct' needs contiguous tensors")
+
+
 def entry_readable_on(tensor, device, rank: int, where: str) -> None:
     """Refuse an entry on another device than receiver ``rank``'s parameters, or whose storage
     cannot be read (freed, too small): asked after the device, since a meta tensor is a wrong
@@ -445,13 +456,7 @@ class ReferenceReceiver:
             raise PayloadDtypeError(f"{where}: dtype {tensor.dtype}, receiver holds {spec.dtype}")
         entry_readable_on(tensor, self.device, self.rank, where)
         shape, what = self._expected_shape(parsed, load_format)
-        if tuple(tensor.shape) != tuple(shape):
-            raise PayloadShapeError(f"{where}: shape {tuple(tensor.shape)}, expected "
-                                    f"{tuple(shape)} ({what})")
-        if load_format == "direct" and not tensor.is_contiguous():
-            raise TensorLayoutError(f"{where}: non-contiguous tensor (strides "
-                                    f"{tensor.stride()}); load_format='direct' needs "
-                                    f"contiguous tensors")
+        entry_fits(tensor, shape, load_format, where, f" ({what})")
         return index, name, parsed, tensor
 
     def _expected_shape(self, parsed, load_format) -> tuple[tuple, str]:

@@ -20,15 +20,10 @@ from pytest_weightsync.reference_impl.model.fp8 import (
     quantize,
     scale_name,
 )
-from pytest_weightsync.reference_impl.model.layout import (
-    PROJECTION_INDEX,
-    PROJECTIONS,
-    ExpertWeights,
-    MoESpec,
-    ReceiverTopology,
-    fused_name,
-    receiver_shard,
-)
+from pytest_weightsync.reference_impl.model.layout import (PROJECTION_INDEX, PROJECTIONS,
+                                                         ExpertWeights, MoESpec,
+                                                         ReceiverTopology, fused_name,
+                                                         receiver_shard)
 
 #: Range of the per-block power-of-two exponents of the FP8 suites' weights.
 _EXP_SPAN = 9

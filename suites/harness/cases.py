@@ -295,14 +295,18 @@ class DistCase(DeliveredCase):
 
 def case_params(extra=()) -> list:
     """``pytest.param`` list of :data:`CASES` plus ``extra`` cases, with readable ids."""
+    return unique_params((*CASES, *extra))
+
+
+def unique_params(items) -> list:
+    """``pytest.param(item, id=item.id)`` of each item whose id was not seen before."""
     import pytest
 
     seen, out = set(), []
-    for case in (*CASES, *extra):
-        if case.id in seen:
-            continue
-        seen.add(case.id)
-        out.append(pytest.param(case, id=case.id))
+    for item in items:
+        if item.id not in seen:
+            seen.add(item.id)
+            out.append(pytest.param(item, id=item.id))
     return out
 
 
@@ -375,17 +379,9 @@ def dist_cases_of(case: Case) -> tuple:
 def dist_case_params(extra=()) -> list:
     """``pytest.param`` list of :data:`DIST_CASES` plus the distributed cases of ``extra``
     (:class:`DistCase` items as they are, :class:`Case` items through :func:`dist_cases_of`)."""
-    import pytest
-
-    seen, out = set(), []
     expanded = [d for item in extra
                 for d in ((item,) if isinstance(item, DistCase) else dist_cases_of(item))]
-    for dcase in (*DIST_CASES, *expanded):
-        if dcase.id in seen:
-            continue
-        seen.add(dcase.id)
-        out.append(pytest.param(dcase, id=dcase.id))
-    return out
+    return unique_params((*DIST_CASES, *expanded))
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,6 +29,21 @@ class ExpertPayloadError(ValueError):
     """A payload this loader refuses; nothing was written."""
 
 
+def named_pairs(payload, error: type):
+    """Each ``(name, tensor)`` of a bucket, once it is checked to be such a pair and carried
+    once (a second entry of a name raises ``error``)."""
+    seen = set()
+    for i, item in enumerate(payload):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise TypeError(f"payload entry {i} is not a (str, torch.Tensor) pair")
+        name, tensor = item
+        if name in seen:
+            raise error(f"duplicate payload entry {name!r}")
+        seen.add(name)
+        yield name, tensor
+
+
 class ExampleLoader:
     """Loads compat, packed and direct payloads into unpadded fused expert buffers."""
 
@@ -67,16 +82,8 @@ class ExampleLoader:
     def plan(self, params, payload, fmt, spec, topology, rank):
         """Every ``(destination view, source view)`` copy of the payload, or an error."""
         first, local, row_start, rows = self.placement(spec, topology, rank)
-        seen = set()
         entries = []
-        for i, item in enumerate(payload):
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                    and isinstance(item[1], torch.Tensor)):
-                raise TypeError(f"payload entry {i} is not a (str, torch.Tensor) pair")
-            name, tensor = item
-            if name in seen:
-                raise ExpertPayloadError(f"duplicate payload entry {name!r}")
-            seen.add(name)
+        for name, tensor in named_pairs(payload, ExpertPayloadError):
             if tensor.dtype != spec.dtype:
                 raise ExpertPayloadError(f"{name!r}: dtype {tensor.dtype}, parameters are "
                                          f"{spec.dtype}")

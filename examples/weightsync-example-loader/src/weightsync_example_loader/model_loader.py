@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 
-import torch
+from weightsync_example_loader.loader import named_pairs
 
 _LAYER = re.compile(r"^(draft\.)?model\.layers\.(\d+)\.(.+)$")
 #: checkpoint name part -> (engine name part, component index)
@@ -120,15 +120,7 @@ class ModelLoading:
         tp = topology.tp
         targets = tuple(spec.targets) if targets is None else tuple(targets)
         copies, zeros, experts = [], [], {"target": [], "draft": []}
-        seen = set()
-        for i, item in enumerate(payload):
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                    and isinstance(item[1], torch.Tensor)):
-                raise TypeError(f"payload entry {i} is not a (str, torch.Tensor) pair")
-            name, tensor = item
-            if name in seen:
-                raise ModelPayloadError(f"duplicate payload entry {name!r}")
-            seen.add(name)
+        for name, tensor in named_pairs(payload, ModelPayloadError):
             target = "draft" if name.startswith(("mtp.", "draft.")) else "target"
             if target not in targets:
                 raise ModelPayloadError(f"{name!r}: the update does not reach the {target} model")
