@@ -77,7 +77,8 @@ def test_loader_second_version_lands_bit_exact_in_place(weightsync_loader, case,
         params, first = _updated(weightsync_loader, case, payload_format, 1, rank)
         params, before = _updated(weightsync_loader, case, payload_format, 2, rank, params)
         compare.assert_same_storage(first, params, rank=rank)
-        coverage.check_model_rank(params, case, rank, 2, before, previous_version=1)
+        coverage.check_model_rank(params, case, rank, 2, before, previous_version=1,
+                                  prop="model_bit_exact")
 
 
 @pytest.mark.weightsync_property("tied_embeddings")
@@ -161,7 +162,8 @@ def test_exporter_second_version_after_in_place_change(weightsync_exporter, case
                                                           payload_format, states):
         coverage.judge_model_stream(case, rank, stream, payload_format, 2,
                                     f"second version ({payload_format}, "
-                                    f"{weightsync_exporter.name})")
+                                    f"{weightsync_exporter.name})", previous_version=1,
+                                    prop="model_bit_exact")
 
 
 @pytest.mark.weightsync_property("tied_embeddings")

@@ -180,6 +180,12 @@ def state_findings(params, case, rank, version, before, previous_version=None) -
             continue
         wrong = _bits(actual) != _bits(want)
         untouched = wrong & (_bits(actual) == _bits(old))
+        if (previous is not None and _same(actual, old) and _same(actual, previous[name])):
+            findings.append(Finding(name, "stale", f"it holds version {previous_version}'s values: "
+                                    "none of its elements changed in this update (not written, "
+                                    "or written again with the previous version's values)",
+                                    locate(name, _first(wrong))))
+            continue
         if bool(untouched.any()):
             count = int(untouched.sum())
             what = ("it still holds its pre-update bits" if count == wrong.numel() else
@@ -252,10 +258,12 @@ def _pattern(case, findings) -> Optional[str]:
     return None
 
 
-def report(case, rank, findings, head: str = "") -> str:
+def report(case, rank, findings, head: str = "", prop: str = "coverage") -> str:
+    """The findings of engine ``rank`` under one head line naming the property judged
+    (``prop``), the case and the pattern that explains them, if one does."""
     n = len(engine_params(case.spec, case.receiver, rank))
     pattern = _pattern(case, findings)
-    lines = [f"{head}coverage on engine rank {rank} of {case.id}: {len(findings)} of {n} "
+    lines = [f"{head}{prop} on engine rank {rank} of {case.id}: {len(findings)} of {n} "
              f"parameters wrong" + (f" - {pattern}" if pattern else "")]
     lines += [f"  - {f}" for f in findings[:MAX_FINDINGS]]
     if len(findings) > MAX_FINDINGS:
@@ -263,14 +271,16 @@ def report(case, rank, findings, head: str = "") -> str:
     return "\n".join(lines)
 
 
-def check_model_rank(params, case, rank, version, before, previous_version=None, head="") -> None:
+def check_model_rank(params, case, rank, version, before, previous_version=None, head="",
+                     prop: str = "coverage") -> None:
     """Engine ``rank`` after an update of ``case.targets`` to ``version``: every parameter at
     its old address, every parameter of the updated targets bit-exact, every parameter of a
-    frozen target bit-identical; raise :class:`judge.ConformanceError` with the report."""
+    frozen target bit-identical; raise :class:`judge.ConformanceError` with the report, headed
+    by the property ``prop`` the calling test judges."""
     compare.assert_same_storage(before, params, rank=rank)
     findings = state_findings(params, case, rank, version, before, previous_version)
     if findings:
-        raise judge.ConformanceError(report(case, rank, findings, head))
+        raise judge.ConformanceError(report(case, rank, findings, head, prop))
 
 
 # --------------------------------------------------------------------------------------------
@@ -454,10 +464,12 @@ def draft_stream_problem(case, rank, stream, fmt, version=1) -> Optional[str]:
     return None
 
 
-def judge_model_stream(case, rank, stream, fmt, version, head: str, previous_version=None):
+def judge_model_stream(case, rank, stream, fmt, version, head: str, previous_version=None,
+                       prop: str = "coverage"):
     """An exporter's ``stream`` for engine ``rank``: its coverage, then a fresh poisoned
     reference receiver's state after loading it (``previous_version``: a value of that
-    version is named stale). Raises :class:`judge.ConformanceError`."""
+    version is named stale), reported under the property ``prop``. Raises
+    :class:`judge.ConformanceError`."""
     from pytest_weightsync.reference_impl.oracle import synth
     from pytest_weightsync.reference_impl.model.layout import WeightSyncError
     from pytest_weightsync.reference_impl.engine.model_receiver import ModelReceiver
@@ -480,5 +492,5 @@ def judge_model_stream(case, rank, stream, fmt, version, head: str, previous_ver
         raise judge.ConformanceError(f"{head}: the reference receiver refused the stream: "
                                      f"{judge.quoted(error)}") from None
     check_model_rank(receiver.params, case, rank, version, before,
-                     previous_version=previous_version, head=f"{head}: ")
+                     previous_version=previous_version, head=f"{head}: ", prop=prop)
     return receiver

@@ -42,16 +42,26 @@ def expert_placement(name, actual, case, rank, version):
     every = synth.expected_receiver_params(spec, twin, shard.moe_tp_rank, version).get(name)
     if every is None or tuple(every.shape[1:]) != tuple(actual.shape[1:]):
         return None
-    holds = {}
+    holds, strays = {}, []
     for slot, expert in enumerate(shard.experts):
         found = [e for e in range(spec.num_experts) if same_bits(actual[slot], every[e])]
-        if len(found) != 1:
-            return None  # not (only) a misplacement
-        holds[expert] = found[0]
+        if len(found) > 1:
+            return None  # experts with equal values: which one a slot holds is not known
+        if found:
+            holds[expert] = found[0]
+        else:
+            strays.append(expert)
     wrong = {g: h for g, h in holds.items() if g != h}
     if not wrong:
         return None
     g, h = next(iter(wrong.items()))
+    where = (f"receiver rank {rank}'s slot for expert {g} holds expert {h}'s values "
+             f"({len(wrong)} of {len(shard.experts)} local experts)")
+    shift = _shift(wrong, strays, list(shard.experts))
+    if shift is not None:
+        return f"expert offset {shift}: {where}"
+    if strays:
+        return None  # not (only) a misplacement
     trainer, experts = case.trainer, spec.num_experts
     names = []
     if trainer.ep > 1 and all(holds[e] == _interleave(trainer.ep, experts)(e) for e in holds):
@@ -63,8 +73,33 @@ def expert_placement(name, actual, case, rank, version):
                      f"r + {receiver.moe_ep}, ... instead of its block of "
                      f"{experts // receiver.moe_ep})")
     pattern = " or ".join(names) if names else "a permutation of the experts"
-    return (f"experts misplaced: receiver rank {rank}'s slot for expert {g} holds expert {h}'s "
-            f"values ({len(wrong)} of {len(holds)} local experts) - {pattern}")
+    return f"experts misplaced: {where} - {pattern}"
+
+
+def _by(d: int) -> str:
+    return {1: "one", -1: "minus one"}.get(d, f"{d:+d}")
+
+
+def _shift(wrong: dict, strays: list, local: list):
+    """How a constant expert offset moved the experts, or ``None``: every wrong slot of global
+    expert ``g`` holds expert ``g - d`` (the rest never written: ``strays``), or, with every
+    slot holding some expert, the rank's experts rotated by ``d`` local slots."""
+    differences = {g - h for g, h in wrong.items()}
+    if strays and len(differences) == 1:
+        d = differences.pop()
+        g = next(iter(wrong))
+        shown = ", ".join(str(e) for e in strays[:4]) + (" ..." if len(strays) > 4 else "")
+        return (f"shifted by {_by(d)} (expert e holds expert e{-d:+d}'s values, e.g. expert {g}; "
+                f"expert(s) {shown} never written)")
+    if strays or any(h not in local for h in wrong.values()):
+        return None
+    n = len(local)
+    rotations = {(local.index(g) - local.index(h)) % n for g, h in wrong.items()}
+    if len(rotations) == 1 and len(wrong) == n:
+        d = rotations.pop()
+        return (f"shifted by {_by(d)} within the rank (local slot s holds local expert "
+                f"s{-d:+d} modulo its {n} experts)")
+    return None
 
 
 def diagnose(name, actual, expected, case, rank, before=None, previous=None, version=None):
@@ -75,6 +110,10 @@ def diagnose(name, actual, expected, case, rank, before=None, previous=None, ver
         if named is not None:
             return named
     if before is not None and same_bits(actual, before):
+        if previous is not None and same_bits(actual, previous):
+            return ("stale: it still holds the previous version's values - none of its elements "
+                    "changed in this update (not written, or written again with the previous "
+                    "version's values)")
         return "never written: it still holds the bits it held before the update"
     if previous is not None and same_bits(actual, previous):
         return "stale: it still holds the previous version's values, not the new ones"

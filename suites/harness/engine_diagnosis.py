@@ -80,12 +80,19 @@ def _redundant(name, actual, expected, case, rank, version, before) -> Optional[
         expert = shard.logical_expert(layer, slot)
         physical = shard.experts[slot]
         right = [s for s in shard.slots_of(layer, expert) if s not in wrong]
+        row = list(topo.physical_to_logical(spec)[layer])
+        copies = [p for p, logical in enumerate(row) if logical == expert]
         if before is not None and same_bits(actual[slot], before[slot]) and right:
             return (f"only the first physical copy written: {name} slot {slot} (physical expert "
                     f"{physical}) of logical expert {expert} kept the bits it held before the "
                     f"update while slot {right[0]} (physical {shard.experts[right[0]]}) holds "
                     f"the new ones; every copy must be written")
-        row = list(topo.physical_to_logical(spec)[layer])
+        if (before is not None and same_bits(actual[slot], before[slot])
+                and len(copies) > 1 and physical != copies[0]):
+            return (f"only the first physical copy written: {name} slot {slot} holds physical "
+                    f"expert {physical}, copy {copies.index(physical) + 1} of logical expert "
+                    f"{expert} (its copies: physical {copies}), and kept the bits it held "
+                    f"before the update; every copy must be written, on every rank")
         for other in range(spec.num_experts):
             if other == expert:
                 continue

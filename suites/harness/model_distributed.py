@@ -196,7 +196,8 @@ def judge_update(result: ModelDistRun, index: int) -> int:
         head = (f"update {index + 1} (version {version}), {fmt} payload, "
                 f"{result.mcase.delivery} delivery, {who}")
         coverage.judge_model_stream(result.mcase.case, engine_rank, stream, fmt, version, head,
-                                    previous_version=previous)
+                                    previous_version=previous,
+                                    prop="coverage" if index == 0 else "model_bit_exact")
         if index == 0:  # real engines load the first update; later ones are the reference's
             judge_with_engines(result.mcase.case, fmt, engine_rank, stream, version, head)
     return len(streams)

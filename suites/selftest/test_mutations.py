@@ -39,6 +39,15 @@ class ExpertMapShifted(ReferenceReceiver):
         return None if slot is None else (slot + 1) % len(self.shard.experts)
 
 
+class ExpertOffsetByOne(ReferenceReceiver):
+    """Writes expert e into the slot of expert e + 1 (an offset off by one): the rank's last
+    expert falls off the end, its first slot is never written."""
+
+    def _local_slot(self, expert):
+        slot = super()._local_slot(expert)
+        return None if slot is None or slot + 1 >= len(self.shard.experts) else slot + 1
+
+
 class WrongTPSlice(ReferenceReceiver):
     """Every MoE-TP rank takes rank 0's rows."""
 
@@ -98,6 +107,19 @@ def test_shifted_expert_map_is_located(path):
     assert isinstance(err.mismatch, compare.BitMismatchError)
     assert err.location.expert == 0 and err.location.rank == 0
     assert "expert=0 projection=gate" in str(err) and "receiver_rank=0" in str(err)
+    assert str(err).startswith("expert offset shifted by one within the rank (local slot s "
+                               "holds local expert s-1 modulo its 2 experts)"), str(err)
+
+
+@pytest.mark.weightsync_property("mutation_detected")
+@pytest.mark.parametrize("path", ["compat", "packed"])
+def test_expert_offset_off_by_one_is_named_a_shift(path):
+    err = _run_mutant(ExpertOffsetByOne, path)
+    first = str(err).splitlines()[0]
+    assert first.startswith("expert offset shifted by one (expert e holds expert e-1's values, "
+                            "e.g. expert 1; expert(s) 0 never written)"), str(err)
+    assert "permutation" not in first
+    assert "layer=0 expert=0 projection=gate row=0 col=0 receiver_rank=0" in str(err)
 
 
 @pytest.mark.weightsync_property("mutation_detected")

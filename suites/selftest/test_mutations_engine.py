@@ -9,6 +9,8 @@ describe, run through the unchanged conformance test
 - ``post_load_once``: the layout applied after the first update only - later updates write the
   checkpoint rows into the transformed buffer and leave them raw (vllm#56570, sglang#25190);
 - ``first_copy_only``: of a redundant (EPLB) expert only the first physical slot written;
+- ``first_copy_of_the_engine_only``: the same across ranks - a rank that holds only a later
+  copy of an expert never writes it;
 - ``stale_placement``: every update written by the placement of the first one, after the
   engine rebalanced (vllm#55228, prime-rl#3583);
 - ``neighbour_scale``: FP8 block scales paired with the block next to theirs
@@ -42,6 +44,9 @@ pytestmark = pytest.mark.weightsync_property("mutation_detected")
 TRTLLM = next(c for c in cases.ENGINE_CASES if c.receiver.engine_layout == "trtllm_block")
 #: The EPLB case with two copies of one expert on one rank and MoE-TP 2.
 EPLB = next(c for c in cases.ENGINE_CASES if c.receiver.placement is not None)
+#: SGLang's trivial EPLB map over EP 2: the redundant copies live on the other rank.
+EPLB_TRIVIAL = next(c for c in cases.ENGINE_CASES
+                    if c.receiver.eplb and c.receiver.placement is None)
 LOCATED = ("layer=", "expert=", "projection=", "row=", "col=")
 
 
@@ -70,6 +75,24 @@ class _FirstCopyReceiver(RedundantExpertReceiver):
 
     def _write_w2(self, plan, layer, expert, full) -> None:
         for slot in self.shard.slots_of(layer, expert)[:1]:
+            ReferenceReceiver._write_w2(self, plan, layer, slot, full)
+
+
+class _FirstGlobalCopyReceiver(RedundantExpertReceiver):
+    """Writes a logical expert into its first physical slot of the whole engine only: a rank
+    that holds only later copies never writes them."""
+
+    def _firsts(self, layer, expert):
+        row = self.topo.physical_to_logical(self.spec)[layer]
+        first = next(p for p, logical in enumerate(row) if logical == expert)
+        return [s for s in self.shard.slots_of(layer, expert) if self.shard.experts[s] == first]
+
+    def _write_w13(self, plan, layer, expert, projection, full) -> None:
+        for slot in self._firsts(layer, expert):
+            ReferenceReceiver._write_w13(self, plan, layer, slot, projection, full)
+
+    def _write_w2(self, plan, layer, expert, full) -> None:
+        for slot in self._firsts(layer, expert):
             ReferenceReceiver._write_w2(self, plan, layer, slot, full)
 
 
@@ -120,6 +143,9 @@ MUTANTS = {
                         "only the first physical copy written"),
     "stale_placement": (EPLB, lambda: _Mutant("stale_placement", stale=True),
                         "written by a stale placement"),
+    "first_copy_of_the_engine_only": (
+        EPLB_TRIVIAL, lambda: _Mutant("first_copy_of_the_engine_only", _FirstGlobalCopyReceiver),
+        "only the first physical copy written"),
 }
 FP8_MUTANTS = {
     "neighbour_scale": (lambda: _Mutant("neighbour_scale", _NeighbourScaleReceiver),
