@@ -16,19 +16,28 @@ fi
 import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)
 PYEOF
 
-echo "install: torch"
-pipq "${C[@]}" -r ci/requirements-torch.txt
-echo "install: test tools"
-pipq "${C[@]}" -r ci/requirements-test.txt
-echo "install: megatron-core"
-pipq "${C[@]}" -r ci/requirements-megatron.txt
-echo "install: sglang (no deps) and what its MoE layer imports"
-pipq --no-deps -r ci/requirements-sglang.txt
-pipq "${C[@]}" -r ci/requirements-sglang-deps.txt
-echo "install: megatron-bridge (no deps; only its weight mappings are used)"
-pipq --no-deps "${C[@]}" -r ci/requirements-bridge.txt
-echo "install: pytest-weightsync (editable)"
-pipq --no-deps -e .
+# An existing .venv installed from the same pins is reused as it is (pip would spend minutes
+# re-resolving it); the version check below still runs.
+STAMP="$VENV/.weightsync-install"
+want=$(cat ci/install.sh ci/constraints.txt ci/requirements-*.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+  echo "install: $VENV is up to date with ci/ and pyproject.toml"
+else
+  rm -f "$STAMP"
+  echo "install: torch"
+  pipq "${C[@]}" -r ci/requirements-torch.txt
+  echo "install: test tools"
+  pipq "${C[@]}" -r ci/requirements-test.txt
+  echo "install: megatron-core"
+  pipq "${C[@]}" -r ci/requirements-megatron.txt
+  echo "install: sglang (no deps) and what its MoE layer imports"
+  pipq --no-deps -r ci/requirements-sglang.txt
+  pipq "${C[@]}" -r ci/requirements-sglang-deps.txt
+  echo "install: megatron-bridge (no deps; only its weight mappings are used)"
+  pipq --no-deps "${C[@]}" -r ci/requirements-bridge.txt
+  echo "install: pytest-weightsync (editable)"
+  pipq --no-deps -e .
+fi
 
 # No later install may replace the torch pair sglang pins.
 "$VENV/bin/python" - <<'PYEOF'
@@ -45,3 +54,4 @@ if not bridge.available:
     raise SystemExit(f"install: {bridge.reason}")
 print(f"install: ok - torch {torch.__version__}, threads default {torch.get_num_threads()}")
 PYEOF
+echo "$want" > "$STAMP"

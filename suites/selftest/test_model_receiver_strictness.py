@@ -46,7 +46,7 @@ BAD = {
                             mr.PayloadDtypeError, "torch.float32"),
     "short in_proj_b": (lambda b: _replace(b, "model.layers.0.linear_attn.in_proj_b.weight",
                                            dict(b)["model.layers.0.linear_attn.in_proj_b.weight"][:2]),
-                        mr.PayloadShapeError, "in_proj_b"),
+                        er.PayloadShapeError, "in_proj_b"),
     "tied lm_head as a second source": (lambda b: b + [("lm_head.weight",
                                                         dict(b)["model.embed_tokens.weight"].clone())],
                                         mr.TiedSourceError, "one source"),
