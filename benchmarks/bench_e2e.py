@@ -8,27 +8,41 @@ rank (``engine.process.ReceiverProcess``: CUDA IPC on a GPU, shared memory on a 
 ``w13``/``w2`` parameters, and every update goes
 
     export (refill staging tensors; nothing where payloads are views of the trainer's memory)
-    -> serialize (the update messages; payloads were shared once, ``ColocatedSync.register``)
-    -> receive (the engine finds its registered payloads)
+    -> serialize (the update messages)
+    -> receive (the engine rebuilds the payload, or finds its registered one)
     -> load (begin / load / end: the plan cache recognises the bucket, replays its copy plan)
     -> synchronize (the engine waits for the device),
 
-timed per stage, per format (direct, packed, hf_fused, compat) and receiver MoE-TP (1, 2).
+timed per stage, per format (direct, packed, hf_fused, compat) and receiver MoE-TP (1, 2),
+along two protocols:
+
+* ``registered``: payloads shared once per model (``ColocatedSync.register``), each update a
+  message of a few bytes;
+* ``per_update`` (``--per-update``): SGLang's ``update_weights_from_tensor`` protocol - every
+  update serializes every bucket for every rank again (each storage shared anew: a new IPC
+  handle, reference-counter slot and CUDA event; the bucket's table pickled once per model),
+  and the engine rebuilds, recognises (table and addresses), loads and drops it.
+
 Between updates the trainer changes every weight in place (each 16-bit pattern XORed with a
-new mask, untimed), so every update moves new bits; after the timed updates each engine
-checks every parameter bit for bit against the synthetic oracle (``oracle_check``) and
-reports the first wrong element, and parameter addresses must never change.
+new mask, untimed), so every update moves new bits. After every update (untimed) the engine
+ranks' digests of their parameters (``process.bits_digest``: exact sums of the bits and their
+squares) must add up to the trainer's digest of its weights - an element an update missed
+holds an older mask and changes them; after the timed updates each engine checks every
+parameter bit for bit against the synthetic oracle (``oracle_check``) and reports the first
+wrong element, and parameter addresses must never change.
 
 The ratio is, per round, the time of one plain copy of the bytes the update writes into the
 engines (``limit``: a contiguous device copy, in chunks of ``--chunk-mib`` when the model is
 larger than memory allows twice) over the time of the whole update; the median over rounds
-is reported, with its spread. ``--per-update`` also times the path that shares every tensor
-every update (``senders.export`` + ``ipc.serialize``, SGLang's wire format; engines validate
-and plan every bucket, no plan cache) on the first ``--per-update-layers`` layers, which is
-what bounds the per-entry formats without registration: host time per entry.
+is reported, with its spread. ``--per-tensor`` also times SGLang's per-tensor wire format (a
+stateless sender: ``senders.export`` + ``ipc.serialize``, one IPC share per tensor, every
+update) on a model of the first ``--per-tensor-layers`` layers, the engines with their plan
+cache off (validation and planning of every entry every update: what the reference did before
+the per-update protocol reached the limit) and on (lists recognised by their signature), and
+the same stateless sender with one share per storage (``shared_payload.serialize_storages``).
 
     python benchmarks/bench_e2e.py --device cpu --json e2e-cpu.json          # tiny, seconds
-    python benchmarks/bench_e2e.py --device cuda --json e2e-h200.json --per-update
+    python benchmarks/bench_e2e.py --device cuda --json e2e-h200.json --per-update [--per-tensor]
     python benchmarks/plot_e2e.py e2e-h200.json --out docs/e2e-cuda.png
 
 Model parts: the expert weights are one part (``ExpertsPart``); a part builds its trainer
@@ -113,14 +127,27 @@ class ExpertsPart:
         per_layer = spec.num_experts * 3 * spec.intermediate * spec.hidden * spec.dtype.itemsize
         return per_layer * spec.num_layers * topo.moe_dp
 
-    def sender(self, fmt, topo, staging_bytes, layers=None):
+    def sender(self, fmt, topo, staging_bytes, layers=None, bucket_bytes=None):
         from pytest_weightsync.reference_impl.senders.colocated import ColocatedSender
 
         return ColocatedSender(fmt, self.spec, topo, self.full, layers=layers,
-                               staging_bytes=staging_bytes)
+                               staging_bytes=staging_bytes, bucket_bytes=bucket_bytes)
 
     def check(self, engines) -> list:
         return [engine.check(0, self.seed, self.mask) for engine in engines]
+
+    def digest(self) -> tuple[int, int]:
+        """The trainer's :func:`process.bits_digest` of every expert weight (what the engines'
+        digests add up to after a complete update)."""
+        from pytest_weightsync.reference_impl.engine.process import bits_digest
+
+        return bits_digest(self.buffers)
+
+    def digest_problem(self, engines, expected) -> str:
+        """``""`` when the engine ranks' digests add up to ``expected``, else what differs."""
+        got = [engine.digest() for engine in engines]
+        total = (sum(g[0] for g in got), sum(g[1] for g in got))
+        return "" if total == tuple(expected) else f"digest {total} != trainer's {tuple(expected)}"
 
 
 PARTS = (ExpertsPart,)
@@ -168,45 +195,71 @@ def save(args, rows, failures, **extra) -> None:
 
 
 def registered_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures) -> list:
-    """Per format: register once, warm up, time ``repeats`` updates against the plain copy,
-    check every bit."""
+    """Payloads registered once per model (see :func:`sync_rows`)."""
+    return sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, per_update=False)
+
+
+def per_update_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures) -> list:
+    """SGLang's per-update protocol over the whole model (see :func:`sync_rows`)."""
+    return sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, per_update=True)
+
+
+def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
+              per_update: bool) -> list:
+    """Per format: build the sender (and register, unless ``per_update``), warm up, time
+    ``repeats`` updates against the plain copy; after every update the engines' digests, after
+    the last every bit."""
     from pytest_weightsync.reference_impl.senders.colocated import ColocatedSync
 
     rows = []
     nbytes = part.written_bytes(topo)
+    digest = getattr(args, "digest", True)
     for fmt in args.formats:
         for engine in engines:
             engine.reset(plan_cache=True)
         t0 = time.perf_counter()
-        sender = part.sender(fmt, topo, args.staging_mib << 20)
+        bucket_mib = getattr(args, "bucket_mib", None)
+        sender = part.sender(fmt, topo, args.staging_mib << 20,
+                             bucket_bytes=None if not bucket_mib else bucket_mib << 20)
         build = time.perf_counter() - t0
-        sync = ColocatedSync(sender, engines)
+        sync = ColocatedSync(sender, engines, per_update=per_update)
         register = sync.register()
-        part.set_mask(masks.next())
-        first = sync.update()
-        for _ in range(args.warmup - 1):
-            part.set_mask(masks.next())
-            sync.update()
-        rounds = []
-        for _ in range(args.repeats):
+        problems, digests = [], 0
+
+        def update():
+            nonlocal digests
             part.set_mask(masks.next())
             timing = sync.update()
+            if digest:
+                problem = part.digest_problem(engines, part.digest())
+                digests += 1
+                if problem and len(problems) < 3:
+                    problems.append(f"update {digests}: {problem}")
+            return timing
+
+        first = update()
+        for _ in range(args.warmup - 1):
+            update()
+        rounds = []
+        for _ in range(args.repeats):
+            timing = update()
             rounds.append((timing, limit.seconds()))
         t1 = time.perf_counter()
-        problems = part.check(engines)
+        problems += [p for p in part.check(engines) if p]
         check_s = time.perf_counter() - t1
         moved = [r for reports in first.reports for r in reports]
         for report in [r for timing, _ in rounds for reports in timing.reports for r in reports] + moved:
             if dict(report.param_ptrs) != ptrs[report.rank]:
                 problems.append(f"rank {report.rank} parameters moved")
-        bits = "exact" if not any(problems) else "; ".join(p for p in problems if p)
+        bits = "exact" if not problems else "; ".join(problems)
         if bits != "exact":
-            failures.append(f"{fmt} MoE-TP {tp}: {bits}")
+            failures.append(f"{'per-update' if per_update else 'registered'} {fmt} MoE-TP {tp}: {bits}")
         sync.close()
         ratios = [plain / timing.wall for timing, plain in rounds]
         cache = [c for timing, _ in rounds for c in timing.cache]
         row = dict(
-            path="registered", format=fmt, moe_tp=tp, layers=part.spec.num_layers,
+            path="per_update" if per_update else "registered", format=fmt, moe_tp=tp,
+            layers=part.spec.num_layers,
             entries=sender.entries, buckets=len(sender.buckets), nbytes=nbytes,
             staged_bytes=sender.staged_bytes, storages=sum(len(b.shared[r].wholes)
                                                            for b in sender.buckets for r in b.shared),
@@ -220,7 +273,7 @@ def registered_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures)
             plain_copy_s=median([p for _, p in rounds]),
             ratio=median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
             cache_hits=cache.count("hit"), cache_other=len(cache) - cache.count("hit"),
-            goal=GOALS.get((fmt, tp)), bits=bits, check_s=check_s,
+            goal=GOALS.get((fmt, tp)), bits=bits, check_s=check_s, digests=digests,
         )
         rows.append(row)
         print_row(row)
@@ -241,58 +294,81 @@ def release(device) -> None:
         torch.cuda.empty_cache()
 
 
-def per_update_rows(part, engines, topo, tp, args, masks, device, failures) -> list:
-    """SGLang's wire format every update: export, serialize every tensor, engines validate and
-    plan every bucket (no plan cache), on the first ``per_update_layers`` layers."""
-    from pytest_weightsync.reference_impl.transport import ipc
+#: The stateless senders of :func:`per_tensor_rows`: (row label, wire, engine plan cache).
+STATELESS = (("per_tensor", "tensors", False), ("per_tensor_cached", "tensors", True),
+             ("per_storage", "storages", True))
+
+
+def per_tensor_rows(part, engines, topo, tp, args, masks, ptrs, failures) -> list:
+    """A stateless sender every update: ``senders.export`` of every layer of ``part``, then
+    SGLang's per-tensor wire (``ipc.serialize``: one share per tensor) with the engines' plan
+    cache off and on, and one share per storage (``shared_payload.serialize_storages``). Digests after
+    every update, every bit after the last."""
+    from pytest_weightsync.reference_impl.transport import ipc, shared_payload
     from pytest_weightsync.reference_impl.senders import formats as senders
 
     rows = []
-    layers = list(range(min(args.per_update_layers, part.spec.num_layers)))
-    nbytes = part.written_bytes(topo) * len(layers) // part.spec.num_layers
+    device = part.buffers[0].device
+    nbytes = part.written_bytes(topo)
     limit = PlainCopy(nbytes, device, args.chunk_mib << 20)
+    serializers = {"tensors": ipc.serialize, "storages": shared_payload.serialize_storages}
     for fmt in args.formats:
-        for engine in engines:
-            engine.reset(plan_cache=False)
-        rounds = []
-        for step in range(1 + args.per_update_repeats):
-            part.set_mask(masks.next())
-            start = time.perf_counter()
-            payloads = [senders.export(fmt, part.spec, topo, r, part.full, layers)
-                        for r in range(topo.world_size)]
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t1 = time.perf_counter()
-            data = ipc.serialize_per_rank(payloads)
-            t2 = time.perf_counter()
-            for rank, engine in enumerate(engines):
-                engine.post_update(data[rank], senders_load_format(fmt), begin=False, end=False,
-                                   memory=False)
-            reports = [engine.result() for engine in engines]
-            wall = time.perf_counter() - start
-            del payloads, data
-            ipc.collect(device)
-            if step:
-                rounds.append(dict(export=t1 - start, serialize=t2 - t1, wall=wall,
-                                   reports=reports, plain=limit.seconds()))
-        entries = sum(r.entries for r in rounds[-1]["reports"])
-        stage = lambda name: median([max(r.seconds[name] for r in x["reports"]) for x in rounds])  # noqa: E731
-        ratios = [x["plain"] / x["wall"] for x in rounds]
-        host = median([x["export"] + x["serialize"] for x in rounds]) + stage("receive") + stage("load")
-        row = dict(
-            path="per_update", format=fmt, moe_tp=tp, layers=len(layers), entries=entries,
-            nbytes=nbytes, export_s=median([x["export"] for x in rounds]),
-            serialize_s=median([x["serialize"] for x in rounds]), receive_s=stage("receive"),
-            load_s=stage("load"), synchronize_s=stage("synchronize"),
-            wall_s=median([x["wall"] for x in rounds]), plain_copy_s=median([x["plain"] for x in rounds]),
-            ratio=median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
-            host_us_per_entry=1e6 * host / max(1, entries // topo.world_size),
-        )
-        rows.append(row)
-        print_row(row)
-        if args.progress is not None:
-            args.progress(row)
-        release(device)
+        for label, wire, cached in STATELESS:
+            for engine in engines:
+                engine.reset(plan_cache=cached)
+            rounds, problems = [], []
+            for step in range(args.warmup + args.per_tensor_repeats):
+                part.set_mask(masks.next())
+                start = time.perf_counter()
+                payloads = [senders.export(fmt, part.spec, topo, r, part.full)
+                            for r in range(topo.world_size)]
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t1 = time.perf_counter()
+                data = []
+                for rank, engine in enumerate(engines):  # rank r loads while r + 1 serializes
+                    data.append(serializers[wire](payloads[rank]))
+                    engine.post_update(data[rank], senders_load_format(fmt), memory=False)
+                t2 = time.perf_counter()
+                reports = [engine.result() for engine in engines]
+                wall = time.perf_counter() - start
+                del payloads, data
+                ipc.collect(device)
+                problem = part.digest_problem(engines, part.digest())
+                if problem and len(problems) < 3:
+                    problems.append(f"update {step + 1}: {problem}")
+                for report in reports:
+                    if dict(report.param_ptrs) != ptrs[report.rank]:
+                        problems.append(f"rank {report.rank} parameters moved")
+                if step >= args.warmup:
+                    rounds.append(dict(export=t1 - start, serialize=t2 - t1, wall=wall,
+                                       reports=reports, plain=limit.seconds()))
+            problems += [p for p in part.check(engines) if p]
+            bits = "exact" if not problems else "; ".join(problems)
+            if bits != "exact":
+                failures.append(f"{label} {fmt} MoE-TP {tp}: {bits}")
+            entries = sum(r.entries for r in rounds[-1]["reports"])
+            stage = lambda name: median([max(r.seconds[name] for r in x["reports"]) for x in rounds])  # noqa: E731
+            ratios = [x["plain"] / x["wall"] for x in rounds]
+            host = median([x["export"] + x["serialize"] for x in rounds]) + stage("receive") + stage("load")
+            cache = [c for x in rounds for r in x["reports"] for c in r.cache]
+            row = dict(
+                path=label, wire=wire, plan_cache=cached, format=fmt, moe_tp=tp,
+                layers=part.spec.num_layers, entries=entries,
+                nbytes=nbytes, export_s=median([x["export"] for x in rounds]),
+                serialize_s=median([x["serialize"] for x in rounds]), receive_s=stage("receive"),
+                load_s=stage("load"), synchronize_s=stage("synchronize"),
+                wall_s=median([x["wall"] for x in rounds]), plain_copy_s=median([x["plain"] for x in rounds]),
+                ratio=median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
+                host_us_per_entry=1e6 * host / max(1, entries // topo.world_size),
+                cache_hits=cache.count("hit"), cache_other=len(cache) - cache.count("hit"),
+                bits=bits,
+            )
+            rows.append(row)
+            print_row(row)
+            if args.progress is not None:
+                args.progress(row)
+            release(device)
     del limit
     return rows
 
@@ -303,7 +379,7 @@ def senders_load_format(fmt: str):
 
 def print_row(r) -> None:
     ms = lambda k: f"{1e3 * r[k]:8.2f}" if r.get(k) is not None else "       -"  # noqa: E731
-    print(f"{r['path']:<10} {r['format']:<8} tp{r['moe_tp']} L{r['layers']:<3} "
+    print(f"{r['path']:<17} {r['format']:<8} tp{r['moe_tp']} L{r['layers']:<3} "
           f"{r['entries']:>6} entries {r['nbytes'] / 2**30:7.2f} GiB | export {ms('export_s')} "
           f"serialize {ms('serialize_s')} receive {ms('receive_s')} load {ms('load_s')} "
           f"sync {ms('synchronize_s')} | update {ms('wall_s')} ms  plain copy {ms('plain_copy_s')} ms "
@@ -341,6 +417,7 @@ def run(args) -> dict:
             collected.append(row)
             save(args, collected, failures, **header)
         args.progress = progress
+    small = None  # the model of the per-tensor rows, built on first use
     for tp in args.tp:
         topo = ReceiverTopology(tp=tp)
         engines = [engine_process.ReceiverProcess(str(device), timeout=args.timeout) for _ in range(tp)]
@@ -351,11 +428,20 @@ def run(args) -> dict:
             ptrs = [engine.configure(spec, topo, rank) for rank, engine in enumerate(engines)]
             timings[f"configure_tp{tp}_s"] = time.perf_counter() - t0
             limit = PlainCopy(part.written_bytes(topo), device, args.chunk_mib << 20)
-            rows += registered_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures)
+            if args.registered:
+                rows += registered_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures)
+            if args.per_update:
+                rows += per_update_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures)
             del limit
             release(device)
-            if args.per_update:
-                rows += per_update_rows(part, engines, topo, tp, args, masks, device, failures)
+            if args.per_tensor:
+                if small is None:
+                    small = ExpertsPart(MoESpec(num_layers=min(args.per_tensor_layers, spec.num_layers),
+                                                num_experts=spec.num_experts, hidden=spec.hidden,
+                                                intermediate=spec.intermediate), device)
+                small_ptrs = [engine.configure(small.spec, topo, rank)
+                              for rank, engine in enumerate(engines)]
+                rows += per_tensor_rows(small, engines, topo, tp, args, masks, small_ptrs, failures)
         finally:
             for engine in engines:
                 engine.close()
@@ -363,7 +449,10 @@ def run(args) -> dict:
         model=dict(layers=spec.num_layers, experts=spec.num_experts, hidden=spec.hidden,
                    moe_ffn=spec.intermediate, dtype=str(spec.dtype), parts=[p.name for p in PARTS]),
         device=str(device), repeats=args.repeats, warmup=args.warmup,
-        staging_mib=args.staging_mib, chunk_mib=args.chunk_mib, machine=machine_info(),
+        per_tensor_layers=args.per_tensor_layers if args.per_tensor else None,
+        per_tensor_repeats=args.per_tensor_repeats if args.per_tensor else None,
+        staging_mib=args.staging_mib, bucket_mib=args.bucket_mib, chunk_mib=args.chunk_mib,
+        machine=machine_info(),
         timings=timings, results=rows, failures=failures,
     )
 
@@ -382,10 +471,21 @@ def main(argv=None) -> int:
     p.add_argument("--staging-mib", type=int, default=6144,
                    help="most staging memory the sender holds at once (direct at MoE-TP > 1)")
     p.add_argument("--chunk-mib", type=int, default=1024, help="plain copy chunk")
+    p.add_argument("--bucket-mib", type=int, default=8192,
+                   help="most payload one engine rank gets per bucket (0: one bucket); a "
+                   "bucket of views is copied while the next one is sent")
     p.add_argument("--per-update", action="store_true",
-                   help="also time SGLang's per-update wire format (no registration, no cache)")
-    p.add_argument("--per-update-layers", type=int, default=4)
-    p.add_argument("--per-update-repeats", type=int, default=2)
+                   help="also time SGLang's per-update protocol over the whole model (every "
+                   "bucket serialized and rebuilt every update, one share per storage)")
+    p.add_argument("--no-registered", dest="registered", action="store_false",
+                   help="skip the rows of payloads registered once")
+    p.add_argument("--per-tensor", action="store_true",
+                   help="also time stateless senders (export every update) with SGLang's "
+                   "per-tensor wire (plan cache off / on) and one share per storage")
+    p.add_argument("--per-tensor-layers", type=int, default=4)
+    p.add_argument("--per-tensor-repeats", type=int, default=5)
+    p.add_argument("--no-digest", dest="digest", action="store_false",
+                   help="skip the digest check after every update of the whole-model rows")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per engine request")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
@@ -393,6 +493,8 @@ def main(argv=None) -> int:
         p.error("--repeats must be at least 3")
     if args.warmup < 2:
         p.error("--warmup must be at least 2")
+    if args.per_tensor_repeats < 3:
+        p.error("--per-tensor-repeats must be at least 3")
     default = QWEN35 if args.device == "cuda" else TINY
     for key, value in default.items():
         if getattr(args, key) is None:

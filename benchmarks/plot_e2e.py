@@ -31,8 +31,8 @@ def draw(plt, data):
     if per_update:
         left.bar([i + width / 2 for i in x],
                  [per_update.get((r["format"], r["moe_tp"]), {}).get("ratio", 0) for r in registered],
-                 width, color="#ff7f0e", label="shared every update (SGLang wire format, first "
-                 f"{next(iter(per_update.values()))['layers']} layers)")
+                 width, color="#ff7f0e", label="serialized every update (update_weights_from_"
+                 f"tensor protocol, {next(iter(per_update.values())).get('layers', '?')} layers)")
     for i, r in enumerate(registered):
         left.text(i - (width / 2 if per_update else 0), r["ratio"] + 0.01, f"{r['ratio']:.2f}",
                   ha="center", fontsize=8)

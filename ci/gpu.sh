@@ -219,6 +219,7 @@ ONE_GPU_FILES=(
     "suites/selftest/test_fastcopy.py 120"
     "suites/selftest/test_gpu_ipc.py 240"
     "suites/selftest/test_e2e_sync.py 180"
+    "suites/selftest/test_per_update_sync.py 150"
     "suites/selftest/test_gpu_nccl.py 60"
     "tests/test_ranks_gpu.py 90"
 )
@@ -318,16 +319,16 @@ if has_stage bench; then
         say "   benchmarks/bench_expert_sync.py not present"
     fi
     if [ -f benchmarks/bench_e2e.py ]; then
-        left=$(remaining); limit=360; [ "$left" -lt "$limit" ] && limit=$((left - 5))
+        left=$(remaining); limit=480; [ "$left" -lt "$limit" ] && limit=$((left - 5))
         if [ "$limit" -lt 60 ]; then
             say "   bench_e2e.py: not run, the overall limit is spent"; STATUS=1
         else
-            say "-- bench_e2e.py --device cuda (1 GPU, 40 Qwen3.5-35B-A3B layers, ~130 GiB; limit ${limit}s)"
+            say "-- bench_e2e.py --device cuda --per-update (1 GPU, 40 Qwen3.5-35B-A3B layers, ~130 GiB; limit ${limit}s)"
             start=$(date +%s)
             CUDA_VISIBLE_DEVICES=0 timeout -k 15 "$limit" "$PYTHON" benchmarks/bench_e2e.py \
-                --device cuda --json "$RESULTS/bench_e2e.json" >"$RESULTS/bench_e2e.log" 2>&1
+                --device cuda --per-update --json "$RESULTS/bench_e2e.json" >"$RESULTS/bench_e2e.log" 2>&1
             rc=$?
-            grep -E "^(registered|per_update)|BIT CHECK|Error" "$RESULTS/bench_e2e.log" | sed 's/^/    /' | tee -a "$SUMMARY"
+            grep -E "^(registered|per_update|per_tensor|per_storage)|BIT CHECK|Error" "$RESULTS/bench_e2e.log" | sed 's/^/    /' | tee -a "$SUMMARY"
             say "   bench_e2e.py: exit $rc after $(( $(date +%s) - start )) s"
             [ "$rc" -ne 0 ] && STATUS=1
         fi

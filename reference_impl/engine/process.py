@@ -41,8 +41,9 @@ class UpdateReport:
     ``None`` when not asked for). ``seconds``: host time of each stage in the receiver -
     ``receive`` (deserializing, or finding registered payloads), ``load`` (begin / load / end:
     validation or a plan-cache hit, and queuing the copies), ``synchronize`` (waiting for the
-    device to finish them). ``cache``: what the plan cache did per bucket (``hit``, ``miss``,
-    ``replan``), empty without one."""
+    device to finish them and every earlier bucket's; nothing for a bucket sent with
+    ``sync=False``, whose ``memory`` is ``None`` too). ``cache``: what the plan cache did per
+    bucket (``hit``, ``miss``, ``replan``), empty without one."""
 
     rank: int
     entries: int
@@ -154,12 +155,19 @@ class ReceiverProcess:
 
     def post_update(self, data: Optional[bytes], load_format: Optional[str] = None,
                     registrations=(), *, begin: bool = True, end: bool = True,
-                    memory: bool = True) -> None:
+                    memory: bool = True, sync: bool = True) -> None:
         """Send an update without waiting (so several receiver ranks load at once); collect
         its :class:`UpdateReport` with :meth:`result`. ``data`` (a serialized payload) is
-        loaded first, then each registered payload."""
+        loaded first, then each registered payload.
+
+        ``sync=False`` (a bucket that is not the last of its update, whose sources the sender
+        leaves alone until the update ends): the engine answers as soon as the copies are
+        queued, keeping what it rebuilt alive until it next waits for the device - at the
+        update's end, at a bucket sent with ``sync=True``, or on an error - so the sender
+        prepares the next bucket while this one is copied. A bucket with ``end`` is always
+        waited for."""
         ids = tuple(getattr(r, "id", r) for r in registrations)
-        self._post(("update", data, load_format, ids, begin, end, memory))
+        self._post(("update", data, load_format, ids, begin, end, memory, sync))
 
     @property
     def pending(self) -> bool:
@@ -191,6 +199,12 @@ class ReceiverProcess:
 
     def memory(self) -> MemoryStats:
         return self._request(("memory",))
+
+    def digest(self) -> tuple[int, int]:
+        """:func:`bits_digest` of every parameter: a cheap exact check after each update (the
+        sum over ranks equals the trainer's digest of the same elements when no element is
+        padding or sent twice); :meth:`check` places a wrong element."""
+        return self._request(("digest",))
 
     def _request(self, message):
         self._post(message)
@@ -233,6 +247,35 @@ class ReceiverProcess:
         return error
 
 
+#: Elements per step of :func:`bits_digest` (a 32-bit temporary of this many elements).
+DIGEST_CHUNK = 1 << 25
+
+
+def bits_digest(tensors) -> tuple[int, int]:
+    """``(sum of x, sum of x * x)`` over every element of ``tensors``, ``x`` its bits as
+    signed 16-bit integers (bytes for 1-byte types): exact, independent of element order and
+    placement, so the engine ranks' digests add up to the trainer's for the same elements. An
+    element an update missed holds another version's bits and changes both sums (a check
+    that an update landed everywhere, not a proof: :meth:`ReceiverProcess.check` compares
+    every element with the oracle)."""
+    total, squares = 0, 0
+    for tensor in tensors:
+        if tensor.numel() == 0:
+            continue
+        # 16-bit pieces (bytes for 1-byte types): squares stay far below 2^63 in the sums
+        width = torch.int8 if tensor.element_size() == 1 else torch.int16
+        flat = tensor.detach().reshape(-1).view(width)
+        s1 = torch.zeros((), dtype=torch.int64, device=flat.device)
+        s2 = torch.zeros((), dtype=torch.int64, device=flat.device)
+        for start in range(0, flat.numel(), DIGEST_CHUNK):
+            x = flat[start:start + DIGEST_CHUNK].to(torch.int32)
+            s1 += x.sum(dtype=torch.int64)
+            s2 += x.mul_(x).sum(dtype=torch.int64)  # squares of 16-bit values fit 31 bits
+        total += int(s1)
+        squares += int(s2)
+    return total, squares
+
+
 def _receiver_main(conn, device: str) -> None:
     """Serve requests until told to stop; every reply is ``("ok", value)`` or ``("error", ...)``."""
     torch.set_num_threads(1)
@@ -241,7 +284,8 @@ def _receiver_main(conn, device: str) -> None:
         torch.cuda.set_device(dev)
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-    state = {"receiver": None, "keep": False, "kept": [], "registered": {}, "next_id": 0}
+    state = {"receiver": None, "keep": False, "kept": [], "registered": {}, "next_id": 0,
+             "inflight": []}
     conn.send(("ok", os.getpid()))
     while True:
         try:
@@ -249,12 +293,24 @@ def _receiver_main(conn, device: str) -> None:
         except (EOFError, OSError):
             return
         if message[0] == "stop":
+            _settle(state, dev)
             return
         try:
             reply = ("ok", _serve(state, dev, message))
         except BaseException as exc:  # reported to the trainer side, which raises it
             reply = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+            try:
+                _settle(state, dev)  # no copy of an earlier bucket outlives the answer
+            except BaseException:
+                pass
         conn.send(reply)
+
+
+def _settle(state: dict, device: torch.device) -> None:
+    """Wait for every queued copy, then drop the payloads they read (closing mappings)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    state["inflight"].clear()
 
 
 def _on_device(rebuilt, device: torch.device):
@@ -280,12 +336,16 @@ def _serve(state: dict, device: torch.device, message):
     from pytest_weightsync.reference_impl.engine.receiver import ReferenceReceiver
 
     kind = message[0]
+    if kind != "update" and state["inflight"]:
+        _settle(state, device)  # nothing else runs beside copies still in flight
     if kind == "configure":
         _, spec, topo, rank, keep, poison, *rest = message
         plan_cache = rest[0] if rest else True
         state["kept"].clear()
         state["registered"].clear()
         state["receiver"] = None
+        if device.type == "cuda":  # the old parameters' memory back to the device first
+            torch.cuda.empty_cache()
         receiver = ReferenceReceiver(spec, topo, rank, device, plan_cache=plan_cache)
         if poison:
             for tensor in receiver.params.values():
@@ -295,6 +355,8 @@ def _serve(state: dict, device: torch.device, message):
     receiver = state["receiver"]
     if kind == "memory":
         return memory_stats(device)
+    if kind == "digest" and receiver is not None:
+        return bits_digest(receiver.params.values())
     if receiver is None:
         raise ReceiverProcessError(f"{kind!r} before 'configure'")
     if kind == "register":
@@ -325,7 +387,8 @@ def _serve(state: dict, device: torch.device, message):
                               version, seed, xor)
     if kind == "update":
         _, data, load_format, *rest = message
-        ids, begin, end, memory = rest if rest else ((), True, True, True)
+        ids, begin, end, memory, *more = rest if rest else ((), True, True, True)
+        sync = end or (more[0] if more else True) or device.type != "cuda"
         t0 = time.perf_counter()
         payloads, rebuilt = [], None
         if data is not None:
@@ -346,16 +409,18 @@ def _serve(state: dict, device: torch.device, message):
         if end:
             receiver.end_update()
         t2 = time.perf_counter()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # every copy done before the mappings close
-        t3 = time.perf_counter()
         sizes = [_size(p) for p in payloads]
         if state["keep"] and rebuilt is not None:
             state["kept"].append(rebuilt)
+        if sync:
+            _settle(state, device)  # every copy done before the mappings close
+        elif rebuilt is not None:
+            state["inflight"].append(rebuilt)  # read by queued copies: closed at the next wait
+        t3 = time.perf_counter()
         del payloads, rebuilt
         return UpdateReport(receiver.rank, sum(e for e, _ in sizes), sum(b for _, b in sizes),
                             tuple((n, t.data_ptr()) for n, t in receiver.params.items()),
-                            memory_stats(device) if memory else None,
+                            memory_stats(device) if memory and sync else None,
                             {"receive": t1 - t0, "load": t2 - t1, "synchronize": t3 - t2},
                             tuple(cache))
     if kind == "params":

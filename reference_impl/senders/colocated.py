@@ -19,6 +19,15 @@ the trainer updates its weights in place. Measured on one H200 for 8 Qwen3.5-35B
   receiver's plan cache (:mod:`plan_cache`) recognises each bucket by its table and addresses
   and replays its copy plan.
 
+The same sender also drives SGLang's per-update protocol (``ColocatedSync(...,
+per_update=True)``): nothing is registered, and every update sends each rank, per bucket,
+freshly serialized bytes - every storage shared again (a new IPC handle, reference-counter slot
+and CUDA event, as ``update_weights_from_tensor`` does), with the bucket's table, which does not
+change, pickled once - and the engine rebuilds the payload, recognises it by its table and
+addresses (the plan cache keeps the previous payload's storages alive, so reopening a handle
+finds the same mapping), replays the validated plan and drops the payload. Host work per update
+is then per storage (two per layer), not per entry.
+
 A staged bucket is refilled only after every rank has answered for the previous one (one
 arena, reused), so a sender never overwrites memory a receiver still reads.
 """
@@ -115,11 +124,15 @@ class ColocatedSender:
     every bucket's staging at once, i.e. one bucket); layers are grouped into buckets that fit
     it, a layer alone too big for it is an error. When the staging takes several buckets and
     a layer fits half the budget, the buckets alternate between two arenas of half the budget
-    each, so :class:`ColocatedSync` stages one bucket while the engines read the previous."""
+    each, so :class:`ColocatedSync` stages one bucket while the engines read the previous.
+    ``bucket_bytes``: the most payload bytes one rank gets in one bucket (None: no limit), what
+    a real sender's bucket size (slime's ``update_weight_buffer_size``) is; a layer is never
+    split, a layer alone larger than the limit is a bucket of its own. Several buckets let the
+    engine copy one while the next is prepared and sent (:class:`ColocatedSync`)."""
 
     def __init__(self, fmt: str, spec, topo, full: Mapping[int, Sequence], *,
                  layers: Optional[Iterable[int]] = None, staging_bytes: Optional[int] = None,
-                 device=None):
+                 device=None, bucket_bytes: Optional[int] = None):
         senders.check_format(fmt)
         self.fmt, self.spec, self.topo = fmt, spec, topo
         self.load_format = "direct" if fmt == "direct" else None
@@ -128,17 +141,24 @@ class ColocatedSender:
         if not layers:
             raise WeightSyncError("ColocatedSender needs at least one layer")
         device = torch.device(device) if device is not None else full[layers[0]][0].gate.device
-        need = {}
+        if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
+                                         or not isinstance(bucket_bytes, int) or bucket_bytes < 0):
+            raise WeightSyncError(f"bucket_bytes must be None or an int >= 0, got {bucket_bytes!r}")
+        need, carried = {}, {}
         for layer in layers:
             sizes: list = []
+            most = 0
             for rank in self.ranks:
-                senders.layer_payload(fmt, spec, topo, rank, full, layer, _measuring_alloc(sizes))
-            need[layer] = _aligned_total(sizes)
-        groups = self._group(layers, need, staging_bytes)
+                entries, _ = senders.layer_payload(fmt, spec, topo, rank, full, layer,
+                                                   _measuring_alloc(sizes))
+                most = max(most, sum(t.numel() * t.element_size() for _, t in entries))
+            need[layer], carried[layer] = _aligned_total(sizes), most
+        limits = (carried, bucket_bytes)
+        groups = self._group(layers, need, staging_bytes, limits)
         count = 1
         if staging_bytes is not None and len(groups) > 1 and any(need.values()):
             try:  # two arenas of half the budget each: bucket b + 1 is staged while b is read
-                groups, count = self._group(layers, need, staging_bytes // 2), 2
+                groups, count = self._group(layers, need, staging_bytes // 2, limits), 2
             except StagingBudgetError:
                 pass
         sizes = [0] * count
@@ -151,21 +171,27 @@ class ColocatedSender:
         self.buckets = [self._bucket(group, full, index % count) for index, group in enumerate(groups)]
 
     @staticmethod
-    def _group(layers, need, budget) -> list:
-        if budget is None:
+    def _group(layers, need, budget, limits=({}, None)) -> list:
+        """Consecutive layers whose staging fits ``budget`` (None: any) and whose payload per
+        rank fits ``limits`` = (bytes per layer, the most per bucket or None)."""
+        carried, most = limits
+        if budget is None and most is None:
             return [list(layers)]
-        groups, current, used = [], [], 0
+        groups, current, used, size = [], [], 0, 0
         for layer in layers:
-            if need[layer] > budget:
+            if budget is not None and need[layer] > budget:
                 raise StagingBudgetError(
                     f"layer {layer} needs {need[layer]} B of staging tensors, more than "
                     f"staging_bytes={budget}: raise the budget (a layer is never split)")
             start = _aligned(used)
-            if current and start + need[layer] > budget:
+            full = budget is not None and start + need[layer] > budget
+            full = full or (most is not None and size + carried[layer] > most)
+            if current and full:
                 groups.append(current)
-                current, start = [], 0
+                current, start, size = [], 0, 0
             current.append(layer)
             used = start + need[layer]
+            size += carried.get(layer, 0)
         groups.append(current)
         return groups
 
@@ -205,8 +231,10 @@ class ColocatedSender:
         return self.buckets[index].entries[self._rank(rank)]
 
     def serialize(self, index: int, rank: int) -> bytes:
-        """Bucket ``index`` for receiver ``rank``, serialized for registration (one
-        serialization per engine rank: torch counts references per serialization)."""
+        """Bucket ``index`` for receiver ``rank``, serialized for registration or for one
+        update of the per-update protocol (one serialization per engine rank and message:
+        torch counts references per serialization): one IPC share per storage, the table
+        pickled once."""
         return self.buckets[index].shared[self._rank(rank)].serialize()
 
     def _rank(self, rank: int) -> int:
@@ -244,17 +272,26 @@ class SyncTiming:
 class ColocatedSync:
     """A :class:`ColocatedSender` and one engine process per receiver rank
     (:class:`~pytest_weightsync.reference_impl.engine.process.ReceiverProcess`, configured): payloads
-    registered once, then :meth:`update` per training step."""
+    registered once, then :meth:`update` per training step.
 
-    def __init__(self, sender: ColocatedSender, engines: Sequence):
+    ``per_update=True``: SGLang's ``update_weights_from_tensor`` protocol instead - nothing is
+    registered; every update serializes every bucket for every rank again (each storage shared
+    anew, the table pickled once per bucket) and the engine rebuilds, recognises and loads it,
+    then drops it."""
+
+    def __init__(self, sender: ColocatedSender, engines: Sequence, *, per_update: bool = False):
         if len(engines) != sender.topo.world_size:
             raise WeightSyncError(f"{len(engines)} engine process(es) for a receiver of "
                                   f"{sender.topo.world_size} rank(s)")
         self.sender, self.engines = sender, list(engines)
+        self.per_update = bool(per_update)
         self.registrations: list = []
 
     def register(self) -> float:
-        """Share every bucket with every rank once; returns the seconds it took."""
+        """Share every bucket with every rank once; returns the seconds it took (none in the
+        per-update protocol: every update shares again)."""
+        if self.per_update:
+            return 0.0
         t0 = time.perf_counter()
         for index in range(len(self.sender.buckets)):
             self.registrations.append([engine.register(self.sender.serialize(index, rank))
@@ -266,8 +303,9 @@ class ColocatedSync:
 
         Buckets are pipelined: bucket ``b + 1`` is staged while the engines load bucket ``b``
         unless it refills the arena ``b`` is read from (then the engines' answers come
-        first)."""
-        if not self.registrations:
+        first); a bucket of views is answered once its copies are queued, so bucket ``b + 1``
+        is serialized, sent, rebuilt and recognised while the device copies bucket ``b``."""
+        if not self.registrations and not self.per_update:
             self.register()
         timing = SyncTiming()
         buckets = self.sender.buckets
@@ -286,10 +324,19 @@ class ColocatedSync:
                     pending = self._collect(timing)
                 t2 = time.perf_counter()
                 pending = index
+                # A staged bucket is waited for before its answer (its arena is refilled
+                # later); a bucket of views is not: the engine answers once its copies are
+                # queued and copies it while the next bucket is prepared and sent. The
+                # update's last bucket is always waited for.
+                sync = bool(buckets[index].staged_bytes)
                 for rank, engine in enumerate(self.engines):
-                    engine.post_update(None, self.sender.load_format,
-                                       [self.registrations[index][rank]],
-                                       begin=index == 0, end=index == last, memory=memory)
+                    if self.per_update:  # the bytes SGLang's update_weights_from_tensor gets
+                        data, registered = self.sender.serialize(index, rank), ()
+                    else:
+                        data, registered = None, [self.registrations[index][rank]]
+                    engine.post_update(data, self.sender.load_format, registered,
+                                       begin=index == 0, end=index == last, memory=memory,
+                                       sync=sync)
                 timing.export += t1 - t0
                 timing.serialize += time.perf_counter() - t2
             pending = self._collect(timing)

@@ -49,15 +49,29 @@ class IpcError(WeightSyncError):
 # --------------------------------------------------------------------------------------------
 
 
+#: GPU index -> UUID and back, as this process numbers its GPUs (fixed for its lifetime:
+#: ``CUDA_VISIBLE_DEVICES`` is read once). Asked once per shared storage on both sides, so
+#: looked up once.
+_UUIDS: dict = {}
+_INDICES: dict = {}
+
+
 def _device_uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
+    uuid = _UUIDS.get(index)
+    if uuid is None:
+        uuid = _UUIDS[index] = str(torch.cuda.get_device_properties(index).uuid)
+    return uuid
 
 
 def _device_index(uuid_or_index) -> int:
     if isinstance(uuid_or_index, int):
         return uuid_or_index
+    index = _INDICES.get(uuid_or_index)
+    if index is not None:
+        return index
     for index in range(torch.cuda.device_count()):
         if _device_uuid(index) == uuid_or_index:
+            _INDICES[uuid_or_index] = index
             return index
     raise IpcError(f"no visible GPU has UUID {uuid_or_index!r} (this process sees "
                    f"{torch.cuda.device_count()} GPU(s)); the sender's GPU must be visible")

@@ -1,0 +1,314 @@
+"""SGLang's per-update protocol at the copy limit: every update serialized again (each storage
+shared anew, the table pickled once), the engine rebuilding, recognising and loading it.
+
+CPU: the wire (one handle per storage), the plan cache recognising plain lists by their
+signature (and everything that must still take the full path), the digest the benchmark checks
+after every update, and the whole path through spawned engine processes over shared memory.
+GPU (``@pytest.mark.gpu``): the same path over CUDA IPC, the plan cache's CUDA graphs replayed
+from the second update on. Expected values come from the synthetic oracle, never from a sender.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pytest_weightsync.reference_impl.engine import process as engine_process  # noqa: E402
+from pytest_weightsync.reference_impl.engine.receiver import (  # noqa: E402
+    DuplicateEntryError,
+    LazyViewError,
+    PayloadDtypeError,
+    ReferenceReceiver,
+    TensorStorageError,
+)
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology  # noqa: E402
+from pytest_weightsync.reference_impl.oracle import synth  # noqa: E402
+from pytest_weightsync.reference_impl.oracle.oracle_check import first_mismatch  # noqa: E402
+from pytest_weightsync.reference_impl.senders import formats as senders  # noqa: E402
+from pytest_weightsync.reference_impl.senders.colocated import ColocatedSender, ColocatedSync  # noqa: E402
+from pytest_weightsync.reference_impl.transport import ipc  # noqa: E402
+from pytest_weightsync.reference_impl.transport.shared_payload import (  # noqa: E402
+    ReceivedPayload,
+    SharedPayloadError,
+    serialize_storages,
+)
+
+SPEC = MoESpec(num_layers=3, num_experts=4, hidden=32, intermediate=16)
+FORMATS = ("direct", "packed", "hf_fused", "compat")
+LOAD_FORMAT = {"direct": "direct", "packed": None, "hf_fused": None, "compat": None}
+
+
+def xor_weights(full, mask: int) -> None:
+    """Every trainer element becomes ``bits ^ mask`` (in place, storages unchanged)."""
+    signed = mask - 0x10000 if mask >= 0x8000 else mask
+    done = set()
+    for layer in full.values():
+        for w in layer:
+            for t in (w.gate, w.up, w.down):
+                if id(t) not in done:
+                    t.view(torch.int16).bitwise_xor_(signed)
+                    done.add(id(t))
+
+
+def trainer_digest(full):
+    storages = {}
+    for layer in full.values():
+        for w in layer:
+            for t in (w.gate, w.down):
+                s = t.untyped_storage()
+                storages.setdefault(s.data_ptr(), torch.empty(0, dtype=torch.int16, device=t.device)
+                                    .set_(s, 0, (s.nbytes() // 2,), (1,)))
+    return engine_process.bits_digest(storages.values())
+
+
+def poisoned(topo, rank, plan_cache=True):
+    receiver = ReferenceReceiver(SPEC, topo, rank, "cpu", plan_cache=plan_cache)
+    for t in receiver.params.values():
+        synth.poison_(t)
+    return receiver
+
+
+# --------------------------------------------------------------------------------------------
+# The wire: one handle per storage
+# --------------------------------------------------------------------------------------------
+
+
+def test_serialize_storages_shares_each_storage_once_and_rebuilds_every_tensor():
+    full = synth.grouped_full_weights(SPEC, 1)
+    payload = senders.export("compat", SPEC, ReceiverTopology(), 0, full)
+    received = ipc.deserialize(serialize_storages(payload))
+    assert isinstance(received, ReceivedPayload)
+    assert received.entries == len(payload) and len(received.wholes) == 2 * SPEC.num_layers
+    for (name, t), (other, r) in zip(payload, received):
+        assert name == other and r.shape == t.shape and r.stride() == t.stride()
+        assert torch.equal(t.view(torch.int16), r.view(torch.int16)), name
+    with pytest.raises(SharedPayloadError, match="requires grad"):
+        serialize_storages([("x", torch.zeros(2, requires_grad=True))])
+    with pytest.raises(SharedPayloadError, match="not a \\(name, tensor\\) pair"):
+        serialize_storages([("x", [1, 2])])
+
+
+# --------------------------------------------------------------------------------------------
+# The plan cache recognises plain lists by their signature
+# --------------------------------------------------------------------------------------------
+
+
+def count_plans(receiver, monkeypatch):
+    calls = []
+    real = receiver.plan
+
+    def plan(payload, load_format=None):
+        calls.append(len(payload))
+        return real(payload, load_format)
+    monkeypatch.setattr(receiver, "plan", plan)
+    return calls
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_list_seen_before_is_replayed_without_validating_again(fmt, monkeypatch):
+    topo = ReceiverTopology(tp=2)
+    full = synth.grouped_full_weights(SPEC, 2)
+    receiver = poisoned(topo, 1)
+    calls = count_plans(receiver, monkeypatch)
+    payload = senders.export(fmt, SPEC, topo, 1, full)
+    mask = 0
+    for step, new in enumerate((0x0111, 0x0222, 0x0333)):
+        xor_weights(full, mask ^ new)
+        mask = new
+        if fmt == "direct":  # staged at MoE-TP 2: the same staging tensors, refilled
+            for (_, t), (_, f) in zip(payload, senders.export(fmt, SPEC, topo, 1, full)):
+                t.copy_(f)
+        receiver.begin_update()
+        receiver.load(list(payload), LOAD_FORMAT[fmt])  # a new list of the same tensors
+        receiver.end_update()
+        assert receiver.plan_cache.stats.last == ("miss" if step == 0 else "hit")
+        assert first_mismatch(receiver.params, SPEC, topo, 1, 2, xor=mask) is None
+    assert calls == [len(payload)], "validated once, then recognised"
+
+
+def test_a_list_that_differs_in_anything_a_check_reads_is_validated_in_full(monkeypatch):
+    topo = ReceiverTopology()
+    full = synth.grouped_full_weights(SPEC, 3)
+    receiver = poisoned(topo, 0)
+    calls = count_plans(receiver, monkeypatch)
+    payload = senders.export("packed", SPEC, topo, 0, full, [0])
+    receiver.load(payload, None)
+    receiver.load(payload, None)
+    assert calls == [2] and receiver.plan_cache.stats.last == "hit"
+    snapshot = {n: t.clone() for n, t in receiver.params.items()}
+    name, w13 = payload[0]
+    with pytest.raises(PayloadDtypeError):  # same names, other dtype
+        receiver.load([(name, w13.float()), payload[1]], None)
+    with pytest.raises(LazyViewError):  # same names, a lazy negation view of the same memory
+        receiver.load([(name, w13._neg_view()), payload[1]], None)
+    freed = w13.clone()
+    freed.untyped_storage().resize_(0)  # same names and shapes, storage freed
+    with pytest.raises(TensorStorageError):
+        receiver.load([(name, freed), payload[1]], None)
+    assert all(torch.equal(t.view(torch.int16), snapshot[n].view(torch.int16))
+               for n, t in receiver.params.items()), "a refusal wrote"
+    receiver.begin_update()
+    receiver.load(payload, None)  # a hit
+    with pytest.raises(DuplicateEntryError, match="already carried"):
+        receiver.load(payload, None)  # the same bucket again in one update: the full path names it
+    strided = [(name, w13.transpose(1, 2).contiguous().transpose(1, 2)), payload[1]]
+    receiver.begin_update()
+    receiver.load(strided, None)
+    assert receiver.plan_cache.stats.last == "replan"
+    plain = poisoned(topo, 0, plan_cache=False)
+    plain.load(payload, None)
+    for name in ("model.layers.0.mlp.experts.w13_weight", "model.layers.0.mlp.experts.w2_weight"):
+        assert torch.equal(receiver.params[name].view(torch.int16), plain.params[name].view(torch.int16))
+
+
+def test_a_list_for_another_receiver_over_the_same_parameters_is_planned_again(monkeypatch):
+    full = synth.grouped_full_weights(SPEC, 4)
+    gate_up = poisoned(ReceiverTopology(), 0)
+    payload = senders.export("compat", SPEC, ReceiverTopology(), 0, full)
+    gate_up.load(payload, None)
+    up_gate = ReferenceReceiver(SPEC, ReceiverTopology(order="up_gate"), 0, "cpu",
+                                params=gate_up.params)
+    up_gate.plan_cache = gate_up.plan_cache  # one cache per parameter set, as the reference keeps
+    calls = count_plans(up_gate, monkeypatch)
+    up_gate.load(payload, None)
+    assert calls == [len(payload)], "a cached plan of another receiver order was replayed"
+    assert first_mismatch(up_gate.params, SPEC, ReceiverTopology(order="up_gate"), 0, 4) is None
+
+
+def test_buckets_hold_at_most_bucket_bytes_of_payload_per_rank():
+    full = synth.grouped_full_weights(SPEC, 8)
+    layer = 3 * SPEC.num_experts * SPEC.intermediate * SPEC.hidden * 2  # every expert, one layer
+    groups = lambda s: [b.layers for b in s.buckets]  # noqa: E731
+    assert groups(ColocatedSender("packed", SPEC, ReceiverTopology(), full)) == [[0, 1, 2]]
+    two = ColocatedSender("compat", SPEC, ReceiverTopology(tp=2), full, bucket_bytes=2 * layer)
+    assert groups(two) == [[0, 1], [2]], "rank-independent: each rank gets every expert"
+    local = ColocatedSender("direct", SPEC, ReceiverTopology(tp=2), full, bucket_bytes=layer)
+    assert groups(local) == [[0, 1], [2]], "direct at MoE-TP 2: half a layer per rank"
+    assert groups(ColocatedSender("hf_fused", SPEC, ReceiverTopology(), full, bucket_bytes=0)) == \
+        [[0], [1], [2]], "a layer larger than the limit travels alone"
+    staged = ColocatedSender("direct", SPEC, ReceiverTopology(tp=2), full,
+                             staging_bytes=3 * layer, bucket_bytes=layer // 2)
+    assert groups(staged) == [[0], [1], [2]] and staged.staged_bytes == 3 * layer
+    with pytest.raises(Exception, match="bucket_bytes"):
+        ColocatedSender("packed", SPEC, ReceiverTopology(), full, bucket_bytes=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# The digest checked after every update
+# --------------------------------------------------------------------------------------------
+
+
+def test_bits_digest_is_placement_free_and_sees_a_missed_element():
+    a = synth.poison_(torch.empty(64, 32, dtype=torch.bfloat16))
+    digest = engine_process.bits_digest([a])
+    assert digest == engine_process.bits_digest([a[:10], a[10:].t().contiguous()])
+    assert digest == engine_process.bits_digest([a.flip(0)])
+    stale = a.clone()
+    stale.view(torch.int16)[3, 7] ^= 0x0101
+    assert engine_process.bits_digest([stale]) != digest
+
+
+# --------------------------------------------------------------------------------------------
+# End to end through engine processes (shared memory on CPU)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_engines():
+    engines = [engine_process.ReceiverProcess("cpu", timeout=120), engine_process.ReceiverProcess("cpu", timeout=120)]
+    for engine in engines:
+        engine.start()
+    yield engines
+    for engine in engines:
+        engine.close()
+    assert all(engine.pid is None for engine in engines)
+
+
+def per_update(engines, fmt, topo, full, masks, staging_bytes=None, bucket_bytes=None):
+    sync = ColocatedSync(ColocatedSender(fmt, SPEC, topo, full, staging_bytes=staging_bytes,
+                                         bucket_bytes=bucket_bytes), engines, per_update=True)
+    assert sync.register() == 0.0 and sync.registrations == []
+    caches, current = [], 0
+    for mask in masks:
+        xor_weights(full, current ^ mask)
+        current = mask
+        timing = sync.update()
+        caches.append(timing.cache)
+        assert set(timing.ranks) == set(range(topo.world_size))
+        got = [e.digest() for e in engines]
+        assert tuple(map(sum, zip(*got))) == trainer_digest(full)
+    return sync, caches
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_per_update_protocol_through_engine_processes_is_exact_and_recognises_every_bucket(
+        cpu_engines, fmt):
+    topo = ReceiverTopology(tp=2)
+    full = synth.grouped_full_weights(SPEC, 5)
+    ptrs = [e.configure(SPEC, topo, r) for r, e in enumerate(cpu_engines)]
+    layer = 3 * SPEC.num_experts * SPEC.intermediate * SPEC.hidden * 2
+    sync, caches = per_update(cpu_engines, fmt, topo, full, (0x0101, 0x0202, 0x0303),
+                              staging_bytes=2 * layer + 100,  # direct: buckets on two arenas
+                              bucket_bytes=2 * layer)
+    buckets = len(sync.sender.buckets) * topo.world_size
+    assert caches == [["miss"] * buckets, ["hit"] * buckets, ["hit"] * buckets]
+    assert [e.check(5, 0, 0x0303) for e in cpu_engines] == [None, None]
+    cpu_engines[0].post_update(sync.sender.serialize(0, 0), sync.sender.load_format,
+                               begin=False, end=False)  # one more bucket, outside an update
+    assert dict(cpu_engines[0].result().param_ptrs) == ptrs[0]
+    sync.close()
+    for engine in cpu_engines:
+        engine.reset()
+
+
+def test_per_update_protocol_refuses_a_bad_bucket_and_keeps_the_parameters(cpu_engines):
+    topo = ReceiverTopology()
+    full = synth.grouped_full_weights(SPEC, 6)
+    cpu_engines[0].configure(SPEC, topo, 0)
+    per_update(cpu_engines[:1], "compat", topo, full, (0x0404, 0x0505))
+    bad = [(n, t.float()) for n, t in senders.export("packed", SPEC, topo, 0, full, [0])]
+    with pytest.raises(engine_process.ReceiverProcessError, match="dtype torch.float32"):
+        cpu_engines[0].update(serialize_storages(bad), None)
+    assert cpu_engines[0].check(6, 0, 0x0505) is None, "a refused bucket wrote something"
+    cpu_engines[0].reset()
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the same path over CUDA IPC
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, tp", [("direct", 1), ("packed", 2), ("compat", 1), ("direct", 2)])
+def test_gpu_per_update_protocol_over_cuda_ipc_is_exact_and_replays_cuda_graphs(fmt, tp):
+    spec = MoESpec(num_layers=3, num_experts=16, hidden=256, intermediate=128)
+    topo = ReceiverTopology(tp=tp)
+    full = synth.grouped_full_weights(spec, 7, device="cuda")
+    engines = [engine_process.ReceiverProcess("cuda:0", timeout=120) for _ in range(tp)]
+    try:
+        ptrs = [e.configure(spec, topo, r) for r, e in enumerate(engines)]
+        layer = 3 * spec.num_experts * spec.intermediate * spec.hidden * 2
+        # one layer per bucket: buckets of views are answered before their copies finish
+        sender = ColocatedSender(fmt, spec, topo, full, staging_bytes=2 * layer, bucket_bytes=layer)
+        assert len(sender.buckets) == spec.num_layers
+        sync = ColocatedSync(sender, engines, per_update=True)
+        mask = 0
+        for step in range(5):
+            new = 0x1357 * (step + 1) & 0x7FFF
+            xor_weights(full, mask ^ new)
+            torch.cuda.synchronize()
+            mask = new
+            timing = sync.update(memory=True)
+            want = "miss" if step == 0 else "hit"
+            assert timing.cache == [want] * len(sender.buckets) * tp, timing.cache
+            for reports in timing.reports:
+                for report in reports:
+                    assert dict(report.param_ptrs) == ptrs[report.rank]
+            got = [e.digest() for e in engines]
+            assert tuple(map(sum, zip(*got))) == trainer_digest(full), f"update {step}"
+        assert [e.check(7, 0, mask) for e in engines] == [None] * tp
+        sync.close()
+    finally:
+        for engine in engines:
+            engine.close()
