@@ -19,19 +19,34 @@ group=engine.group)`` for each tensor; :meth:`BroadcastEngine.finish` collects w
 engine rank received, one bucket per call, as the stream the harness judges. Every receive
 times out (:data:`TIMEOUT_S`), and :meth:`BroadcastEngine.close` leaves no thread, socket or
 registered group behind.
+
+The sender's end of the group checks every broadcast against what was announced before the
+collective runs (:class:`BroadcastMismatchError`, naming the announced and the sent dtype,
+shape and bytes). Gloo cannot be trusted with a mismatch: a broadcast longer than the
+receivers' buffers (a float32 tensor where bfloat16 was announced) fails an enforce inside an
+engine thread and aborts the whole process, trainer rank included; a shorter one completes
+and leaves the tail of the buffer with whatever it held; a non-contiguous tensor is sent as its
+storage in memory order. A refused broadcast is not sent: the engine ranks are given zeros of
+exactly what they were announced so that none is left waiting, the rest of the exporter's
+broadcasts on the group return at once without sending, and :meth:`BroadcastEngine.finish`
+raises the refusal instead of returning streams. Broadcasts announced and never sent (an
+exporter that returned early, or raised, or a dtype gloo itself raises on in the sender) are
+given to the engine ranks the same way when the update ends, so no thread waits out its
+timeout.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
 import threading
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
-from pytest_weightsync.wire import WireFormatError, entry_bytes
+from pytest_weightsync.wire import WireFormatError, checked_shape, entry_bytes
 
-#: Seconds an engine rank waits for a broadcast the sender announced (and a sender for one
-#: nobody announced) before the update fails.
+#: Seconds an engine rank waits for a broadcast the sender announced before the update fails
+#: (one nobody announced is refused in the sender at once).
 TIMEOUT_S = 30.0
 #: ``load_format`` values of the distributed path.
 LOAD_FORMATS = (None, "flattened_bucket")
@@ -41,6 +56,29 @@ _GROUP_IDS = itertools.count()
 class BroadcastError(AssertionError):
     """The sender's broadcasts disagree with what it announced (count, dtype, shape), or it
     announced what the engine refuses. The message names the call and the engine rank."""
+
+
+class BroadcastMismatchError(BroadcastError):
+    """A broadcast refused in the sender before the collective ran: of another dtype or size
+    than the announced tensor it stands for, none announced, not one dense contiguous tensor,
+    or not from rank 0. The message names the call, the tensor, and the announced and the sent
+    dtype, shape and bytes."""
+
+
+class _Expected(NamedTuple):
+    """One broadcast the engine ranks wait for: of ``call``, the ``index``-th of ``count``,
+    ``what`` it carries, the ``dtype`` and ``shape`` they allocated."""
+
+    call: int
+    index: int
+    count: int
+    what: str
+    dtype: object
+    shape: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return entry_bytes(self.dtype, self.shape)
 
 
 def _dtype(value):
@@ -63,10 +101,7 @@ def announced(names, dtypes, shapes) -> list:
                               f"{len(shapes)} shapes; an engine zips them")
     out = []
     for name, dtype, shape in zip(names, dtypes, shapes):
-        shape = tuple(int(d) for d in shape)
-        if any(d < 0 for d in shape):
-            raise WireFormatError(f"{name!r:.120}: negative size in shape {shape}")
-        out.append((name, _dtype(dtype), shape))
+        out.append((name, _dtype(dtype), checked_shape(shape, f"{name!r:.120}")))
     return out
 
 
@@ -140,6 +175,87 @@ class _EngineRank(threading.Thread):
         return received
 
 
+_CLASSES: dict = {}
+
+
+def _sender_group_class():
+    """``ProcessGroupGloo`` whose :meth:`broadcast` first asks its engine whether the tensor is
+    the one the engine ranks wait for (both ``dist.broadcast`` and a direct
+    ``group.broadcast`` reach it; the engine ranks' own ends stay plain gloo)."""
+    if "group" not in _CLASSES:
+        import torch.distributed as dist
+
+        class SenderGroup(dist.ProcessGroupGloo):
+            engine = None
+
+            def broadcast(self, *args, **kwargs):
+                engine = self.engine
+                send = super().broadcast
+                if engine is None:
+                    return send(*args, **kwargs)
+                return engine._sender_broadcast(send, args, kwargs)
+
+        _CLASSES["group"] = SenderGroup
+    return _CLASSES["group"]
+
+
+def _done_work():
+    """A completed ``Work``: what a broadcast the engine did not send returns, so that
+    ``dist.broadcast`` (which waits on it) and ``async_op`` callers go on at once."""
+    if "work" not in _CLASSES:
+        import torch
+        import torch.distributed as dist
+
+        class Done(dist.Work):
+            def wait(self, timeout=None):
+                return True
+
+            def is_completed(self):
+                return True
+
+            def is_success(self):
+                return True
+
+            def get_future(self):
+                future = torch.futures.Future()
+                future.set_result([])
+                return future
+
+        _CLASSES["work"] = Done
+    return _CLASSES["work"]()
+
+
+def _broadcast_args(args, kwargs):
+    """``(tensors, root)`` of a ``ProcessGroup.broadcast`` call in either of its forms
+    (``(tensors, opts)`` or ``(tensor, root)``); ``None`` when neither."""
+    import torch
+
+    first = args[0] if args else kwargs.get("tensors", kwargs.get("tensor"))
+    rest = args[1] if len(args) > 1 else kwargs.get("opts", kwargs.get("root"))
+    if isinstance(first, torch.Tensor):
+        return [first], rest if isinstance(rest, int) else 0
+    if not isinstance(first, (list, tuple)):
+        return None
+    return list(first), getattr(rest, "rootRank", 0) if rest is not None else 0
+
+
+def _reads_as(sent, announced) -> bool:
+    """Whether a tensor of dtype ``sent`` carries bytes of ``announced`` as torch's own
+    ``dist.broadcast`` passes them on: the dtype itself, the real view of a complex dtype, the
+    uint8 view of an FP8 dtype."""
+    import torch
+
+    if sent == announced:
+        return True
+    if announced.is_complex:
+        return sent == announced.to_real()
+    return sent == torch.uint8 and announced.is_floating_point and announced.itemsize == 1
+
+
+def _described(dtype, shape) -> str:
+    return f"{dtype} {tuple(shape)}, {entry_bytes(dtype, shape)} bytes"
+
+
 class BroadcastEngine:
     """The ``engine_tp`` ranks of an engine receiving broadcasts from this process (see the
     module docstring). Use it once: announce, broadcast, :meth:`finish`, :meth:`close`."""
@@ -150,6 +266,10 @@ class BroadcastEngine:
         self.calls = 0
         self._group = None
         self._ranks: list = []
+        #: Broadcasts announced and not yet sent, in the order the engine ranks receive them.
+        self._expected: "collections.deque[_Expected]" = collections.deque()
+        #: The first broadcast refused in the sender (its message); nothing is sent after it.
+        self._refusal: Optional[str] = None
 
     @property
     def used(self) -> bool:
@@ -180,7 +300,8 @@ class BroadcastEngine:
         self._ranks = [_EngineRank(r, make_group) for r in range(self.engine_tp)]
         for thread in self._ranks:
             thread.start()
-        group = make_group(0)
+        group = _sender_group_class()(store, 0, size, timeout)
+        group.engine = self
         for thread in self._ranks:
             thread.joined.wait(self.timeout)
         # Registered as torch.distributed.new_group registers a group, so that
@@ -199,25 +320,137 @@ class BroadcastEngine:
         """Announce one bucket: every engine rank allocates it and joins the broadcasts that
         follow (one per tensor, or one flat uint8 buffer with ``load_format=
         "flattened_bucket"``). Returns at once; extra keywords (``group_name``,
-        ``flush_cache``, ``weight_version``) are accepted and ignored."""
+        ``flush_cache``, ``weight_version``) are accepted and ignored. After a refused
+        broadcast an announcement is counted and nothing more (no engine rank listens)."""
+        import torch
+
         if load_format not in LOAD_FORMATS:
             raise WireFormatError(f"load_format {load_format!r}; the distributed path takes "
                                   f"{LOAD_FORMATS}")
         entries = announced(names, dtypes, shapes)
         if load_format == "flattened_bucket":
-            dense_offsets(entries)  # refused here, before anything is broadcast
+            offsets = dense_offsets(entries)  # refused here, before anything is broadcast
         self.group  # noqa: B018 - the engine ranks must be in the group before the broadcasts
         self.calls += 1
+        if self._refusal is not None:
+            return
+        if load_format == "flattened_bucket":
+            first = f", first {entries[0][0]!r:.120}" if entries else ""
+            what = f"the flattened buffer of {len(entries)} announced tensor(s){first}"
+            self._expected.append(_Expected(self.calls, 0, 1, what, torch.uint8,
+                                            (offsets[-1],)))
+        else:
+            self._expected.extend(_Expected(self.calls, i, len(entries), f"{name!r:.120}",
+                                            dtype, shape)
+                                  for i, (name, dtype, shape) in enumerate(entries))
         for thread in self._ranks:
             thread.calls.put((self.calls, entries, load_format))
 
+    # -- the sender's end of the group ---------------------------------------------------------
+
+    def _sender_broadcast(self, send, args, kwargs):
+        """A broadcast the exporter makes on :attr:`group`: sent when it is the next one the
+        engine ranks wait for, else refused (see the module docstring) and not sent."""
+        if self._refusal is not None:
+            return _done_work()
+        parsed = _broadcast_args(args, kwargs)
+        if parsed is None:
+            return send(*args, **kwargs)
+        problem = self._mismatch(*parsed)
+        if problem is None:
+            work = send(*args, **kwargs)  # where gloo raises, the engine ranks still wait for it
+            self._expected.popleft()
+            return work
+        self._refusal = problem
+        self._drain(send)
+        return _done_work()
+
+    def _mismatch(self, tensors, root) -> Optional[str]:
+        """Why the broadcast of ``tensors`` from ``root`` is not the next announced one."""
+        import torch
+
+        tail = "; refused before the collective ran"
+        if root != 0:
+            return (f"a broadcast from group rank {root}: the sender is rank 0 of the "
+                    f"weights-update group, the engine ranks only receive{tail}")
+        if len(tensors) != 1:
+            return (f"a broadcast of {len(tensors)} tensors in one call; the engine ranks "
+                    f"receive one tensor per broadcast{tail}")
+        tensor = tensors[0]
+        if not self._expected:
+            sent = (_described(tensor.dtype, tensor.shape) if isinstance(tensor, torch.Tensor)
+                    else type(tensor).__name__)
+            return (f"a broadcast ({sent}) after call {self.calls}, with no announced tensor "
+                    f"left for the engine ranks to receive: announce every broadcast first "
+                    f"(update_weights_from_distributed){tail}")
+        want = self._expected[0]
+        head = (f"call {want.call}, broadcast {want.index + 1} of {want.count} ({want.what}): "
+                f"announced {_described(want.dtype, want.shape)}")
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+            kind = (f"a {tensor.layout} tensor" if isinstance(tensor, torch.Tensor)
+                    else f"a {type(tensor).__name__}")
+            return f"{head}, sent {kind}; a broadcast carries one dense tensor{tail}"
+        sent = _described(tensor.dtype, tensor.shape)
+        if not tensor.is_contiguous():
+            return (f"{head}, sent a non-contiguous {sent} (strides {tensor.stride()}); NCCL "
+                    f"refuses it and gloo sends its storage in memory order, not its "
+                    f"elements{tail}")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > want.nbytes:
+            why = ("longer than announced: the engine ranks receive into buffers of the "
+                   "announced size (gloo aborts the process, NCCL writes past them)")
+        elif nbytes < want.nbytes:
+            why = (f"shorter than announced: the engine ranks' buffers would keep their old "
+                   f"bytes after byte {nbytes}")
+        elif not _reads_as(tensor.dtype, want.dtype):
+            why = (f"{tensor.dtype} where {want.dtype} was announced: the engine ranks read "
+                   f"its bytes as {want.dtype}")
+        else:
+            return None
+        return f"{head}, sent {sent}: {why}{tail}"
+
+    def _drain(self, send) -> None:
+        """Give every engine rank each broadcast it still waits for (zeros of the announced
+        size), so that none is left waiting after a refusal or an abandoned call."""
+        import torch
+        import torch.distributed as dist
+
+        while self._expected:
+            want = self._expected.popleft()
+            options = dist.BroadcastOptions()
+            options.rootRank = 0
+            try:
+                send([torch.zeros(want.nbytes, dtype=torch.uint8)], options).wait()
+            except Exception:  # an engine rank that is gone: close() stops waiting for it
+                self._expected.clear()
+
+    # -- the end of the update -----------------------------------------------------------------
+
     def finish(self) -> dict:
         """``{engine_rank: stream}``: what every engine rank received, one bucket per call, or
-        :class:`BroadcastError` naming the first call an engine rank could not receive."""
+        :class:`BroadcastError` naming the first call an engine rank could not receive (a
+        :class:`BroadcastMismatchError` for a broadcast refused in the sender)."""
+        pending = list(self._expected)
+        if pending and self._refusal is None and self._group is not None:
+            self._drain(self._unchecked_send)
         for thread in self._ranks:
             thread.calls.put(None)
         for thread in self._ranks:
             thread.join(self.timeout + 5)
+        if self._refusal is not None:
+            raise BroadcastMismatchError(f"broadcast refused in the sender: {self._refusal} "
+                                         f"(nothing of it, nor of any later broadcast, reached "
+                                         f"the engine ranks)")
+        if pending:
+            first = pending[0]
+            calls = sorted({want.call for want in pending})
+            raise BroadcastError(
+                f"engine rank 0: call {first.call}: the broadcast of {first.count} announced "
+                f"tensor(s) failed: {len(pending)} announced broadcast(s) of call(s) {calls} "
+                f"were never sent, first broadcast {first.index + 1} ({first.what}, "
+                f"{_described(first.dtype, first.shape)}) (the sender's broadcasts must follow "
+                f"its announcements: one per announced tensor, in order, of the announced "
+                f"dtype and shape)")
         for thread in self._ranks:
             if thread.is_alive():
                 raise BroadcastError(f"engine rank {thread.rank}: still waiting for a "
@@ -230,17 +463,28 @@ class BroadcastEngine:
                                      f"shape)")
         return {thread.rank: thread.stream for thread in self._ranks}
 
+    def _unchecked_send(self, *args, **kwargs):
+        import torch.distributed as dist
+
+        return dist.ProcessGroupGloo.broadcast(self._group, *args, **kwargs)
+
     def close(self) -> None:
-        """Stop the engine ranks and unregister and drop the group (idempotent)."""
+        """Stop the engine ranks and unregister and drop the group (idempotent); broadcasts
+        announced and never sent (an exporter that raised half way) are given to the engine
+        ranks first, so that none waits out its timeout."""
         from torch.distributed import distributed_c10d as c10d
 
+        if self._expected and self._group is not None:
+            self._drain(self._unchecked_send)
         for thread in self._ranks:
             thread.calls.put(None)
         for thread in self._ranks:
             thread.join(self.timeout + 5)
         if self._group is not None:
+            self._group.engine = None
             c10d._world.pg_group_ranks.pop(self._group, None)
         for thread in self._ranks:
             thread.group = None
         self._group = None
         self._ranks = []
+        self._expected.clear()

@@ -28,10 +28,14 @@ of them in its streams:
     from the sender: :mod:`pytest_weightsync.broadcast`.
 
 The decoders check what a real engine would trip over, before anything is loaded, and name
-the bucket and entry: a metadata range outside the flat tensor, a byte count that does not
-match the shape and dtype, an offset that is not a multiple of the entry's item size (mixed
-dtypes packed without alignment: SGLang's ``reconstruct_tensors`` cannot view it,
-verl#7318), a serialized update without an entry for every engine rank. The encoders
+the bucket and entry: a flat tensor whose storage was freed or is smaller than the tensor, a
+metadata range outside the flat tensor, a shape that is not a sequence of non-negative ints
+(SGLang's ``reshape`` raises on ``(2.9, 8)``, where ``int()`` would quietly read ``(2, 8)``),
+a byte count that does not match the shape and dtype, an offset that is not a multiple of the
+entry's item size (mixed dtypes packed without alignment: SGLang's ``reconstruct_tensors``
+cannot view it, verl#7318), a serialized update without an entry for every engine rank, a
+serialized payload that names any global outside :data:`SAFE_GLOBALS` (refused before it is
+called, as SGLang's ``SafeUnpickler`` refuses it). The encoders
 (:func:`flattened_bucket`, :func:`serialized_update`) are what the reference exporter sends:
 they take strided, transposed, 0-d and empty tensors (``tensor.flatten().view(torch.uint8)``
 raises on a strided 1-D view, verl#6919 / sglang#39535), align every offset, and encode an
@@ -129,6 +133,56 @@ def _meta_fields(meta, where: str) -> tuple:
                               ) from None
 
 
+def checked_shape(shape, what: str) -> tuple:
+    """``shape`` as a tuple of non-negative ints, or :class:`WireFormatError` (``what`` says
+    whose shape). Taken as SGLang's receivers take it (``reshape``, ``torch.empty``): a tuple,
+    list or ``torch.Size`` of ints (anything with ``__index__``, a numpy int included, bool
+    excluded), or one such int for a 1-D shape. A float (even ``2.0``), a bool, a str, a set or
+    a mapping is refused where ``int()`` would quietly truncate or reorder it (``(2.9, 8)``
+    read as ``(2, 8)``); a negative size, which ``reshape`` would infer, is refused as no size
+    a sender can mean."""
+    import operator
+
+    import torch
+
+    if isinstance(shape, bool):
+        raise WireFormatError(f"{what}: shape {shape!r} is a bool, not a sequence of ints")
+    if not isinstance(shape, (tuple, list, torch.Size)):
+        try:
+            return checked_shape((operator.index(shape),), what)
+        except TypeError:
+            raise WireFormatError(f"{what}: shape {shape!r:.80} is a {type(shape).__name__}, "
+                                  f"not a tuple, list or torch.Size of ints") from None
+    dims = []
+    for d in shape:
+        if isinstance(d, bool) or isinstance(d, (float, complex)):
+            raise WireFormatError(f"{what}: shape {tuple(shape)!r:.80} holds the "
+                                  f"{type(d).__name__} {d!r}, not an int (an engine's reshape "
+                                  f"raises on it)")
+        try:
+            size = operator.index(d)
+        except TypeError:
+            raise WireFormatError(f"{what}: shape {tuple(shape)!r:.80} holds a "
+                                  f"{type(d).__name__} {d!r:.40}, not an int") from None
+        if size < 0:
+            raise WireFormatError(f"{what}: negative size {size} in shape {tuple(shape)!r:.80}")
+        dims.append(size)
+    return tuple(dims)
+
+
+def _flat_problem(flat) -> Optional[str]:
+    """Why the bytes of a 1-D uint8 ``flat`` cannot be read (a tensor subclass, the meta
+    device, storage freed or smaller than the tensor); ``None`` if they can."""
+    from pytest_weightsync.reference_impl.engine import tensor_checks
+
+    problem = tensor_checks.kind_problem(flat)
+    if problem is None and flat.device.type == "meta":
+        return "on the meta device: it has no bytes to read"
+    if problem is None:
+        problem = tensor_checks.storage_problem(flat)
+    return None if problem is None else problem[1]
+
+
 def decode_flattened(bucket, *, where: str = "flattened bucket") -> list:
     """``[(name, tensor)]`` of a flattened bucket (views into its flat tensor, as SGLang's
     ``reconstruct_tensors`` returns them), or :class:`WireFormatError` naming the first entry
@@ -144,6 +198,9 @@ def decode_flattened(bucket, *, where: str = "flattened bucket") -> list:
     if flat.numel() and flat.stride(0) != 1:
         raise WireFormatError(f"{where}: flattened_tensor has stride {flat.stride(0)}; its "
                               f"bytes must be contiguous for an engine to view them")
+    problem = _flat_problem(flat)
+    if problem is not None:
+        raise WireFormatError(f"{where}: flattened_tensor ({flat.numel()} bytes): {problem}")
     if isinstance(metadata, (str, bytes)) or not hasattr(metadata, "__iter__"):
         raise WireFormatError(f"{where}: metadata is a {type(metadata).__name__}, not a list "
                               f"of FlattenedTensorMetadata")
@@ -155,15 +212,10 @@ def decode_flattened(bucket, *, where: str = "flattened bucket") -> list:
             raise WireFormatError(f"{entry}: the name is a {type(name).__name__}, not a str")
         if not isinstance(dtype, torch.dtype):
             raise WireFormatError(f"{entry}: dtype {dtype!r} is not a torch.dtype")
-        try:
-            shape = tuple(int(d) for d in shape)
-        except (TypeError, ValueError):
-            raise WireFormatError(f"{entry}: shape {shape!r:.80} is not a sequence of "
-                                  f"ints") from None
-        if any(d < 0 for d in shape) or not all(isinstance(i, int) and not isinstance(i, bool)
-                                                for i in (start, end)):
-            raise WireFormatError(f"{entry}: shape {shape} / start_idx {start!r} / end_idx "
-                                  f"{end!r} are not sizes and byte offsets")
+        shape = checked_shape(shape, entry)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in (start, end)):
+            raise WireFormatError(f"{entry}: start_idx {start!r:.40} / end_idx {end!r:.40} are "
+                                  f"not byte offsets (ints)")
         nbytes = entry_bytes(dtype, shape)
         if not 0 <= start <= end <= flat.numel():
             raise WireFormatError(f"{entry}: bytes [{start}, {end}) lie outside the "
@@ -181,12 +233,108 @@ def decode_flattened(bucket, *, where: str = "flattened bucket") -> list:
     return out
 
 
+#: The globals a serialized payload may name: what ``ForkingPickler`` (and plain pickle) write
+#: for tensors, storages and their shared-memory / CUDA IPC handles, the containers and dtypes
+#: they use, and the metadata classes of a flattened bucket. Every one is also in SGLang
+#: 0.5.23's ``SafeUnpickler.ALLOWED_GLOBALS`` except :class:`FlattenedEntry` (a named tuple of
+#: plain fields), so nothing SGLang refuses runs here; SGLang's request classes, ``functools``,
+#: ``itertools``, sockets and NPU rebuilds are left out, since no weights payload needs them.
+#: ``torch.<dtype>`` globals are admitted by :func:`_safe_global` for every ``torch.dtype``.
+SAFE_GLOBALS = frozenset({
+    *(("builtins", n) for n in ("bool", "bytearray", "bytes", "complex", "dict", "float",
+                               "frozenset", "int", "list", "range", "set", "slice", "str",
+                               "tuple")),
+    ("collections", "OrderedDict"),
+    ("copyreg", "__newobj__"),
+    ("copyreg", "__newobj_ex__"),
+    ("_codecs", "encode"),
+    ("multiprocessing.resource_sharer", "DupFd"),
+    ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"), ("torch", "dtype"),
+    ("torch.nn.parameter", "Parameter"),
+    ("torch", "UntypedStorage"), ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "_UntypedStorage"), ("torch.storage", "TypedStorage"),
+    *(("torch._utils", n) for n in ("_rebuild_tensor", "_rebuild_tensor_v2",
+                                    "_rebuild_tensor_v3", "_rebuild_parameter",
+                                    "_rebuild_parameter_with_state", "_rebuild_qtensor",
+                                    "_rebuild_sparse_tensor",
+                                    "_rebuild_meta_tensor_no_storage",
+                                    "_rebuild_wrapper_subclass",
+                                    "_rebuild_device_tensor_from_cpu_tensor")),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch.serialization", "_get_layout"),
+    *(("torch.multiprocessing.reductions", n)
+      for n in ("rebuild_tensor", "rebuild_meta_tensor", "rebuild_cuda_tensor",
+                "rebuild_nested_tensor", "rebuild_sparse_coo_tensor",
+                "rebuild_sparse_compressed_tensor", "rebuild_storage_fd",
+                "rebuild_storage_filename", "rebuild_storage_empty", "rebuild_typed_storage",
+                "rebuild_typed_storage_child")),
+    ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
+    *(("torch", n) for n in ("per_tensor_affine", "per_tensor_symmetric", "per_channel_affine",
+                             "per_channel_symmetric", "per_channel_affine_float_qparams")),
+    ("pytest_weightsync.wire", "FlattenedEntry"),
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorBucket"),
+    ("sglang.srt.model_executor.model_runner_components.weight_updater",
+     "LocalSerializedTensor"),
+    ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"),
+})
+
+
+class UnsafePayloadError(WireFormatError):
+    """A serialized payload naming a global outside :data:`SAFE_GLOBALS` (``os.system``,
+    ``builtins.eval``, ``torch.load`` ...): refused when the unpickler meets the name, before
+    anything it names is called."""
+
+
+def _safe_global(module: str, name: str) -> bool:
+    if (module, name) in SAFE_GLOBALS:
+        return True
+    if module != "torch":
+        return False
+    import torch
+
+    # vars(), not getattr(): torch's module __getattr__ imports submodules by name
+    return isinstance(vars(torch).get(name), torch.dtype)
+
+
+def _load_torch_storage(data: bytes):
+    """``torch.storage._load_from_bytes`` (what plain pickle writes for a storage) without its
+    unrestricted nested ``torch.load``: ``weights_only`` loading, a storage or nothing, as
+    SGLang's ``SafeUnpickler`` reads it."""
+    import io
+    import pickle
+
+    import torch
+
+    storage = torch.load(io.BytesIO(data), weights_only=True)
+    if not isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
+        raise pickle.UnpicklingError(f"expected a torch storage, got {type(storage).__name__}")
+    return storage
+
+
+def _unpickle(data):
+    """``data`` unpickled with every global checked against :data:`SAFE_GLOBALS` before it is
+    imported (the standard library's ``pickle.loads`` would import and call any)."""
+    import io
+    import pickle
+
+    class SafeUnpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) == ("torch.storage", "_load_from_bytes"):
+                return _load_torch_storage
+            if not _safe_global(module, name):
+                raise UnsafePayloadError(f"{module}.{name}")
+            return super().find_class(module, name)
+
+    return SafeUnpickler(io.BytesIO(bytes(data))).load()
+
+
 def _deserialized(data, where: str):
     """What ``MultiprocessingSerializer.deserialize`` returns for ``data`` (bytes, or their
-    base64 ``str``), decoded with the standard library's unpickler."""
+    base64 ``str``), read by an unpickler that admits only :data:`SAFE_GLOBALS`, as SGLang's
+    ``SafeUnpickler`` admits only its allow-list."""
     import base64
     import binascii
-    import pickle
 
     import torch.multiprocessing  # noqa: F401 - registers the tensor reductions it rebuilds
 
@@ -199,10 +347,15 @@ def _deserialized(data, where: str):
         raise WireFormatError(f"{where}: a {type(data).__name__}, not MultiprocessingSerializer "
                               f"bytes (or their base64 str)")
     try:
-        return pickle.loads(data)
+        return _unpickle(data)
+    except UnsafePayloadError as error:
+        raise UnsafePayloadError(
+            f"{where}: the payload names the global {error}, which no weights payload needs; "
+            f"refused before it was called (an unpickler that admits every global runs "
+            f"whatever the sender pickled; SGLang's SafeUnpickler refuses it too)") from None
     except Exception as error:
         raise WireFormatError(f"{where}: cannot be deserialized: {type(error).__name__}: "
-                              f"{error}") from None
+                              f"{str(error)[:300]}") from None
 
 
 def decode_serialized(update, *, engine_rank: int, engine_tp: int,

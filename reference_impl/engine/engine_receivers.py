@@ -15,13 +15,18 @@ it, the way SGLang 0.5.23 does it (``docs/layout.md``):
 * :class:`RedundantExpertReceiver` (EPLB): ``num_experts + redundant_experts`` physical slots;
   every piece of logical expert ``e`` of layer ``L`` is written into every local slot the
   placement gives ``e`` in ``L`` (SGLang's ``FusedMoE.weight_loader`` over
-  ``ExpertLocationMetadata.logical_to_all_physical``).
+  ``ExpertLocationMetadata.logical_to_all_physical``). Its update state records the placement
+  and rank it was begun under, and a receiver of another placement cannot resume it
+  (:class:`PlacementChangedError`): the buckets loaded so far went into the old placement's
+  slots, so an update that went on under the new one would end "complete" with those experts
+  in slots that now belong to others.
 
 :func:`receiver_class` picks the class of a topology; :func:`make_receiver` builds one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from pytest_weightsync.reference_impl.model import engine_layout
@@ -31,7 +36,11 @@ from pytest_weightsync.reference_impl.model.layout import (
     ReceiverTopology,
     fused_name,
 )
-from pytest_weightsync.reference_impl.engine.receiver import ReferenceReceiver
+from pytest_weightsync.reference_impl.engine.receiver import (
+    IncompleteUpdateError,
+    ReferenceReceiver,
+    UpdateState,
+)
 
 
 class PostLoadReceiver(ReferenceReceiver):
@@ -104,9 +113,75 @@ class TransposedReceiver(ReferenceReceiver):
         plan.touched.add(name)
 
 
+class PlacementChangedError(IncompleteUpdateError):
+    """``resume_update`` of an EPLB receiver with an update begun under another placement (or
+    by another rank, or by a receiver that records none): its buckets went into other slots."""
+
+
+@dataclass
+class PlacedUpdateState(UpdateState):
+    """An EPLB receiver's open update, with the engine placement (``physical_to_logical``, one
+    row per layer) and the receiver rank it was begun under."""
+
+    placement: tuple = ()
+    rank: Optional[int] = None
+
+
+def _slots(row, lo: int, hi: int) -> str:
+    held = list(row[lo:hi])
+    return str(held) if len(held) <= 16 else f"{held[:16]}... ({len(held)} slots)"
+
+
 class RedundantExpertReceiver(ReferenceReceiver):
     """EPLB physical slots (see module). ``shard.experts`` are physical slot ids; the slot ->
     logical expert map of each layer is ``shard.slot_experts(layer)``."""
+
+    def _placement(self) -> tuple:
+        return tuple(tuple(row) for row in self.topo.physical_to_logical(self.spec))
+
+    def begin_update(self) -> None:
+        """Open an update bound to this receiver's placement and rank."""
+        self._update = PlacedUpdateState(placement=self._placement(), rank=self.rank)
+
+    def resume_update(self, state) -> None:
+        """Continue an update begun by a receiver of the same placement and rank; any other
+        state is refused (:class:`PlacementChangedError`, naming the first layer whose slots
+        moved) and this receiver's own state is left as it was."""
+        if not isinstance(state, UpdateState):
+            return super().resume_update(state)
+        if not isinstance(state, PlacedUpdateState):
+            raise PlacementChangedError(
+                f"resume_update() of EPLB receiver rank {self.rank} got a state that records "
+                f"no placement ({type(state).__name__}); only the state an EPLB receiver's "
+                f"begin_update opened says which slots its buckets were written to")
+        if state.rank != self.rank:
+            raise PlacementChangedError(
+                f"resume_update() of EPLB receiver rank {self.rank}: the update was begun by "
+                f"receiver rank {state.rank}, whose slots hold other experts")
+        mine = self._placement()
+        if state.placement != mine:
+            lo, hi = self.shard.experts.start, self.shard.experts.stop
+            layers = range(max(len(mine), len(state.placement)))
+
+            def row(placement, layer):
+                return placement[layer] if layer < len(placement) else ()
+
+            moved = [layer for layer in layers
+                     if row(mine, layer) != row(state.placement, layer)]
+            local = [layer for layer in moved
+                     if row(mine, layer)[lo:hi] != row(state.placement, layer)[lo:hi]]
+            layer = (local or moved)[0]
+            then, now = row(state.placement, layer), row(mine, layer)
+            here = (f"this rank's physical slots {lo}..{hi - 1} held logical experts "
+                    f"{_slots(then, lo, hi)} then, {_slots(now, lo, hi)} now" if local else
+                    f"this rank's slots are the same, other ranks' moved")
+            raise PlacementChangedError(
+                f"resume_update() of EPLB receiver rank {self.rank}: the update was begun "
+                f"under another placement ({len(moved)} layer(s) differ, first layer "
+                f"{layer}: {here}); the {state.offered} bucket(s) loaded so far went into "
+                f"the old placement's slots: end the update (or begin a new one) before the "
+                f"placement changes, not in the middle of one")
+        self._update = state
 
     def _held(self, layer: int) -> list[int]:
         return sorted(set(self.shard.slot_experts(layer)))

@@ -19,7 +19,13 @@ Who quantizes:
   quantized here with :func:`pytest_weightsync.reference_impl.model.fp8.quantize`, blocks at its HF
   coordinates, before it is split over ranks. Scales are rebuilt from every update's weights.
 
-A bucket that mixes model-dtype and FP8 weights is refused.
+A bucket that mixes model-dtype and FP8 weights is refused, and so is a sender's block scale
+that is NaN, infinite, zero or negative (:class:`BlockScaleError`, naming the entry and its
+first bad block): every element of a block is read as ``q * scale_inv``, so such a scale turns
+its whole block into NaN, infinities, zeros or flipped signs, and no quantizer produces one
+(``scale_inv = amax / 448`` with ``amax`` clamped below at ``AMAX_FLOOR``). The scale values
+are read after the bucket's entries were found to be dense float32 tensors over readable
+memory, and before anything is written.
 """
 
 from __future__ import annotations
@@ -35,11 +41,27 @@ from pytest_weightsync.reference_impl.engine.receiver import (
     IncompleteUpdateError,
     MissingExpertError,
     PayloadDtypeError,
+    PayloadError,
     PayloadTypeError,
     ReceiverParamsError,
     ReferenceReceiver,
     UpdateState,
 )
+
+
+class BlockScaleError(PayloadError):
+    """A sender's ``weight_scale_inv`` holding a NaN, infinite, zero or negative block scale:
+    dequantized, its block would be NaN, infinite, zero or sign-flipped."""
+
+
+def _bad_scale_reason(value: float) -> str:
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return f"{value} (infinite)"
+    if value == 0:
+        return f"{value} (zero)"
+    return f"{value} (negative)"
 
 
 class Fp8UpdateState:
@@ -126,10 +148,15 @@ class Fp8BlockReceiver:
 
     def load(self, payload, load_format: Optional[str] = None):
         """Validate the whole bucket (both halves), then write weights and scales."""
+        if payload is not None and not isinstance(payload, (list, tuple, str, bytes, dict,
+                                                             torch.Tensor)) \
+                and hasattr(payload, "__iter__"):
+            payload = list(payload)  # read twice: split, then the scales' entry indices
         try:
             weights, scales = self._split(payload, load_format)
             plans = (self.weights.plan(weights, load_format),
                      self.scales.plan(scales, load_format))
+            self._check_scale_values(payload, scales, load_format)
         except BaseException:
             self.refuse_bucket()
             raise
@@ -140,6 +167,51 @@ class Fp8BlockReceiver:
                 update.seen.update(plan.units)
                 update.offered += 1
         return plans
+
+    # -- the block scales a sender sent ------------------------------------------------------
+
+    def _check_scale_values(self, payload, scales, load_format) -> None:
+        """Refuse a sender's scale entry holding a block scale that is not finite and positive
+        (:class:`BlockScaleError`, naming the entry, its first bad block and how many are bad).
+        Asked once planning has found every scale a dense float32 tensor over readable memory;
+        scales the loader computed from model-dtype weights are not the sender's and are not
+        asked about."""
+        index_of = {}
+        for index, item in enumerate(payload):
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) \
+                    and item[0].endswith(fp8.SCALE_SUFFIX):
+                index_of.setdefault(item[0][:-len(fp8.SCALE_SUFFIX)], index)
+        for name, tensor in scales:
+            index = index_of.get(name)
+            if index is None or not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+                continue
+            bad = ~(torch.isfinite(tensor) & (tensor > 0))
+            count = int(bad.sum())
+            if not count:
+                continue
+            at = tuple(int(i) for i in bad.nonzero()[0])
+            value = float(tensor[at])
+            raise BlockScaleError(
+                f"{self.describe_entry(index, name + fp8.SCALE_SUFFIX)}: block scale "
+                f"{_bad_scale_reason(value)} at {self._block_words(name, at, load_format)}"
+                f"{f' ({count} of {tensor.numel()} block scales bad)' if count > 1 else ''}; "
+                f"every element of a block is read as q * scale_inv, so a weight_scale_inv "
+                f"must be finite and positive (amax / {fp8.FP8_MAX:g}, amax clamped at "
+                f"{fp8.AMAX_FLOOR:g})")
+
+    def _block_words(self, name: str, at: tuple, load_format) -> str:
+        """Where scale element ``at`` of entry ``name`` (the scale's weight name) sits: its
+        block and the weight rows and columns the block covers; for the receiver's own
+        parameters (``load_format="direct"``) also the layer, logical expert and projection."""
+        if len(at) < 2:
+            return f"index {at}"
+        if load_format == "direct" and len(at) == 3:
+            located = fp8.locate(self.spec, self.topo, self.rank, name + fp8.SCALE_SUFFIX, at)
+            if located is not None:
+                return f"block index {at} ({located})"
+        b, (bi, bj) = self.block, at[-2:]
+        return (f"block index {at}: rows {bi * b}..{(bi + 1) * b - 1}, cols "
+                f"{bj * b}..{(bj + 1) * b - 1} of its weight")
 
     # -- splitting and quantizing ------------------------------------------------------------
 
