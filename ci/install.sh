@@ -39,6 +39,23 @@ else
   pipq --no-deps -e .
 fi
 
+# vLLM's source for the vLLM layout checks (suites/selftest/test_vllm_layouts.py): its wheel,
+# pinned by hash, downloaded once into .cache/vllm and read there as a zip - never installed
+# (it pins another torch). Skipped when present; without network only a non-CI run goes on.
+VLLM_WHEEL=.cache/vllm/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl
+if [ -f "$VLLM_WHEEL" ]; then
+  echo "install: vLLM source wheel present ($VLLM_WHEEL)"
+else
+  echo "install: vLLM source wheel (download only, ~340 MB)"
+  if ! "$VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps \
+      --only-binary=:all: --platform manylinux_2_28_x86_64 --python-version 3.11 \
+      --implementation cp --abi abi3 -d .cache/vllm -r ci/requirements-vllm-source.txt \
+      2> >(grep -v "is ignored: it is neither" >&2); then
+    if [ -n "${CI:-}" ]; then echo "install: could not fetch $VLLM_WHEEL"; exit 1; fi
+    echo "install: WARNING could not fetch $VLLM_WHEEL; the vLLM source checks will skip"
+  fi
+fi
+
 # No later install may replace the torch pair sglang pins.
 "$VENV/bin/python" - <<'PYEOF'
 import importlib.metadata as md
@@ -47,6 +64,9 @@ want = {"torch": "2.14.1", "torchvision": "0.29.1", "megatron-core": "0.16.1", "
 bad = {k: md.version(k) for k, v in want.items() if md.version(k).split("+")[0] != v}
 if bad:
     raise SystemExit(f"install: wrong versions after install: {bad}, expected {want}")
+import importlib.util
+if importlib.util.find_spec("vllm") is not None:
+    raise SystemExit("install: vllm is importable in the venv; it must only be fetched as source")
 import torch
 import pytest_weightsync.reference_impl.backends as backends
 bridge = backends.probe("megatron_bridge")

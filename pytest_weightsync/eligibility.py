@@ -315,11 +315,32 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_SPECS_KEY] = {spec: load_eligibility_function(spec) for spec in specs}
 
 
+#: The parameter of an eligibility test whose functions ``--weightsync-only`` all left out: such
+#: a test is deselected, not skipped as "got empty parameter set".
+OUT_OF_SCOPE = "weightsync-only-left-out"
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "eligibility_impl" not in metafunc.fixturenames:
         return
-    names = [REFERENCE_NAME, *metafunc.config.stash.get(_SPECS_KEY, {})]
+    only = set(metafunc.config.getoption("weightsync_only", None) or ())
+    # --weightsync-only scopes the reference's row too; a function named by
+    # --weightsync-eligibility was asked for by name and always runs
+    names = [name for name in (REFERENCE_NAME, *metafunc.config.stash.get(_SPECS_KEY, {}))
+             if not only or name != REFERENCE_NAME or name in only]
+    if not names:
+        metafunc.parametrize("eligibility_impl", [OUT_OF_SCOPE], indirect=True,
+                             ids=[OUT_OF_SCOPE])
+        return
     metafunc.parametrize("eligibility_impl", names, indirect=True, ids=names)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    left_out = [item for item in items if getattr(getattr(item, "callspec", None), "params",
+                                                  {}).get("eligibility_impl") == OUT_OF_SCOPE]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item not in left_out]
 
 
 @pytest.fixture

@@ -27,6 +27,15 @@ spec, topology, rank)`` (optional)
     track the update across buckets (duplicates, completeness) and refuse an incomplete one at
     ``end_update``. Without them each ``load_weights`` call stands alone.
 
+``weight_version(params, *, spec, topology, rank)`` (optional; claimed by ``"version"`` in
+``Capabilities.lifecycle``)
+    The version the engine's ``params`` hold: a value that moves exactly once per completed
+    update (an ``int`` moves by one) and nowhere else - not at ``begin_update``, not at a
+    bucket, not by a failed or abandoned update - or ``None`` while they hold no complete
+    version (never updated, an update open, after a failed one: "unusable until a full
+    update"). The lifecycle contract (``docs/validate-your-loader.md``) says what an
+    engine-side loader may claim (:data:`LIFECYCLE`).
+
 ``export_weights(trainer_states, *, format, spec, trainer, receiver, rank) -> payload``
     The sender side (what runs in the trainer). ``trainer_states`` is every trainer rank's
     Megatron-Core expert state dict, in rank order (``trainer`` is the
@@ -140,6 +149,7 @@ from pytest_weightsync.vocabulary import (  # noqa: F401 - re-exported for imple
     EXPERT_IMPLS,
     EXPERT_MODULES,
     FORMATS,
+    LIFECYCLE,
     MODEL_PARTS,
     ORDERS,
     QUANTIZERS,
@@ -161,6 +171,7 @@ SIGNATURES = {
     "load_weights": (("params", "payload"), ("format", "spec", "topology", "rank"), ("targets",)),
     "begin_update": (("params",), ("format", "spec", "topology", "rank"), ("targets",)),
     "end_update": (("params",), ("format", "spec", "topology", "rank"), ("targets",)),
+    "weight_version": (("params",), ("spec", "topology", "rank"), ("targets",)),
     "export_weights": (("trainer_states",), ("format", "spec", "trainer", "receiver", "rank"), ()),
     "export_weights_distributed": (
         ("model_state",),
@@ -251,6 +262,19 @@ class Capabilities:
         model with an MTP draft is run with the draft updated only when ``"draft"`` is
         claimed (loaders always run the frozen-draft case of such a model).
 
+    Update-lifecycle claims (engine-side loaders, ``suites/conformance/test_lifecycle.py``):
+
+    ``lifecycle``
+        Which of :data:`LIFECYCLE` it promises: ``sessions`` (its ``begin_update`` /
+        ``end_update`` keep the session: misuse refused or handled, never corrupting),
+        ``atomic`` (a failed update leaves the old bits or the engine marked unusable, never
+        a silent mix), ``version`` (it defines ``weight_version``). Default none: the
+        ``identity`` and ``coverage_by_rank`` properties run for every loader, these three
+        only where claimed.
+    ``lifecycle_note``
+        Why what is not claimed is not (shown with those skips), e.g. that a layer above the
+        loader keeps the session.
+
     A predicate that raises is a :class:`ClaimError` naming it: the plugin probes every
     predicate at collection time and stops with one usage error naming the implementation.
     """
@@ -276,6 +300,8 @@ class Capabilities:
     model_parts: frozenset = frozenset()
     targets: frozenset = frozenset({"target"})
     transports: frozenset = frozenset({"tensors"})
+    lifecycle: frozenset = frozenset()
+    lifecycle_note: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         for name, allowed in (("formats", FORMATS), ("orders", ORDERS),
@@ -283,7 +309,7 @@ class Capabilities:
                               ("model_parts", MODEL_PARTS), ("targets", TARGETS),
                               ("engine_layouts", ENGINE_LAYOUTS),
                               ("weight_quants", WEIGHT_QUANTS), ("quantizers", QUANTIZERS),
-                              ("transports", LOADER_TRANSPORTS)):
+                              ("transports", LOADER_TRANSPORTS), ("lifecycle", LIFECYCLE)):
             value = getattr(self, name)
             if isinstance(value, str):
                 value = (value,)
@@ -399,6 +425,15 @@ class Capabilities:
         lacking = [t for t in TARGETS if t in targets and t not in self.targets]
         if lacking:
             return f"does not claim updates of the {' and '.join(lacking)} model"
+        return None
+
+    def lifecycle_refusal(self, claim: str) -> Optional[str]:
+        """Why a lifecycle property needing ``claim`` (:data:`LIFECYCLE`) is not run; ``None``
+        when it is claimed."""
+        if claim not in self.lifecycle:
+            note = f": {self.lifecycle_note}" if self.lifecycle_note else ""
+            return (f"does not claim {claim!r} of the update lifecycle (Capabilities.lifecycle "
+                    f"claims {sorted(self.lifecycle)}){note}")
         return None
 
     def transport_refusal(self, transport: str) -> Optional[str]:
@@ -523,6 +558,13 @@ def protocol_problems(obj) -> list[str]:
         problem = signature_problem(obj, method)
         if problem is not None:
             problems.append(problem)
+    for claim, methods in (("sessions", ("begin_update", "end_update")),
+                           ("atomic", ("begin_update", "end_update")),
+                           ("version", ("weight_version",))):
+        lacking = [m for m in methods if not callable(getattr(obj, m, None))]
+        if isinstance(caps, Capabilities) and claim in caps.lifecycle and lacking:
+            problems.append(f"Capabilities.lifecycle claims {claim!r} but it has no "
+                            f"{' / '.join(lacking)}")
     if not roles_of(obj):
         problems.append("it has none of load_weights(params, payload, *, format, spec, "
                         "topology, rank), export_weights(trainer_states, *, format, spec, "

@@ -26,6 +26,7 @@ from typing import Optional
 
 import pytest
 
+from pytest_weightsync import topology
 from pytest_weightsync.registry import registered_of
 from pytest_weightsync.vocabulary import CONFORMANCE_MODULES, REPORT_PROPERTIES
 
@@ -42,11 +43,12 @@ class Selection:
     modules: set = field(default_factory=set)       # conformance module names collected
     deselected_total: int = 0
     selected_total: int = 0
+    topologies: dict = field(default_factory=dict)  # topology id -> topology.describe(case)
 
     def to_dict(self) -> dict:
         return {"selected": self.selected, "deselected": self.deselected, "roles": self.roles,
                 "modules": sorted(self.modules), "deselected_total": self.deselected_total,
-                "selected_total": self.selected_total}
+                "selected_total": self.selected_total, "topologies": self.topologies}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Selection":
@@ -55,7 +57,8 @@ class Selection:
                    roles={k: list(v) for k, v in data.get("roles", {}).items()},
                    modules=set(data.get("modules", ())),
                    deselected_total=int(data.get("deselected_total", 0)),
-                   selected_total=int(data.get("selected_total", 0)))
+                   selected_total=int(data.get("selected_total", 0)),
+                   topologies=dict(data.get("topologies", {})))
 
     def implementations(self) -> list[str]:
         return sorted(set(self.selected) | set(self.deselected))
@@ -119,6 +122,9 @@ class SelectionRecorder:
         self.selection.selected_total = len(session.items)
         for item in session.items:
             self._count(item, self.selection.selected, ids=True)
+            case = topology.topology_of(item)
+            if case is not None and case.id not in self.selection.topologies:
+                self.selection.topologies[case.id] = topology.describe(case)
 
     @pytest.hookimpl
     def pytest_sessionfinish(self, session: pytest.Session) -> None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 #:              ``experts.down_proj`` ``[E, H, I]``;
 #: ``compat``   per-expert Hugging Face names ``experts.{e}.{gate,up,down}_proj.weight``.
 FORMATS = ("direct", "packed", "hf_fused", "compat")
+#: Test parameters whose value names the payload format / sync path / capability taken away.
+FORMAT_PARAMS = ("payload_format", "path", "fmt", "restriction")
 #: SGLang's ``load_format`` each wire format is loaded with (``None``: the model's own
 #: ``load_weights``; ``"direct"``: ``default_weight_loader`` per parameter name).
 LOAD_FORMAT = {"direct": "direct", "packed": None, "hf_fused": None, "compat": None}
@@ -106,6 +108,27 @@ MODEL_FORMATS = ("direct", "hf_fused", "compat")
 #: The engine models an update can reach (SGLang's update ``selector``): the served model and
 #: its speculative (MTP) draft.
 TARGETS = ("target", "draft")
+#: What an engine-side loader (one with ``begin_update`` / ``end_update``) may claim of the
+#: update lifecycle (``Capabilities.lifecycle``; the default claims none, and a property whose
+#: claim is missing is skipped as not claimed):
+#:
+#: ``sessions``  its hooks keep the update session themselves: a bucket outside a session, a
+#:               second ``begin_update``, an ``end_update`` without one and a ``begin_update``
+#:               after a failed update are refused with an error or handled as documented,
+#:               never corrupting (property ``lifecycle``). Not claimed where a layer above the
+#:               loader keeps the session (SGLang's scheduler refuses these before its model
+#:               runner sees them);
+#: ``atomic``    an update that fails mid-stream leaves the old version bit for bit, or the
+#:               engine marked unusable until a full update (``end_update`` refuses to
+#:               complete it, or ``weight_version`` says ``None``) - never a silent mix
+#:               (property ``atomic_update``);
+#: ``version``   it exposes ``weight_version(params, *, spec, topology, rank)``: the version
+#:               those parameters hold, which moves exactly once per completed update, or
+#:               ``None`` while they hold no complete version (property ``version``).
+LIFECYCLE = ("sessions", "atomic", "version")
+#: The run-time record of the ``coverage_by_rank`` property: which engine ranks (and
+#: replicas) its check covered, as vLLM's weight checker returns them.
+RANKS_COVERED = "ranks_covered"
 #: Named bucket limits the suites cut streams at (see ``suites/harness/inputs.py``).
 BUCKET_LIMITS = ("tensor", "split_layer", "multi_layer", "whole")
 
@@ -124,6 +147,12 @@ PROPERTIES = {
     "tied_embeddings": None,   # one source, both views equal
     "targets": None,           # the draft updated when claimed, a frozen draft untouched
     "engine_layout": "loader",
+    # the update lifecycle of engine-side loaders (suites/conformance/test_lifecycle.py):
+    "identity": "loader",          # N identity syncs change no bit, post-load included
+    "atomic_update": "loader",     # a failed update: old bits or marked unusable, never a mix
+    "lifecycle": "loader",         # misuse of begin/end refused or handled, never corrupting
+    "coverage_by_rank": "loader",  # every engine rank and replica updated, replicas identical
+    "version": "loader",           # the version moves once per completed update
     "hardening": "loader",
     "speed": "loader",
 }
@@ -152,6 +181,7 @@ CONFORMANCE_MODULES = {
     "test_speed": ("loader",),
     "test_model": ("loader", "exporter"),
     "test_model_distributed": ("distributed_exporter",),
+    "test_lifecycle": ("loader",),
 }
 
 #: Verdict words, best first. PASS: every case the implementation claims was selected and

@@ -15,6 +15,14 @@ the ``format``, ``spec``, ``topology`` and ``rank`` it was opened with: a bucket
 ``end_update`` that names others is refused (:class:`UpdateMismatchError`), since loading
 rank 1's bucket into an update of rank 0 would place the wrong experts without a word.
 
+The update lifecycle (``docs/validate-your-loader.md``, claimed in ``Capabilities.lifecycle``):
+``weight_version(params, ...)`` is the number of updates completed on ``params``, or ``None``
+while they hold no complete version - never updated, an update open (its buckets land in
+place), after an update that failed (a refused bucket, an incomplete ``end_update``) or was
+abandoned, and after a bucket loaded outside an update - until the next update completes. A
+stream written in place cannot be rolled back without a second copy of the model, so a failed
+update marks the parameters unusable instead.
+
 Between calls only the update's small state is kept (which pieces arrived, the bucket count)
 and weak references to the parameters: no receiver, no tensor. An update that is never ended
 is released by the next ``begin_update`` on those parameters, or as soon as the caller drops
@@ -138,6 +146,20 @@ class _OpenUpdate:
                 f"again) before loading another")
 
 
+@dataclass
+class _Held:
+    """What is known of the version ``params`` hold: how many updates completed on them, and
+    whether they hold the last one's values (weak references to the parameters, as
+    :class:`_OpenUpdate`)."""
+
+    refs: tuple
+    token: int
+    completed: int = 0
+    usable: bool = False
+
+    holds = _OpenUpdate.holds
+
+
 class ReferenceImplementation:
     """Loader and exporter of every format, gate/up order, padding and topology."""
 
@@ -146,13 +168,15 @@ class ReferenceImplementation:
                                 engine_layouts=("checkpoint", "trtllm_block", "transposed"),
                                 redundant_experts=True, weight_quants=("none", "fp8_block"),
                                 quantizers=("sender", "loader"),
-                                transports=("tensors", "flattened_bucket"))
+                                transports=("tensors", "flattened_bucket"),
+                                lifecycle=("sessions", "atomic", "version"))
     #: How the distributed exporter puts its buckets on the wire (one of
     #: ``distributed_export.REFERENCE_TRANSPORTS``); the self-tests run every one.
     transport = "tensors"
 
     def __init__(self):
         self._open: dict[int, _OpenUpdate] = {}  # id(params) -> the update open on them
+        self._held: dict[int, _Held] = {}  # id(params) -> the version they hold
         self._plan_caches: OrderedDict = OrderedDict()  # GPU parameter set -> its LoadCache
         self._tokens = itertools.count()
 
@@ -189,16 +213,31 @@ class ReferenceImplementation:
 
         return make_receiver(spec, topology, rank, params=params)
 
-    def _release_with(self, token: int, key: int):
-        """A weakref callback that drops update ``token`` once one of its parameters dies
-        (never a newer update that reused the key)."""
+    def _release_with(self, token: int, key: int, table: str = "_open"):
+        """A weakref callback that drops entry ``token`` of ``table`` (open updates, held
+        versions) once one of its parameters dies (never a newer entry that reused the key)."""
         owner = weakref.ref(self)
 
         def release(_ref):
-            impl = owner()
-            if impl is not None and getattr(impl._open.get(key), "token", None) == token:
-                del impl._open[key]
+            entries = getattr(owner(), table, None)
+            if entries is not None and getattr(entries.get(key), "token", None) == token:
+                del entries[key]
         return release
+
+    def _find_held(self, params):
+        entry = self._held.get(id(params))
+        if entry is not None and not entry.holds(params):
+            del self._held[id(params)]
+            entry = None
+        return entry
+
+    def weight_version(self, params, *, spec, topology, rank, targets=None):
+        """How many updates completed on ``params``; ``None`` while they hold no complete
+        version (see the module docstring)."""
+        held = self._find_held(params)
+        if held is None or not held.usable or self._find_open(params) is not None:
+            return None
+        return held.completed
 
     def _find_open(self, params):
         entry = self._open.get(id(params))
@@ -224,6 +263,12 @@ class ReferenceImplementation:
         refs = tuple((name, weakref.ref(tensor, release)) for name, tensor in own.items())
         bound = dict(format=format, spec=spec, topology=topology, rank=rank, targets=targets)
         self._open[key] = _OpenUpdate(receiver.update_state, bound, refs, token)
+        held = self._find_held(params)
+        if held is None:
+            release = self._release_with(token, key, "_held")
+            held = self._held[key] = _Held(tuple((name, weakref.ref(tensor, release))
+                                                 for name, tensor in own.items()), token)
+        held.usable = False  # written in place from now on: no complete version until the end
 
     def end_update(self, params, *, format, spec, topology, rank, targets=None) -> None:
         """Close the update on ``params``; raises
@@ -243,7 +288,11 @@ class ReferenceImplementation:
         del self._open[id(params)]
         receiver = self._receiver(params, spec, topology, rank, targets)
         receiver.resume_update(entry.state)
-        receiver.end_update()
+        receiver.end_update()  # raises for an incomplete update: the params stay unusable
+        held = self._find_held(params)
+        if held is not None:
+            held.completed += 1
+            held.usable = True
 
     def load_weights(self, params, payload, *, format, spec, topology, rank, targets=None) -> None:
         """Validate the whole bucket, then copy it into ``params`` in place. ``params`` that do
@@ -271,6 +320,9 @@ class ReferenceImplementation:
             receiver.refuse_bucket()
             raise
         receiver.load(payload, load_format="direct" if format == "direct" else None)
+        held = self._find_held(params) if entry is None else None
+        if held is not None:  # a bucket outside an update: written, but no complete version
+            held.usable = False
 
     def export_weights(self, trainer_states, *, format, spec, trainer, receiver, rank):
         """Gather the full expert weights from every trainer rank's shards, then build the

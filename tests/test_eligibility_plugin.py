@@ -233,3 +233,13 @@ def test_assert_agrees_lists_every_disagreement():
     for label in ("c1", "c2", "c4", "c5"):
         assert f"  {label} " in message
     assert "  c0 " not in message and "  c3 " not in message
+
+
+def test_weightsync_only_scopes_the_eligibility_rows_too(pytester):
+    # a run narrowed to another implementation runs no eligibility test of the reference ...
+    other = run_suite(pytester, "--weightsync-only", "acme", "--co", "-q")
+    assert not [line for line in other.stdout.lines if "::" in line and "[reference" in line]
+    assert "empty parameter set" not in other.stdout.str()
+    # ... and naming the reference keeps them
+    named = run_suite(pytester, "--weightsync-only", "reference", "--co", "-q")
+    assert [line for line in named.stdout.lines if "::" in line and "[reference" in line]

@@ -144,6 +144,10 @@ def _check_json(data: dict) -> None:
         failure["rerun"]
     assert all(c["duration_s"] >= 0 for c in data["cells"])
     assert data["versions"]["pytest"] and "torch" in data["versions"]
+    # every topology spelled out, and the grammar of the ids explained once
+    assert sorted(data["topology_details"]) == ["topoA", "topoB"]
+    assert data["topology_details"]["topoA"] == {"model": {}, "engine": {}}
+    assert "T.tp ep etp pp" in data["legend"] and "R.tp ep dp" in data["legend"]
     assert data["started"].endswith("Z") and data["selection"]["deselected"] == 0
     outcomes = {i["name"]: i["outcome"] for i in data["implementations"]}
     assert outcomes == {"reference": "passed", "toy": "failed"}
@@ -188,6 +192,38 @@ def test_matrix_json_and_junit_from_one_run(toy: pytest.Pytester):
     # properties recorded at run time are there too
     assert props["test_hardening[toy-topoA]"]["weightsync_finding"] == \
         "accepted, wrong values written"
+
+
+def test_weightsync_list_says_what_would_run_and_runs_nothing(toy: pytest.Pytester):
+    result = toy.runpytest("--weightsync-list", "--weightsync-report", "out.json")
+    assert result.ret == 0
+    out = result.stdout.str()
+    assert "conformance matrix" not in out and "PASSED" not in out
+    result.stdout.fnmatch_lines([
+        "*weightsync: what this run would check*",
+        "toy:",
+        "  bit_exact: 4 case(s) over 2 topologies, formats compat, packed",
+        "  in_place: 2 case(s) over 2 topologies",
+        "topologies:",
+        "  topoA",
+    ])
+
+
+def test_topologies_are_described_from_the_case_objects():
+    from types import SimpleNamespace
+
+    from pytest_weightsync.reference_impl.model.layout import ReceiverTopology, TrainerTopology
+    from pytest_weightsync.reference_impl.model.model_spec import qwen3_moe
+    from pytest_weightsync.topology import describe, summary
+
+    case = SimpleNamespace(id="x", spec=qwen3_moe(), trainer=TrainerTopology(tp=2, pp=2),
+                           receiver=ReceiverTopology(tp=4, order="up_gate"), delivery="colocated")
+    described = describe(case)
+    assert described["model"]["num_kv_heads"] == qwen3_moe().num_kv_heads
+    assert described["trainer"] == {"tp": 2, "ep": 1, "etp": 1, "pp": 2}
+    assert described["engine"] == {"tp": 4, "moe_ep": 1, "moe_dp": 1, "order": "up_gate"}
+    line = summary(described)
+    assert f"{qwen3_moe().num_kv_heads} KV heads" in line and "colocated delivery" in line
 
 
 def test_matrix_is_the_same_under_xdist(toy: pytest.Pytester):
@@ -324,10 +360,13 @@ def _check_verdict_json(data: dict) -> None:
 
 VERDICT_LINES = [
     r"implementation\s+bit_exact\s+no_stale_values\s+hardening\s+verdict",
-    r"halfway\s+2/0/0\s+2/0/0\s+refused 1/2, 2 failed\s+FAIL \(8/8 ran; 2 failed\)",
-    r"lenient\s+2/0/0\s+2/0/0\s+refused 0/2\s+PASS",
-    r"narrow\s+2/0/0\s+not run\s+refused 2/2\s+PARTIAL \(8/8 ran; .*\)",
-    r"reference\s+2/0/0\s+2/0/0\s+refused 2/2\s+PASS",
+    r"halfway\s+2/0/0\s+2/0/0\s+refused 1/2, 2 failed\s+FAIL$",
+    r"lenient\s+2/0/0\s+2/0/0\s+refused 0/2\s+PASS$",
+    r"narrow\s+2/0/0\s+not run\s+refused 2/2\s+PARTIAL$",
+    r"reference\s+2/0/0\s+2/0/0\s+refused 2/2\s+PASS$",
+    r"verdicts:",
+    r"  halfway: FAIL \(8/8 ran; 2 failed\)",
+    r"  narrow: PARTIAL \(8/8 ran; .*\)",
     r"\s+halfway / hardening / topoA: AssertionError: refused a wrong_dtype bucket after "
     r"writing part of it",
     r"hardening \(bad input; findings, not verdicts.*",
@@ -344,6 +383,32 @@ def test_verdict_counts_conformance_only_and_lists_hardening_findings(verdicts):
     result.assert_outcomes(passed=28 + _stand_ins(), failed=2, skipped=2)
     result.stdout.re_match_lines(VERDICT_LINES, consecutive=False)
     _check_verdict_json(json.loads((verdicts.path / "report.json").read_text()))
+    out = result.stdout.lines
+    start = next(i for i, line in enumerate(out) if "weightsync conformance matrix" in line)
+    end = next(i for i, line in enumerate(out) if line.startswith("failures ("))
+    assert max(len(line) for line in out[start:end]) <= 120, out[start:end]
+
+
+def test_a_wide_matrix_is_split_into_tables_of_120_columns():
+    from pytest_weightsync.report import MATRIX_WIDTH, ConformanceReport
+    from pytest_weightsync.verdict import Verdict
+
+    class Wide(ConformanceReport):
+        def __init__(self):
+            pass
+
+        def verdicts(self):
+            return {"impl-a": Verdict("PASS", details=["4 GPU case(s) not run here: " + "x" * 90]),
+                    "impl-b": Verdict("FAIL", ran=3, total=3, details=["1 failed"])}
+
+    props = [f"property_{i}" for i in range(12)]
+    cells = {(impl, p): f"{i}/0/0" for impl in ("impl-a", "impl-b") for i, p in enumerate(props)}
+    lines = Wide()._table_lines(["impl-a", "impl-b"], props, cells)
+    assert max(len(line) for line in lines) <= MATRIX_WIDTH
+    headers = [line for line in lines if line.startswith("implementation")]
+    assert len(headers) >= 2 and headers[-1].endswith("verdict")
+    assert all(p in "".join(headers) for p in props)
+    assert lines[lines.index("verdicts:") + 1].startswith("  impl-a: PASS (4 GPU case(s)")
 
 
 def test_shipped_suites_record_properties_without_junit_warnings():
@@ -437,3 +502,21 @@ def test_a_second_ctrl_c_while_pytest_reports_the_first_is_still_interrupted(
                                            "--weightsync-report", "report.json")
     assert "pressed again while pytest formatted the first" in result.stderr.str()
     _interrupted_json(json.loads((pytester.path / "report.json").read_text()))
+
+
+def test_tests_are_selected_by_property_and_format(toy: pytest.Pytester):
+    # the property name is a -k keyword even where the test's name does not carry it
+    by_keyword = toy.runpytest("-k", "receiver_layout", "--co", "-q")
+    assert by_keyword.ret == 0
+    ids = [line for line in by_keyword.stdout.lines if "::" in line]
+    assert sorted(i.split("::")[1] for i in ids) == ["test_backend_one", "test_backend_two"]
+    exact = toy.runpytest("--weightsync-property", "bit_exact", "--weightsync-format", "compat",
+                          "--co", "-q")
+    ids = [line for line in exact.stdout.lines if "::" in line]
+    assert ids and all("test_bit_exact" in line and "compat" in line for line in ids)
+    # a narrowed run is a narrower run: PARTIAL, never PASS
+    ran = toy.runpytest("--weightsync-property", "in_place", "--weightsync-only", "reference",
+                        "--weightsync-report", "r.json")
+    verdicts = {i["name"]: i["verdict_word"]
+                for i in json.loads((toy.path / "r.json").read_text())["implementations"]}
+    assert verdicts["reference"] == "PARTIAL", ran.stdout.str()[-2000:]

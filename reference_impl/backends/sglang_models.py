@@ -74,11 +74,25 @@ checkpoint would leave ``lm_head`` at its initial values), served model only;
 claims padded expert buffers for whole models (the real classes size ``FusedMoE`` from
 ``moe_intermediate_size``).
 
+The update lifecycle (``suites/conformance/test_lifecycle.py``): both rows run ``identity``
+(their ``begin_update`` / ``end_update`` are SGLang's restore and post-processing, so the
+TRT-LLM block layout is undone and re-applied on every identity sync) and
+``coverage_by_rank``. They claim none of ``sessions``, ``atomic``, ``version``
+(:data:`LIFECYCLE_NOTE`): in SGLang 0.5.23 those live in the scheduler
+(``managers/scheduler_components/weight_updater.py``: ``begin_weight_update`` refuses a second
+session, ``end_weight_update`` one never begun, ``update_weights_from_tensor`` /
+``_from_distributed`` refuse to run outside one; ``weight_version`` is recorded there after each
+successful update call), above the model runner these rows run, and the model loader writes
+every bucket in place - a failed load raises to the caller (the distributed path returns
+``success=False``: "partially updated ... Please discard the whole weights",
+``model_runner_components/weight_updater.py``), nothing marks the weights.
+
 SGLang is imported inside the methods: registering these rows imports nothing heavy.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import threading
 from collections import OrderedDict
 from typing import Optional
@@ -151,6 +165,21 @@ def _serving(family: str):
     return serves
 #: Shared by every SGLang model row.
 _BUILD_LOCK = threading.Lock()
+
+
+def _sglang_version() -> Optional[str]:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+#: Why the rows claim no part of the update lifecycle but identity and coverage (see module).
+LIFECYCLE_NOTE = ("SGLang keeps the update session and the weight version in its scheduler "
+                  "(scheduler_components/weight_updater.py), above the model runner this row "
+                  "runs; its model loader writes each bucket in place and reports a failed one "
+                  "to the caller ('partially updated ... discard the whole weights') without "
+                  "marking the weights")
 class _BuiltModel:
     """One receiver rank's model object (real class, minimal attributes) and its layers.
 
@@ -249,6 +278,8 @@ class _SGLangModelLoader:
     model_module: str
     model_class: str
     capabilities: Capabilities
+    #: The engine family and release this row is (``engine`` in the JSON report).
+    engine = {"family": "sglang", "version": _sglang_version()}
 
     #: Models kept per loader (least recently used dropped first): randomized topologies
     #: must not grow the cache without bound.
@@ -475,7 +506,8 @@ class Qwen3MoeLoader(_SGLangModelLoader):
                                              "embeddings"),
                                 engine_layouts=engine_layouts_served(), redundant_experts=True,
                                 weight_quants=("none", "fp8_block"),
-                                transports=("tensors", "flattened_bucket"))
+                                transports=("tensors", "flattened_bucket"),
+                                lifecycle_note=LIFECYCLE_NOTE)
 
 
 class Qwen35MoeLoader(_SGLangModelLoader):
@@ -492,7 +524,8 @@ class Qwen35MoeLoader(_SGLangModelLoader):
                                 targets=("target", "draft"),
                                 engine_layouts=engine_layouts_served(), redundant_experts=True,
                                 weight_quants=("none", "fp8_block"),
-                                transports=("tensors", "flattened_bucket"))
+                                transports=("tensors", "flattened_bucket"),
+                                lifecycle_note=LIFECYCLE_NOTE)
 
     def _configure(self, model, spec) -> None:
         super()._configure(model, spec)

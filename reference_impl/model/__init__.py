@@ -2,8 +2,9 @@
 
 The expert layout and its ownership math (:mod:`.layout`: which trainer and engine rank holds
 which rows of which expert), whole-model specs (:mod:`.model_spec`) and their engine parameter
-trees (:mod:`.model_layout`), the engine-specific expert layouts (:mod:`.engine_layout`) and the
-FP8 block layout with its quantizer (:mod:`.fp8`). Plain functions of shapes and coordinates:
+trees (:mod:`.model_layout`), the engine-specific expert layouts (:mod:`.engine_layout`), the
+FP8 block layout with its quantizer (:mod:`.fp8`) and vLLM's parameter layouts
+(:mod:`.vllm_layout`). Plain functions of shapes and coordinates:
 they import nothing of the reference but its errors, so the oracle can build on them without
 sharing code with a sender or a receiver.
 """

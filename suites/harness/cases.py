@@ -231,6 +231,28 @@ FP8_CASES: tuple[Case, ...] = (
 )
 
 
+# --------------------------------------------------------------------------------------------
+# The update lifecycle (test_lifecycle): few and tiny, the CPU budget
+# --------------------------------------------------------------------------------------------
+
+#: Engines the lifecycle properties drive: a checkpoint-layout engine of 4 ranks (MoE-TP 2 x
+#: EP 2, 2 layers of 4 experts, so a bucket of one layer is a partial update), and the TRT-LLM
+#: BF16 block engine of :data:`ENGINE_CASES` (post-load processing after every update).
+LIFECYCLE_CASES: tuple[Case, ...] = (
+    build_case(1, 2, 1, 1, "sequential", 2, 2, 1, "gate_up", "none", "small", scale=2),
+    ENGINE_CASES[0],
+)
+#: Engines with MoE-DP replicas (ranks holding the same shard), for ``coverage_by_rank``:
+#: MoE-TP 2 x DP 2 (up/gate) and EP 2 x DP 2, each fed as :data:`ENGINE_REPLICAS` engines.
+REPLICA_CASES: tuple[Case, ...] = (
+    build_case(1, 2, 1, 1, "sequential", 2, 1, 2, "up_gate", "none", "small"),
+    build_case(1, 2, 1, 1, "sequential", 1, 2, 2, "gate_up", "none", "small", scale=2),
+)
+#: Data-parallel engine replicas each ``coverage_by_rank`` case feeds (separate parameter sets
+#: of the same topology, their buckets interleaved).
+ENGINE_REPLICAS = 2
+
+
 def rebalanced(receiver: ReceiverTopology, spec: MoESpec, step: int) -> ReceiverTopology:
     """``receiver`` after the engine's ``step``-th rebalance (EPLB only; others unchanged):
     every layer's physical -> logical map rotated by ``step`` slots and its logical ids

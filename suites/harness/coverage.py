@@ -16,6 +16,8 @@ and where (parameter, layer, row, col):
                         concatenation (GDN ``in_proj_ba`` / ``in_proj_qkvz``, ``conv1d``, the
                         shared expert's ``gate_up_proj``);
 ``shared as routed``    a routed expert slot holds the shared expert;
+``wrong KV replica``    a ``qkv_proj`` holds another KV head's K and V rows (fewer KV heads
+                        than TP ranks: rank r serves head r // (TP / KV heads));
 ``frozen written``      a parameter of a target the update does not reach changed;
 ``wrong values``        anything else, first element located.
 
@@ -130,6 +132,38 @@ def _even_split(case, rank, p, version) -> Optional[torch.Tensor]:
     return full[rank * n:(rank + 1) * n].reshape(p.shape)
 
 
+def _kv_replica(case, rank, p, actual, version) -> Optional[str]:
+    """What a ``qkv_proj`` of engine ``rank`` holds when its K and V rows are another KV
+    head's, with fewer KV heads than TP ranks (each head replicated on ``tp / kv_heads``
+    consecutive ranks: SGLang's ``shard_id = tp_rank // num_kv_head_replicas``); else ``None``."""
+    spec, tp = case.spec, case.receiver.tp
+    if p.part != "attention" or len(p.segments) != 3 or spec.num_kv_heads >= tp:
+        return None
+    q, k, v = p.segments
+    if k.source is None or not k.source.endswith("k_proj.weight"):
+        return None
+    catalogue = hf_params(spec)
+    cols = torch.arange(math.prod(catalogue[k.source].shape[1:]))
+    rows = actual.reshape(actual.shape[0], -1)
+    held = []
+    for seg, offset in ((k, q.size), (v, q.size + k.size)):
+        for head in range(spec.num_kv_heads):
+            want = model_synth.values_at(seg.source, catalogue[seg.source].dtype, version,
+                                         torch.arange(head * seg.size, (head + 1) * seg.size), cols)
+            if _same(rows[offset:offset + seg.size], want.reshape(seg.size, -1)):
+                held.append(head)
+                break
+        else:
+            return None
+    expected = k.start // spec.head_dim
+    if held[0] != held[1] or held[0] == expected:
+        return None
+    replicas = tp // spec.num_kv_heads
+    return (f"its K and V rows are KV head {held[0]}'s; with {spec.num_kv_heads} KV heads over "
+            f"TP {tp} each head serves {replicas} consecutive ranks, so rank {rank} holds KV head "
+            f"{expected} (rank // {replicas})")
+
+
 def _shared_as_routed(case, rank, name, actual, version) -> Optional[str]:
     """``"expert e"`` when a routed-expert slot of ``name`` holds the shared expert."""
     spec = case.spec
@@ -206,6 +240,10 @@ def state_findings(params, case, rank, version, before, previous_version=None) -
                                     "to bfloat16 (the low 16 mantissa bits are lost on the way)",
                                     locate(name, _first(wrong))))
             continue
+        replica = _kv_replica(case, rank, p, actual, version)
+        if replica is not None:
+            findings.append(Finding(name, "wrong KV replica", replica, locate(name, _first(wrong))))
+            continue
         naive = _even_split(case, rank, p, version)
         if naive is not None and _same(actual, naive):
             parts = list(dict.fromkeys(s.source.rsplit(".", 2)[-2] for s in p.segments))
@@ -255,6 +293,9 @@ def _pattern(case, findings) -> Optional[str]:
         return "fused components split evenly across TP ranks (components mixed)"
     if "shared as routed" in kinds:
         return "the shared expert written as a routed expert"
+    if "wrong KV replica" in kinds:
+        return ("the wrong KV head replica chosen: with fewer KV heads than TP ranks, rank r "
+                "holds KV head r // (TP / KV heads)")
     return None
 
 

@@ -5,7 +5,8 @@ A handful, chosen to cover between them what differs from the expert matrix
 KV heads than TP ranks, a vocabulary no TP size divides (and a rank that holds only padding
 rows), tied and untied embeddings, a float32 router with the float32 expert bias, the MTP
 draft updated and frozen, both gate/up orders, MoE-EP, and trainers with PP 2 (one layer per
-stage: a stage-local layer name lands on another layer), TP 2, ETP 2, both expert modules.
+stage: a stage-local layer name lands on another layer; 2 + 1 layers on uneven stages), TP 2,
+ETP 2, both expert modules, and KV heads replicated over engine ranks (2 KV heads on TP 4).
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ MODEL_CASES = (
           ReceiverTopology(tp=2, moe_ep=2), TrainerTopology(tp=1, ep=2, pp=2)),
     # the served model updated, its MTP draft frozen (SGLang selector="target").
     _case(qwen3_5_moe(), ReceiverTopology(tp=2), TrainerTopology(), ("target",)),
+    # 2 KV heads on engine TP 4: each KV head replicated on 2 ranks (rank r holds head
+    # r // 2: a loader that takes r % 2 fails here and nowhere else); 3 layers on uneven
+    # trainer stages (2 + 1) under TP 2.
+    _case(qwen3_moe(num_layers=3, num_kv_heads=2), ReceiverTopology(tp=4),
+          TrainerTopology(tp=2, pp=2, first_stage_layers=2)),
 )
 
 

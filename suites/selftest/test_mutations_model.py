@@ -15,7 +15,8 @@ layers):
 * the draft never updated - by the loader and by the exporter (sglang#27718);
 * GDN ``in_proj_ba`` split evenly across TP (vllm#36242, Megatron-LM#1989);
 * the shared expert written as routed expert 0 (sglang#26015);
-* a loader that replays the previous update's tensors: named stale, not never written.
+* a loader that replays the previous update's tensors: named stale, not never written;
+* with fewer KV heads than TP ranks, the wrong KV head replica taken (rank % heads).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ..harness.model_cases import MODEL_CASES
 
 pytestmark = pytest.mark.weightsync_property("mutation")
 
-Q3_PP2, Q35_TIED_PP2, Q35_TP4, Q3_FP32_BIAS, Q35_FROZEN = MODEL_CASES
+Q3_PP2, Q35_TIED_PP2, Q35_TP4, Q3_FP32_BIAS, Q35_FROZEN, Q3_KV2_TP4_UNEVEN = MODEL_CASES
 #: A located element: (layer, for per-layer tensors), parameter, row, col.
 LOCATED = re.compile(r"(layer=\d+ )?(expert=\d+ )?parameter=\S+ row=\d+ col=\d+")
 
@@ -71,6 +72,23 @@ class ReplaysFirstUpdate(LenientLoader):
         for name, tensor in payload:
             kept.setdefault(name, tensor.clone())
         return [(name, kept[name]) for name, _ in payload]
+
+
+class WrongKvReplica(LenientLoader):
+    """With fewer KV heads than TP ranks, rank r takes KV head r % kv_heads instead of
+    r // (tp / kv_heads): its K and V rows are rewritten so the slice it reads holds that head."""
+
+    def bucket(self, payload, spec, topology, rank):
+        replicas = topology.tp // spec.num_kv_heads
+        right, wrong = rank // replicas, rank % spec.num_kv_heads
+        d = spec.head_dim
+        out = []
+        for name, tensor in payload:
+            if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+                tensor = tensor.clone()
+                tensor[right * d:(right + 1) * d] = tensor[wrong * d:(wrong + 1) * d].clone()
+            out.append((name, tensor))
+        return out
 
 
 class BiasUnmapped(LenientLoader):
@@ -201,6 +219,14 @@ def test_a_replayed_previous_update_is_named_stale_not_never_written():
                      ReplaysFirstUpdate(), Q3_PP2, "compat", "stale: ",
                      "holds version 1's values")
     assert "never written" not in message, message[:2000]
+
+
+def test_the_wrong_kv_head_replica_is_named():
+    message = _fails(suite.test_loader_writes_every_parameter_from_its_source, WrongKvReplica(),
+                     Q3_KV2_TP4_UNEVEN, "compat", "the wrong KV head replica chosen",
+                     "wrong KV replica: model.layers.0.self_attn.qkv_proj.weight: its K and V "
+                     "rows are KV head 1's", "rank 1 holds KV head 0 (rank // 2)")
+    assert "engine rank 1" in message
 
 
 def test_expert_bias_unmapped():

@@ -1,0 +1,423 @@
+"""Planted lifecycle bugs are killed by the lifecycle conformance tests - each one named.
+
+Each mutant is the reference implementation with one bug of the kind the 2026 reports around
+the update describe (``../shared/DOMAIN.md`` section 10), run through the unchanged tests of
+``suites/conformance/test_lifecycle.py``:
+
+- ``publish_after_failed_chunk``: ``end_update`` publishes the next version whether or not
+  the update completed (tokenspeed#672);
+- ``partial_advance``: a failed update's buckets stay applied and the engine keeps saying the
+  old version - its ``end_update`` takes what came, its version ignores the failure
+  (NeMo-RL#2444);
+- ``post_load_before_writes``: each bucket's copy lands when the next call arrives (a write
+  in flight), and ``end_update`` runs the post-load processing before the last one landed
+  (prime-rl#2389);
+- ``identity_corrupts_fused``: a reload (every update after the first) leaves layer 0's fused
+  ``w13_weight`` with its gate/up halves swapped, as a reload into a buffer the engine
+  re-ordered does (SkyRL#1680, vllm#48284);
+- ``replica_skipped``: the MoE-DP replicas of a shard (``moe_dp_rank > 0``) take the update
+  as delivered and write nothing;
+- ``end_without_begin_reprocesses``: an ``end_update`` without a session post-processes the
+  weights again, quietly (the transform re-run on transformed weights);
+- ``version_per_bucket``: the version is published at every bucket (as SGLang's scheduler
+  records ``weight_version`` after every ``update_weights_from_tensor`` call of a session);
+- ``outside_session_keeps_version``: a bucket outside a session is written and the engine
+  keeps saying its last complete version (the reference before its lifecycle was judged);
+- ``warns_on_reload``: every reload logs a "Failed to load weights" warning, values intact;
+- ``silent_mix``: an engine without a version whose ``end_update`` takes whatever came;
+- ``double_begin_ignored``: a second ``begin_update`` while one is open does nothing (neither
+  an error nor a restart);
+- ``stuck_after_failure``: after a failed update every ``begin_update`` is refused, also after
+  ``end_update``;
+- ``version_skips_identity``: an update that brings the values the engine holds does not move
+  the version (versions keyed by content: an identity sync looks like no update);
+- ``version_bumped_twice``: the version counts ``begin_update`` and ``end_update`` both;
+- ``one_session_per_rank``: the open update is kept per engine rank, not per parameter set, so
+  a replica's ``begin_update`` takes over the session of the same rank of another replica.
+
+Killed means: the test raises a :class:`ConformanceError` whose first line names the bug.
+The unplanted reference passes the same tests (last test).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ..conformance import test_lifecycle as suite
+from ..harness import cases, lifecycle
+from ..harness.judge import ConformanceError
+from pytest_weightsync.compare import same_bits
+from pytest_weightsync.reference_impl.engine.receiver import IncompleteUpdateError
+from pytest_weightsync.reference_impl.impl import ReferenceImplementation
+from pytest_weightsync.reference_impl.model import engine_layout
+from pytest_weightsync.reference_impl.model.layout import fused_name, receiver_shard
+
+pytestmark = pytest.mark.weightsync_property("mutation_detected")
+
+CHECKPOINT, TRTLLM = cases.LIFECYCLE_CASES
+assert TRTLLM.receiver.engine_layout == "trtllm_block"
+
+
+class _PublishAfterFailedChunk(ReferenceImplementation):
+    name = "publish_after_failed_chunk"
+
+    def end_update(self, params, **kwargs):
+        try:
+            super().end_update(params, **kwargs)
+        finally:  # the version is published whatever happened to the update
+            held = self._find_held(params)
+            if held is not None and not held.usable:
+                held.completed += 1
+                held.usable = True
+
+
+class _PartialAdvance(ReferenceImplementation):
+    name = "partial_advance"
+
+    def end_update(self, params, **kwargs):
+        try:
+            super().end_update(params, **kwargs)
+        except IncompleteUpdateError:
+            pass  # "the buckets that came are applied"
+
+    def weight_version(self, params, **kwargs):
+        held = self._find_held(params)
+        return None if held is None else held.completed  # the failure is not remembered
+
+
+class _PostLoadBeforeWrites(ReferenceImplementation):
+    name = "post_load_before_writes"
+
+    def __init__(self):
+        super().__init__()
+        self._in_flight = {}
+
+    def load_weights(self, params, payload, **kwargs):
+        landing = self._in_flight.pop(id(params), None)
+        if landing is not None:  # the previous bucket's write lands now
+            super().load_weights(params, landing, **kwargs)
+        self._in_flight[id(params)] = [(n, t.clone()) for n, t in payload]
+
+    def end_update(self, params, *, spec, topology, rank, **kwargs):
+        receiver = self._receiver(params, spec, topology, rank)
+        if hasattr(receiver, "post_load"):
+            receiver.post_load()  # post-processing first ...
+        landing = self._in_flight.pop(id(params), None)
+        if landing is not None:  # ... then the last write lands
+            super().load_weights(params, landing, spec=spec, topology=topology, rank=rank,
+                                 **kwargs)
+        super().end_update(params, spec=spec, topology=topology, rank=rank, **kwargs)
+
+
+class _IdentityCorruptsFused(ReferenceImplementation):
+    name = "identity_corrupts_fused"
+
+    def end_update(self, params, **kwargs):
+        super().end_update(params, **kwargs)
+        if self._find_held(params).completed > 1:  # a reload: w13 written in the stale order
+            w13 = params[fused_name(0, "w13")]
+            half = w13.shape[1] // 2
+            with torch.no_grad():
+                w13.copy_(torch.cat([w13[:, half:], w13[:, :half]], dim=1))
+
+
+class _ReplicaSkipped(ReferenceImplementation):
+    name = "replica_skipped"
+
+    @staticmethod
+    def _replica(spec, topology, rank) -> bool:
+        return receiver_shard(spec, topology, rank).moe_dp_rank > 0
+
+    def begin_update(self, params, *, spec, topology, rank, **kwargs):
+        if not self._replica(spec, topology, rank):
+            super().begin_update(params, spec=spec, topology=topology, rank=rank, **kwargs)
+
+    def load_weights(self, params, payload, *, spec, topology, rank, **kwargs):
+        if not self._replica(spec, topology, rank):
+            super().load_weights(params, payload, spec=spec, topology=topology, rank=rank,
+                                 **kwargs)
+
+    def end_update(self, params, *, spec, topology, rank, **kwargs):
+        if not self._replica(spec, topology, rank):
+            super().end_update(params, spec=spec, topology=topology, rank=rank, **kwargs)
+
+
+class _EndWithoutBeginReprocesses(ReferenceImplementation):
+    name = "end_without_begin_reprocesses"
+
+    def end_update(self, params, *, spec, topology, rank, **kwargs):
+        if self._find_open(params) is not None:
+            return super().end_update(params, spec=spec, topology=topology, rank=rank, **kwargs)
+        receiver = self._receiver(params, spec, topology, rank)
+        for name, param in receiver._param_kinds():  # post-process again, quietly
+            tensor = receiver.params[name]
+            if engine_layout.held_layout(tensor) is not None:
+                delattr(tensor, engine_layout.MARK)
+            engine_layout.apply_post_load(tensor, param, topology.engine_layout)
+
+
+class _VersionPerBucket(ReferenceImplementation):
+    name = "version_per_bucket"
+
+    def load_weights(self, params, payload, **kwargs):
+        super().load_weights(params, payload, **kwargs)
+        held = self._find_held(params)
+        if held is not None:
+            held.completed += 1
+            held.usable = True
+
+    def weight_version(self, params, **kwargs):
+        held = self._find_held(params)
+        return None if held is None or not held.usable else held.completed
+
+    def begin_update(self, params, **kwargs):
+        held = self._find_held(params)
+        usable = held is not None and held.usable
+        super().begin_update(params, **kwargs)
+        self._find_held(params).usable = usable  # the engine keeps serving its version
+
+
+class _OutsideSessionKeepsVersion(ReferenceImplementation):
+    name = "outside_session_keeps_version"
+
+    def load_weights(self, params, payload, **kwargs):
+        held = self._find_held(params)
+        usable = held is not None and held.usable and self._find_open(params) is None
+        super().load_weights(params, payload, **kwargs)
+        if usable:
+            held.usable = True
+
+
+class _WarnsOnReload(ReferenceImplementation):
+    name = "warns_on_reload"
+
+    def load_weights(self, params, payload, **kwargs):
+        super().load_weights(params, payload, **kwargs)
+        held = self._find_held(params)
+        if held is not None and held.completed:
+            logging.getLogger("engine.loader").warning(
+                "Failed to load weights for 1 parameter(s); they keep their previous values")
+
+
+class _SilentMix(_PartialAdvance):
+    name = "silent_mix"
+    capabilities = replace(ReferenceImplementation.capabilities,
+                           lifecycle=frozenset({"sessions", "atomic"}))
+    weight_version = None  # no version: end_update completing is all a caller sees
+
+
+class _DoubleBeginIgnored(ReferenceImplementation):
+    name = "double_begin_ignored"
+
+    def begin_update(self, params, **kwargs):
+        if self._find_open(params) is None:
+            super().begin_update(params, **kwargs)
+
+
+class _StuckAfterFailure(ReferenceImplementation):
+    name = "stuck_after_failure"
+
+    def __init__(self):
+        super().__init__()
+        self._failed = set()
+
+    def load_weights(self, params, payload, **kwargs):
+        try:
+            super().load_weights(params, payload, **kwargs)
+        except Exception:
+            self._failed.add(id(params))
+            raise
+
+    def begin_update(self, params, **kwargs):
+        if id(params) in self._failed:
+            raise RuntimeError("an update failed on these weights: restart the engine")
+        super().begin_update(params, **kwargs)
+
+
+class _VersionSkipsIdentity(ReferenceImplementation):
+    name = "version_skips_identity"
+
+    def begin_update(self, params, **kwargs):
+        super().begin_update(params, **kwargs)
+        self._before = {n: t.clone() for n, t in params.items()}
+
+    def end_update(self, params, **kwargs):
+        super().end_update(params, **kwargs)
+        if all(same_bits(t, self._before[n]) for n, t in params.items()):
+            self._find_held(params).completed -= 1  # "nothing changed"
+
+
+class _VersionBumpedTwice(ReferenceImplementation):
+    name = "version_bumped_twice"
+
+    def begin_update(self, params, **kwargs):
+        super().begin_update(params, **kwargs)
+        self._find_held(params).completed += 1
+
+
+class _OneSessionPerRank(ReferenceImplementation):
+    name = "one_session_per_rank"
+
+    def __init__(self):
+        super().__init__()
+        self._by_rank = {}
+
+    def _check(self, params, rank):
+        if self._by_rank.get(rank, params) is not params:
+            raise RuntimeError(f"rank {rank} has no open update on these parameters")
+
+    def begin_update(self, params, *, rank, **kwargs):
+        self._by_rank[rank] = params  # the rank's session, whatever replica it belongs to
+        super().begin_update(params, rank=rank, **kwargs)
+
+    def load_weights(self, params, payload, *, rank, **kwargs):
+        self._check(params, rank)
+        super().load_weights(params, payload, rank=rank, **kwargs)
+
+    def end_update(self, params, *, rank, **kwargs):
+        self._check(params, rank)
+        super().end_update(params, rank=rank, **kwargs)
+
+
+#: mutant -> (conformance test, its arguments but the implementation, the name it must get)
+MUTANTS = {
+    "publish_after_failed_chunk/refused_bucket": (
+        _PublishAfterFailedChunk, suite.test_a_failed_update_is_never_a_silent_mix,
+        (CHECKPOINT, "refused_bucket"), "version published without a completed update"),
+    "publish_after_failed_chunk/sender_exception": (
+        _PublishAfterFailedChunk, suite.test_a_failed_update_is_never_a_silent_mix,
+        (TRTLLM, "sender_exception"), "version published without a completed update"),
+    "publish_after_failed_chunk/version": (
+        _PublishAfterFailedChunk, suite.test_the_version_moves_once_per_completed_update,
+        (CHECKPOINT,), "version published without a completed update"),
+    "partial_advance/refused_bucket": (
+        _PartialAdvance, suite.test_a_failed_update_is_never_a_silent_mix,
+        (CHECKPOINT, "refused_bucket"), "partial advance"),
+    "partial_advance/sender_exception": (
+        _PartialAdvance, suite.test_a_failed_update_is_never_a_silent_mix,
+        (TRTLLM, "sender_exception"), "partial advance"),
+    "partial_advance/lost_rank": (
+        _PartialAdvance, suite.test_a_failed_update_is_never_a_silent_mix,
+        (CHECKPOINT, "lost_rank"), "partial advance"),
+    "post_load_before_writes": (
+        _PostLoadBeforeWrites, suite.test_identity_syncs_change_no_bit, (TRTLLM, "compat"),
+        "post-load processing ran before the writes landed"),
+    "identity_corrupts_fused": (
+        _IdentityCorruptsFused, suite.test_identity_syncs_change_no_bit, (CHECKPOINT, "packed"),
+        "identity sync corrupted a fused parameter: model.layers.0.mlp.experts.w13_weight"),
+    "replica_skipped/moe_tp": (
+        _ReplicaSkipped, suite.test_every_rank_and_replica_receives_the_update,
+        (cases.REPLICA_CASES[0], lambda *_: None), "replica skipped"),
+    "replica_skipped/moe_ep": (
+        _ReplicaSkipped, suite.test_every_rank_and_replica_receives_the_update,
+        (cases.REPLICA_CASES[1], lambda *_: None), "replica skipped"),
+    "one_session_per_rank": (
+        _OneSessionPerRank, suite.test_every_rank_and_replica_receives_the_update,
+        (cases.REPLICA_CASES[0], lambda *_: None), "sessions interfere: r0:dp0:ep0:tp0=rank0"),
+    "end_without_begin_reprocesses": (
+        _EndWithoutBeginReprocesses, suite.test_misuse_of_the_session_is_refused_or_harmless,
+        (TRTLLM, "end_without_begin"), "misuse corrupted the weights: an end_update without"),
+    "version_per_bucket": (
+        _VersionPerBucket, suite.test_the_version_moves_once_per_completed_update, (TRTLLM,),
+        "version published without a completed update"),
+    "outside_session_keeps_version": (
+        _OutsideSessionKeepsVersion, suite.test_misuse_of_the_session_is_refused_or_harmless,
+        (CHECKPOINT, "outside_session"), "a bucket loaded outside a session changed layer 0"),
+    "warns_on_reload": (
+        _WarnsOnReload, suite.test_identity_syncs_change_no_bit, (CHECKPOINT, "compat"),
+        "identity sync 1 of 3"),
+    "silent_mix/refused_bucket": (
+        _SilentMix, suite.test_a_failed_update_is_never_a_silent_mix, (CHECKPOINT,
+                                                                       "refused_bucket"),
+        "silent mix: end_update completed an update that failed"),
+    "silent_mix/sender_exception": (
+        _SilentMix, suite.test_a_failed_update_is_never_a_silent_mix, (TRTLLM,
+                                                                       "sender_exception"),
+        "silent mix: end_update completed an update that failed"),
+    "double_begin_ignored": (
+        _DoubleBeginIgnored, suite.test_misuse_of_the_session_is_refused_or_harmless,
+        (CHECKPOINT, "double_begin"), "a second begin_update was neither refused nor a restart"),
+    "version_skips_identity": (
+        _VersionSkipsIdentity, suite.test_the_version_moves_once_per_completed_update,
+        (CHECKPOINT,), "version did not move"),
+    "version_bumped_twice": (
+        _VersionBumpedTwice, suite.test_the_version_moves_once_per_completed_update, (TRTLLM,),
+        "version moved by 2, not once"),
+    "stuck_after_failure": (
+        _StuckAfterFailure, suite.test_misuse_of_the_session_is_refused_or_harmless,
+        (TRTLLM, "begin_after_failure"), "stuck after a failed update"),
+}
+#: What else each mutant's message must say (the bug located, the engine pattern named).
+ALSO = {
+    "identity_corrupts_fused": ("gate/up halves swapped", "the forward on a fixed input changed",
+                                "layer=0 expert=", "row=", "col="),
+    "post_load_before_writes": ("raw checkpoint layout", "layer=0 expert="),
+    "end_without_begin_reprocesses": ("post-load layout applied twice",),
+    "replica_skipped/moe_tp": ("r0:dp1:", "still hold their bits from before it"),
+    "replica_skipped/moe_ep": ("r0:dp1:", "still hold their bits from before it"),
+    "partial_advance/refused_bucket": ("element(s) hold version 2",),
+    "version_per_bucket": ("at bucket 0 of",),
+    "version_skips_identity": ("an identity update",),
+    "warns_on_reload": ("Failed to load weights",),
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
+def test_lifecycle_mutant_is_killed_and_named(mutant):
+    make, test, args, named = MUTANTS[mutant]
+    with pytest.raises(ConformanceError) as caught:
+        test(make(), *args)
+    message = str(caught.value)
+    assert message.splitlines()[0].startswith(named) or named in message.splitlines()[0], \
+        message[:1200]
+    for word in ALSO.get(mutant, ()):
+        assert word in message, (word, message[:1500])
+
+
+def test_the_coverage_record_names_the_ranks_covered():
+    """The record a coverage check leaves lists exactly the ranks that hold the update."""
+    records: list[str] = []
+    case = cases.REPLICA_CASES[0]
+    with pytest.raises(ConformanceError):
+        lifecycle.check_coverage(_ReplicaSkipped(), case, "compat", record=records.append)
+    (text,) = records
+    assert text.startswith(f"4 of {cases.ENGINE_REPLICAS * case.receiver.world_size} engine ranks")
+    assert "dp1" not in text and "r1:dp0:ep0:tp1=rank1" in text, text
+    records.clear()
+    lifecycle.check_coverage(ReferenceImplementation(), case, "compat", record=records.append)
+    assert records[0].startswith("8 of 8 engine ranks") and "r1:dp1:ep0:tp1=rank3" in records[0]
+
+
+def test_reference_passes_the_same_tests():
+    """Every test a mutant fails is passed by the unplanted reference, same arguments."""
+    for mutant in sorted(MUTANTS):
+        _, test, args, _ = MUTANTS[mutant]
+        test(ReferenceImplementation(), *args)
+
+
+def test_a_lifecycle_claim_needs_its_methods_and_a_known_word():
+    """Claiming ``version`` without ``weight_version`` (or ``sessions`` without the hooks) is a
+    usage error at registration; an unknown word is refused; an unclaimed part skips with the
+    implementation's note."""
+    from pytest_weightsync.protocols import Capabilities, protocol_problems
+
+    class Plain:
+        name = "plain"
+        capabilities = Capabilities(lifecycle=("version", "sessions"))
+
+        def load_weights(self, params, payload, *, format, spec, topology, rank):
+            pass
+
+    problems = " | ".join(protocol_problems(Plain()))
+    assert "claims 'version' but it has no weight_version" in problems, problems
+    assert "claims 'sessions' but it has no begin_update / end_update" in problems, problems
+    assert not protocol_problems(ReferenceImplementation())
+    with pytest.raises(ValueError, match="lifecycle"):
+        Capabilities(lifecycle=("atomicity",))
+    caps = Capabilities(lifecycle_note="the server keeps sessions")
+    assert caps.lifecycle_refusal("sessions").endswith(": the server keeps sessions")
+    assert ReferenceImplementation.capabilities.lifecycle_refusal("atomic") is None
