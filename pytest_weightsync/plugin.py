@@ -17,10 +17,16 @@ import pytest
 SUB_PLUGINS = (
     "pytest_weightsync.gpu_gate",
     "pytest_weightsync.deadline",
+    "pytest_weightsync.boundary",
     "pytest_weightsync.ranks.dispatch",
     "pytest_weightsync.registry",
+    "pytest_weightsync.cutoff",
+    "pytest_weightsync.process_hygiene",
+    "pytest_weightsync.session_guard",
     "pytest_weightsync.claims",
     "pytest_weightsync.report",
+    "pytest_weightsync.listing",
+    "pytest_weightsync.narrowing",
     "pytest_weightsync.failures",
     "pytest_weightsync.throughput",
     "pytest_weightsync.eligibility",
@@ -73,8 +79,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="SECONDS",
         help="fail a conformance test whose call into the implementation in the pytest process "
         "(load_weights, begin/end_update, export_weights) has not returned after this many "
-        "seconds, showing the call's Python stack; 0 for no limit (default: 300, or the ini "
-        "value weightsync_call_timeout).",
+        "seconds, showing the call's Python stack; also bounds importing and instantiating a "
+        "registered implementation; 0 for no limit (default: 300, or the ini value "
+        "weightsync_call_timeout).",
+    )
+    group.addoption(
+        "--weightsync-max-call-timeouts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cut an implementation off after N of its in-process calls timed out: its "
+        "remaining tests are skipped as not run (never counted as passed); 0 never cuts off "
+        "(default: 2, or the ini value weightsync_max_call_timeouts).",
     )
     group.addoption(
         "--weightsync-allow-partial",
@@ -123,6 +139,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "table (repeatable).",
     )
     group.addoption(
+        "--weightsync-property",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only the conformance tests of this property (exact name, repeatable; -k "
+        "matches property names too, as substrings); a narrower run is PARTIAL.",
+    )
+    group.addoption(
+        "--weightsync-format",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only the tests of this payload format (compat, hf_fused, packed, direct; "
+        "repeatable); tests with no format still run; a narrower run is PARTIAL.",
+    )
+    group.addoption(
+        "--weightsync-list",
+        action="store_true",
+        default=False,
+        help="collect only and list, per selected implementation and property, how many cases "
+        "(topology x format) the run would check, and every topology spelled out (layers, "
+        "experts, heads, KV heads, trainer TP/EP/ETP/PP, engine TP/EP/DP, order); runs nothing.",
+    )
+    group.addoption(
         "--weightsync-report",
         default=None,
         metavar="PATH",
@@ -162,6 +202,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "weightsync_call_timeout",
         "seconds an in-process implementation call may take; 0 for no limit (default 300)",
         default="300",
+    )
+    parser.addini(
+        "weightsync_max_call_timeouts",
+        "in-process call time-outs after which an implementation is cut off; 0 never (default 2)",
+        default="2",
     )
     parser.addini(
         "weightsync_tolerance",

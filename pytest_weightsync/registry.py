@@ -21,6 +21,14 @@ Two registrations of the same name are one implementation when they are of the s
 a usage error otherwise; ``--weightsync-only NAME`` narrows the set (and, naming no SGLang row,
 spares the probe).
 
+Resolving a registration runs the code under test (its module's import, its constructor, a
+hook or fixture that lists implementations): each is bounded by the call time limit
+(``--weightsync-call-timeout``, :mod:`pytest_weightsync.deadline`; the built-in rows are the
+project's own and are not), and a time-out, ``SystemExit``, a ``KeyboardInterrupt`` of its own
+or any other ``BaseException`` (:mod:`pytest_weightsync.boundary`) becomes a
+:class:`RegistrationError` naming the registration: a usage error, with the JSON report still
+written. A failed resolution is remembered, so nothing is imported twice.
+
 Tests ask for ``weightsync_impl`` (every implementation), ``weightsync_loader`` (those with
 ``load_weights``) or ``weightsync_exporter`` (those with ``export_weights``); each is
 parametrized here with the implementation name as the test id.
@@ -35,6 +43,8 @@ from typing import Any, Iterable, Optional
 
 import pytest
 
+from pytest_weightsync import boundary
+from pytest_weightsync.deadline import CallTimeoutError, deadline
 from pytest_weightsync.protocols import protocol_problems, roles_of
 
 #: Entry-point group third-party packages register implementations in.
@@ -62,6 +72,8 @@ IMPL_FIXTURES = {"weightsync_impl": None, "weightsync_loader": "loader",
 
 _BASE = pytest.StashKey["Registry"]()
 _DECLARED = pytest.StashKey["Registry"]()
+#: The error that building each registry ended with (kept: it is not built again).
+_FAILED = pytest.StashKey[dict]()
 _FIXTURE_EXTRAS = pytest.StashKey[dict]()
 #: The text of a usage error raised while resolving registrations (the report writes it to
 #: the JSON).
@@ -89,6 +101,28 @@ class Registered:
         return f"<implementation {self.name!r} from {self.source}>"
 
 
+def _builtin(source: str) -> bool:
+    return source.startswith("built-in default")
+
+
+def at_boundary(source: str, what: str, fn, *args, bounded: bool = True):
+    """``fn(*args)``: code of the registration ``source`` runs, under the call time limit
+    when ``bounded``. A time-out, or anything it raises that is not an ``Exception``
+    (:func:`pytest_weightsync.boundary.describe`), becomes a :class:`RegistrationError`;
+    an ``Exception`` is passed on for the caller to word."""
+    seen = boundary.interrupts()
+    try:
+        with deadline(what, None if bounded else 0):
+            return fn(*args)
+    except CallTimeoutError as error:
+        raise RegistrationError(f"{source}: {error}") from None
+    except BaseException as exc:
+        text = boundary.describe(what, exc, seen)
+        if text is None:
+            raise
+        raise RegistrationError(f"{source}: {text}; the registration is refused") from exc
+
+
 def import_target(target: str, source: str) -> Any:
     """The object ``"package.module:attr.sub"`` names."""
     module_name, sep, attr = target.partition(":")
@@ -96,7 +130,10 @@ def import_target(target: str, source: str) -> Any:
         raise RegistrationError(f"{source}: {target!r} is not of the form 'module:attr' "
                                 f"(e.g. 'mypkg.sync:MyLoader')")
     try:
-        obj = importlib.import_module(module_name)
+        obj = at_boundary(source, f"importing {module_name!r}", importlib.import_module,
+                          module_name, bounded=not _builtin(source))
+    except RegistrationError:
+        raise
     except Exception as exc:
         raise RegistrationError(f"{source}: cannot import module {module_name!r} for "
                                 f"{target!r}: {type(exc).__name__}: {exc}") from exc
@@ -116,7 +153,9 @@ def as_implementation(obj: Any, source: str) -> Any:
         obj = import_target(obj, source)
     if inspect.isclass(obj):
         try:
-            obj = obj()
+            obj = at_boundary(source, f"{obj.__qualname__}()", obj, bounded=not _builtin(source))
+        except RegistrationError:
+            raise
         except Exception as exc:
             raise RegistrationError(f"{source}: cannot instantiate {obj.__qualname__} with no "
                                     f"arguments: {type(exc).__name__}: {exc}") from exc
@@ -225,35 +264,72 @@ def build_registry(config: pytest.Config, optional: bool = True) -> Registry:
         dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed package"
         source = f"entry point {ep.name!r} = {ep.value!r} (group {ENTRY_POINT_GROUP!r}, {dist})"
         try:
-            obj = ep.load()
+            obj = at_boundary(source, f"loading entry point {ep.name!r}", ep.load)
+        except RegistrationError:
+            raise
         except Exception as exc:
             raise RegistrationError(f"{source}: cannot load: {type(exc).__name__}: {exc}") from exc
         registry.add(obj, source)
     hook = getattr(config.hook, "pytest_weightsync_register_implementations", None)
     if hook is not None:
-        for plugin_result in hook(config=config):
+        source = "hook pytest_weightsync_register_implementations"
+        try:
+            results = at_boundary(source, "the hook", lambda: hook(config=config))
+        except RegistrationError:
+            raise
+        except Exception as exc:
+            raise RegistrationError(f"{source}: raised {type(exc).__name__}: {exc}") from exc
+        for plugin_result in results:
             for obj in plugin_result or ():
-                registry.add(obj, "hook pytest_weightsync_register_implementations")
+                registry.add(obj, source)
     for target in config.getoption("weightsync_loader", None) or ():
         registry.add(target, f"--weightsync-loader {target}")
     return registry
 
 
+def _built_once(config: pytest.Config, key, optional: bool) -> Registry:
+    """The registry under ``key``, built at the first ask. A build that failed is not
+    retried (it would import the code under test again): later asks raise its error again,
+    and one cut short by an interruption leaves a :class:`RegistrationError` saying so."""
+    if key in config.stash:
+        return config.stash[key]
+    failed = config.stash.setdefault(_FAILED, {})
+    if key in failed:
+        raise RegistrationError(str(failed[key]))
+    try:
+        config.stash[key] = build_registry(config, optional=optional)
+    except RegistrationError as error:
+        failed[key] = error
+        raise
+    except BaseException as exc:
+        failed[key] = RegistrationError(f"the registrations were not resolved: resolving them "
+                                        f"ended with {type(exc).__name__}: {exc}")
+        raise
+    return config.stash[key]
+
+
+def resolution_failed(config: pytest.Config, message: str) -> None:
+    """Record that resolving the registrations failed with ``message`` (a call in it was
+    abandoned and the session is ending): later asks raise it instead of importing again,
+    and the JSON report names it as the usage error."""
+    failed = config.stash.setdefault(_FAILED, {})
+    for key in (_DECLARED, _BASE):
+        if key not in config.stash:
+            failed.setdefault(key, RegistrationError(message))
+    config.stash[USAGE_ERROR] = message
+
+
 def declared_registry(config: pytest.Config) -> Registry:
     """Every registration except the optional built-in rows (nothing is probed), built once:
     what validating the command line and naming sources needs."""
-    if _DECLARED not in config.stash:
-        config.stash[_DECLARED] = build_registry(config, optional=False)
-    return config.stash[_DECLARED]
+    return _built_once(config, _DECLARED, optional=False)
 
 
 def base_registry(config: pytest.Config) -> Registry:
     """The registry every test shares (everything but conftest fixture overrides, the
     optional built-in rows included), built once."""
-    if _BASE not in config.stash:
-        declared_registry(config)  # a bad registration is reported before any probing
-        config.stash[_BASE] = build_registry(config, optional=True)
-    return config.stash[_BASE]
+    declared_registry(config)  # a bad registration is reported before any probing
+    return _built_once(config, _BASE, optional=True)
 
 
 def _needs_optional(config: pytest.Config) -> bool:
@@ -333,7 +409,13 @@ def _fixture_extras(metafunc: pytest.Metafunc) -> tuple[tuple, str]:
                 f"ask for no fixture but pytestconfig and must return (not yield) a list; "
                 f"{found}")
         kwargs = {"pytestconfig": metafunc.config} if fixturedef.argnames else {}
-        result = func(**kwargs)
+        try:
+            result = at_boundary(source, f"{getattr(func, '__qualname__', func)}()",
+                                 lambda: func(**kwargs))
+        except RegistrationError:
+            raise
+        except Exception as exc:
+            raise RegistrationError(f"{source}: raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(result, (list, tuple)):
             raise RegistrationError(f"{source}: must return a list of implementations, got "
                                     f"{type(result).__name__}")

@@ -44,29 +44,34 @@ import json
 import re
 import shlex
 import sys
+import textwrap
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import pytest
 
+from pytest_weightsync import topology
 from pytest_weightsync import verdict as verdicts
 from pytest_weightsync.registry import (
     USAGE_ERROR,
     declared_registry,
     implementation_of,
     optional_names,
+    registered_of,
 )
 from pytest_weightsync.selection import Selection, SelectionRecorder, WorkerSelections
 from pytest_weightsync.vocabulary import (
     BUCKET_LIMIT,
     BUCKET_WITHIN,
+    FORMAT_PARAMS,
     HARDENING,
     NOT_RUN,
     PASS,
     PROPERTIES,
+    RANKS_COVERED,
     REPORT_PROPERTIES,
     SPEED,
     VERDICTS,
@@ -74,8 +79,6 @@ from pytest_weightsync.vocabulary import (
 
 PREFIX = "weightsync_"
 KEYS = ("implementation", "property", "topology", "format", "backend")
-#: Parameters whose value names the payload format / sync path / capability taken away.
-FORMAT_PARAMS = ("payload_format", "path", "fmt", "restriction")
 #: What a test or a cell counts as, worst first.
 OUTCOMES = ("failed", "passed", "skipped")
 #: Longest failure message kept per test in the matrix and the JSON.
@@ -86,13 +89,21 @@ MAX_LONGREPR = 20000
 FINDING_KEYS = ("bad_kind", "finding", "finding_detail")
 #: user_properties keys a distributed-export test records for the bucket-limit column.
 BUCKET_KEYS = (BUCKET_LIMIT, f"{BUCKET_LIMIT}_detail")
+#: user_properties key of the engine family and version an implementation says it is.
+ENGINE = "engine"
+#: user_properties key of what a test left in the pytest process (process_hygiene).
+LEFT_BEHIND = "left_behind"
+#: user_properties keys a coverage_by_rank test records: the engine ranks its check covered.
+COVERAGE_KEYS = (RANKS_COVERED,)
 MAX_DETAIL = 100
 #: The detail of every verdict of a --collect-only run.
 COLLECT_ONLY = "--collect-only: no test ran"
 #: Versions of these distributions go into the JSON report (read from metadata, no import).
 VERSIONED = ("pytest-weightsync", "pytest", "pytest-xdist", "hypothesis", "torch", "sglang",
              "megatron-core", "megatron-bridge", "transformer-engine")
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
+#: Widest terminal line of the matrix tables (details are listed under them).
+MATRIX_WIDTH = 120
 
 
 def cut(text: str, limit: int) -> str:
@@ -114,14 +125,8 @@ def _marker_arg(item: pytest.Item, name: str) -> Optional[str]:
 def _topology_of(item: pytest.Item) -> Optional[str]:
     """The id of a topology-matrix case among the test's parameters (anything with ``spec``,
     ``receiver`` and a string ``id``, like ``suites.harness.cases.Case`` / ``DistCase``)."""
-    callspec = getattr(item, "callspec", None)
-    if callspec is None:
-        return None
-    for value in callspec.params.values():
-        case_id = getattr(value, "id", None)
-        if isinstance(case_id, str) and hasattr(value, "spec") and hasattr(value, "receiver"):
-            return case_id
-    return None
+    case = topology.topology_of(item)
+    return None if case is None else case.id
 
 
 def tags_of(item: pytest.Item) -> dict:
@@ -155,6 +160,11 @@ def pytest_collection_modifyitems(items: list) -> None:
             # where the test lives, for a rerun command (a --pyargs node id is relative to
             # the package, not to where pytest runs)
             item.user_properties.append((PREFIX + "file", str(item.path)))
+        if tags.get("implementation") and PREFIX + ENGINE not in present:
+            entry = registered_of(item)  # the engine travels with the reports (xdist)
+            engine = _engine(entry.obj) if entry is not None else None
+            if engine is not None:
+                item.user_properties.append((PREFIX + ENGINE, json.dumps(engine)))
 
 
 @pytest.fixture
@@ -243,7 +253,7 @@ def _failure_message(report) -> str:
 
 #: The exception name pytest puts before a skip's reason (``Skipped: ...``, or a skip kind's
 #: own class, ``NotClaimed: ...``).
-_SKIP_PREFIX = re.compile(r"^(?:[\w.]+\.)?(?:Skipped|NotClaimed|NotApplicable|NoDevice): ")
+_SKIP_PREFIX = re.compile(r"^(?:[\w.]+\.)?(?:Skipped|NotClaimed|NotApplicable|NoDevice|CutOff): ")
 
 
 def _skip_reason(report) -> str:
@@ -284,6 +294,21 @@ def _versions() -> dict:
     return out
 
 
+def _engine(obj) -> Optional[dict]:
+    """The engine an implementation says it is: its ``engine`` attribute, a mapping with a
+    ``family`` (``"sglang"``, ``"vllm"``, an engine speaking one of their update APIs) and a
+    ``version``; ``None`` for one that says nothing (a loader of no particular engine)."""
+    try:
+        engine = getattr(obj, "engine", None)
+        family = engine.get("family") if isinstance(engine, Mapping) else None
+        if not isinstance(family, str) or not family:
+            return None
+        version = engine.get("version")
+        return {"family": family, "version": None if version is None else str(version)}
+    except Exception:  # third-party attribute access must not break the report
+        return None
+
+
 def _utc(seconds: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
@@ -301,6 +326,8 @@ class ConformanceReport:
         self.recorder = SelectionRecorder(config)
         self.workers = WorkerSelections()
         self._verdicts: Optional[dict] = None
+        #: implementation -> the engine it says it is (``_engine``), from its tests' reports
+        self.engines: dict[str, dict] = {}
         self.exitstatus: Optional[int] = None
         #: The exit status pytest gives the interruption (set when it is reported).
         self.interrupt_status: Optional[int] = None
@@ -317,12 +344,18 @@ class ConformanceReport:
         if result is None:
             result = self.results[report.nodeid] = TestResult(report.nodeid, tags)
         result.tags.update(tags)
-        result.finding.update({k: str(v) for k, v in props if k in FINDING_KEYS + BUCKET_KEYS})
+        result.finding.update({k: str(v) for k, v in props if k in FINDING_KEYS + BUCKET_KEYS
+                               + COVERAGE_KEYS + (LEFT_BEHIND,)})
         for k, v in props:
             if k == "skip":
                 result.skip_kind = str(v)
             elif k == "file":
                 result.file = str(v)
+            elif k == ENGINE and tags.get("implementation"):
+                try:
+                    self.engines[tags["implementation"]] = json.loads(v)
+                except (TypeError, ValueError):
+                    pass
             elif k == "speed":
                 try:
                     result.speed.update(json.loads(v) if isinstance(v, str) else dict(v))
@@ -594,11 +627,11 @@ class ConformanceReport:
         if impls:
             findings = self.findings()
             lines.append("=" * 20 + " weightsync conformance matrix " + "=" * 20)
-            lines.append(f"cells: topologies passed / failed / skipped (of {len(topos)} "
-                         f"topologies; a topology fails when any of its tests fails; 'not run': "
-                         f"no case ran). The verdict counts every property but "
-                         f"{' and '.join(REPORT_PROPERTIES)} (reports), and only what ran: one "
-                         f"of {', '.join(VERDICTS)}.")
+            lines += textwrap.wrap(
+                f"cells: topologies passed / failed / skipped (of {len(topos)} topologies; a "
+                f"topology fails when any of its tests fails; 'not run': no case ran). The "
+                f"verdict counts every property but {' and '.join(REPORT_PROPERTIES)} "
+                f"(reports), and only what ran: one of {', '.join(VERDICTS)}.", MATRIX_WIDTH)
             speed = self.speed()
             cell_text = {(impl, p): self._cell_text(cells, impl, p, findings, speed)
                          for impl in impls for p in props}
@@ -608,16 +641,7 @@ class ConformanceReport:
                 columns.append(BUCKET_LIMIT)
                 for impl in impls:
                     cell_text[impl, BUCKET_LIMIT] = self._bucket_cell(buckets.get(impl))
-            verdict = {impl: self.verdict(impl) for impl in impls}
-            first = max([len("implementation")] + [len(i) for i in impls])
-            widths = [max(len(p), max(len(cell_text[i, p]) for i in impls)) for p in columns]
-            header = "  ".join([f"{'implementation':<{first}}"]
-                               + [f"{p:>{w}}" for p, w in zip(columns, widths)] + ["verdict"])
-            lines.append(header)
-            for impl in impls:
-                row = [f"{impl:<{first}}"] + [f"{cell_text[impl, p]:>{w}}"
-                                              for p, w in zip(columns, widths)]
-                lines.append("  ".join(row + [verdict[impl]]))
+            lines += self._table_lines(impls, columns, cell_text)
             if self.interrupted:
                 lines.append(f"the run was {self.interrupted}: tests without a result are not "
                              f"counted as passed")
@@ -637,7 +661,72 @@ class ConformanceReport:
                     lines.append(f"    rerun: {self.rerun_command(t)}")
             lines += self.hardening_lines(findings)
             lines += self.bucket_limit_lines(buckets)
+            lines += self.left_behind_lines()
         lines += self.footer_lines()
+        return lines
+
+    def left_behind(self) -> dict:
+        """``{implementation: [{"nodeid", "what"}]}``: what its tests left in the pytest
+        process (threads, processes, torch settings, environment, memory), in run order."""
+        out: dict = {}
+        for r in self.conformance():
+            if LEFT_BEHIND in r.finding:
+                out.setdefault(r.tags["implementation"], []).append(
+                    {"nodeid": r.nodeid, "what": r.finding[LEFT_BEHIND]})
+        return out
+
+    def left_behind_lines(self) -> list[str]:
+        """Per test, what it left in the pytest process (the warnings say it too, but they
+        are easy to miss below a long run)."""
+        left = self.left_behind()
+        if not left:
+            return []
+        lines = ["left behind in the pytest process (after the test; "
+                 "-W error::pytest_weightsync.process_hygiene.ImplementationLeakWarning fails it):"]
+        for impl in sorted(left):
+            for entry in left[impl]:
+                lines.append(f"  {entry['nodeid']}: {cut(entry['what'], 300)}")
+        return lines
+
+    def _table_lines(self, impls, columns, cell_text) -> list[str]:
+        """The matrix in at most :data:`MATRIX_WIDTH` columns: one table when it fits, else
+        the property columns in consecutive tables, the last ending with each verdict's word
+        and the whole verdicts listed under it."""
+        verdict = {impl: self.verdict(impl) for impl in impls}
+        judged = self.verdicts()
+        word = {impl: judged[impl].word if impl in judged else NOT_RUN for impl in impls}
+        first = max([len("implementation")] + [len(i) for i in impls])
+        widths = [max(len(p), max(len(cell_text[i, p]) for i in impls)) for p in columns]
+
+        def table(group, last: bool, verdicts: dict) -> list[str]:
+            tail = ["verdict"] if last else []
+            out = ["  ".join([f"{'implementation':<{first}}"]
+                             + [f"{p:>{w}}" for p, w in group] + tail).rstrip()]
+            for impl in impls:
+                row = [f"{impl:<{first}}"] + [f"{cell_text[impl, p]:>{w}}" for p, w in group]
+                out.append("  ".join(row + ([verdicts[impl]] if last else [])).rstrip())
+            return out
+
+        pairs = list(zip(columns, widths))
+        whole = first + sum(2 + w for w in widths) + 2 + max(len(v) for v in verdict.values())
+        if whole <= MATRIX_WIDTH:
+            return table(pairs, True, verdict)
+        room = MATRIX_WIDTH - 2 - max(len("verdict"), max(len(w) for w in word.values()))
+        groups, current, used = [], [], first
+        for p, w in pairs:
+            if current and used + 2 + w > room:
+                groups.append(current)
+                current, used = [], first
+            current.append((p, w))
+            used += 2 + w
+        groups.append(current)
+        lines = []
+        for index, group in enumerate(groups):
+            lines += table(group, index == len(groups) - 1, word)
+        lines.append("verdicts:")
+        for impl in impls:
+            lines += textwrap.wrap(f"{impl}: {verdict[impl]}", MATRIX_WIDTH,
+                                   initial_indent="  ", subsequent_indent="    ")
         return lines
 
     @staticmethod
@@ -763,6 +852,8 @@ class ConformanceReport:
                 "name": name,
                 "source": source,
                 "roles": roles,
+                "engine": self.engines.get(name) or (
+                    _engine(entry.obj) if entry is not None else None),
                 "verdict": str(v) if v is not None else "NOT RUN (no test)",
                 "verdict_word": v.word if v is not None else "NOT RUN",
                 "ran": v.ran if v is not None else 0,
@@ -817,6 +908,9 @@ class ConformanceReport:
             "implementations": implementations,
             "properties": props,
             "topologies": topos,
+            "topology_details": {t: selection.topologies[t] for t in topos
+                                 if t in selection.topologies},
+            "legend": topology.LEGEND,
             "summary": summary,
             "cells": cell_list,
             "failures": failures,
@@ -828,6 +922,7 @@ class ConformanceReport:
                 for impl, by_key in sorted(findings.items())},
             BUCKET_LIMIT: {impl: [{k: e[k] for k in ("topology", "nodeid", "finding", "detail")}
                                   for e in entries] for impl, entries in sorted(buckets.items())},
+            "left_behind": self.left_behind(),
             "tests": [{"nodeid": r.nodeid, **r.tags, "outcome": r.outcome,
                        "skip_kind": r.skip_kind, "duration_s": round(r.duration, 6),
                        "message": r.message or None, **r.finding}

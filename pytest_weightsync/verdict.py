@@ -19,7 +19,10 @@ run was interrupted. Words (``pytest_weightsync.vocabulary``), worst first:
                  not run here: ...)" certifies what ran, and says what did not).
 
 A test counts as run only when its call phase reported (or its setup skipped or failed): a
-test whose setup passed and that never reached its call - the Ctrl-C case - did not run.
+test whose setup passed and that never reached its call - the Ctrl-C case - did not run; nor
+did a case skipped as ``not_run`` (``vocabulary.SKIP_NOT_RUN``: an implementation cut off
+after repeated call time-outs, :mod:`pytest_weightsync.cutoff`), which the verdict lists with
+its reason.
 Cases the implementation does not claim, and properties with nothing to check on it
 (``vocabulary.SKIP_UNCLAIMED`` / ``SKIP_NOT_APPLICABLE``), neither count for nor against it.
 """
@@ -37,6 +40,7 @@ from pytest_weightsync.vocabulary import (
     PASS,
     SKIP_NO_DEVICE,
     SKIP_NOT_APPLICABLE,
+    SKIP_NOT_RUN,
     SKIP_UNCLAIMED,
 )
 
@@ -91,8 +95,11 @@ def decide(outcomes: list[Outcome], *, selected: Optional[list] = None, deselect
         selected = list(by_id)
     wanted = list(dict.fromkeys([*selected, *by_id]))
     results = [by_id.get(n) for n in wanted]
-    done = [o for o in results if o is not None and o.outcome != "not run"]
-    unreached = len(wanted) - len(done)
+    not_run = [o for o in results if o is not None and o.outcome == "skipped"
+               and o.skip_kind == SKIP_NOT_RUN]
+    done = [o for o in results if o is not None and o.outcome != "not run"
+            and not (o.outcome == "skipped" and o.skip_kind == SKIP_NOT_RUN)]
+    unreached = len(wanted) - len(done) - len(not_run)
     total = len(wanted) + deselected
     failed = [o for o in done if o.outcome == "failed"]
     claimed_skips = [o for o in done if o.outcome == "skipped" and o.counts
@@ -110,12 +117,11 @@ def decide(outcomes: list[Outcome], *, selected: Optional[list] = None, deselect
         details.append(f"{deselected} deselected")
     if missing_modules:
         details.append("not collected: " + ", ".join(missing_modules))
+    if not_run:
+        details.append(f"{len(not_run)} not run: {_reasons(not_run, 240)}")
     if claimed_skips:
-        reasons = sorted({o.reason.splitlines()[0] if o.reason else "no reason"
-                          for o in claimed_skips})
-        shown = "; ".join(r[:120] for r in reasons[:MAX_REASONS])
-        more = f" (+{len(reasons) - MAX_REASONS} more reasons)" if len(reasons) > MAX_REASONS else ""
-        details.append(f"{len(claimed_skips)} claimed case(s) skipped: {shown}{more}")
+        details.append(f"{len(claimed_skips)} claimed case(s) skipped: "
+                       f"{_reasons(claimed_skips, 120)}")
     if not selection_known:
         details.append("selection unknown (a worker went down before reporting it)")
     device_note = (f"{len(no_device)} GPU case(s) not run here: {no_device[0].reason}"
@@ -125,7 +131,7 @@ def decide(outcomes: list[Outcome], *, selected: Optional[list] = None, deselect
         word = FAIL
     elif unreached or (interrupted and not selection_known):
         word = INTERRUPTED  # something stopped the run before these had a result
-    elif deselected or missing_modules or claimed_skips or not selection_known:
+    elif deselected or missing_modules or claimed_skips or not_run or not selection_known:
         word = PARTIAL
     elif not ran_cases:
         word = NOT_RUN
@@ -137,3 +143,11 @@ def decide(outcomes: list[Outcome], *, selected: Optional[list] = None, deselect
     if device_note and word != PASS and device_note not in details:
         details.append(device_note)
     return Verdict(word, ran=len(done), total=total, details=details)
+
+
+def _reasons(outcomes: list[Outcome], width: int) -> str:
+    """The distinct first lines of the outcomes' reasons, the first :data:`MAX_REASONS`."""
+    reasons = sorted({o.reason.splitlines()[0] if o.reason else "no reason" for o in outcomes})
+    shown = "; ".join(r[:width] for r in reasons[:MAX_REASONS])
+    more = f" (+{len(reasons) - MAX_REASONS} more reasons)" if len(reasons) > MAX_REASONS else ""
+    return shown + more
