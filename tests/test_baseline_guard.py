@@ -65,13 +65,19 @@ def test_compare_within_tolerance_passes(pytester):
     result.stdout.fnmatch_lines(["*throughput vs baseline*", "fast_path*ok"])
 
 
-def test_injected_drop_fails_the_run_with_a_table(pytester):
-    pytester.makepyfile(MEASURED.format(slow=20))  # ratio far below the stored 50.0
-    baseline = write_baseline(pytester, {"fast_path": 50.0})
+def _regressed(pytester, baseline, lines) -> None:
+    """A run against ``baseline`` whose one test passes and whose guard fails it, printing
+    ``lines``."""
     result = pytester.runpytest(f"--weightsync-baseline={baseline}")
     result.assert_outcomes(passed=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(
+    result.stdout.fnmatch_lines(lines)
+
+
+def test_injected_drop_fails_the_run_with_a_table(pytester):
+    pytester.makepyfile(MEASURED.format(slow=20))  # ratio far below the stored 50.0
+    baseline = write_baseline(pytester, {"fast_path": 50.0})
+    _regressed(pytester, baseline,
         [
             "*weightsync throughput REGRESSION*",
             "name*baseline ratio*measured ratio*change*limit*status",
@@ -196,10 +202,7 @@ def test_counts_are_saved_and_an_increase_fails_the_run_naming_the_field(pyteste
     }
     assert pytester.runpytest(f"--weightsync-baseline={saved}").ret == 0
     pytester.makepyfile(COUNTED.format(body=LOOPED))  # the same bytes, one copy per source
-    result = pytester.runpytest(f"--weightsync-baseline={saved}")
-    result.assert_outcomes(passed=1)
-    assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(
+    _regressed(pytester, saved,
         [
             "*weightsync throughput REGRESSION*",
             "ops/path*op:aten.copy_.default*0*4*MORE",
@@ -219,38 +222,40 @@ def test_fewer_counts_pass_with_a_note(pytester):
     result.stdout.fnmatch_lines(["ops/path*op:aten.copy_.default*4*0*fewer (update the baseline)"])
 
 
-def test_malformed_counts_are_a_clear_usage_error(pytester):
-    pytester.makepyfile(COUNTED.format(body=BATCHED))
-    (pytester.path / "bad.json").write_text('{"counts": {"ops/path": {"bytes_written": -1}}}')
-    result = pytester.runpytest("--weightsync-baseline=bad.json")
+def _usage_error(pytester, source: str, option: str, message: str, **files: str) -> None:
+    """A run of ``source`` with ``option`` (and ``files`` written first) stops as a usage error
+    whose message matches ``message``."""
+    pytester.makepyfile(source)
+    for name, text in files.items():
+        (pytester.path / name).write_text(text)
+    result = pytester.runpytest(option)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*'counts' must map name -> {field: non-negative int}*"])
+    result.stderr.fnmatch_lines([message])
+
+
+def test_malformed_counts_are_a_clear_usage_error(pytester):
+    _usage_error(pytester, COUNTED.format(body=BATCHED), "--weightsync-baseline=bad.json",
+                 "*'counts' must map name -> {field: non-negative int}*",
+                 **{"bad.json": '{"counts": {"ops/path": {"bytes_written": -1}}}'})
 
 
 def test_missing_baseline_file_is_a_clear_usage_error(pytester):
-    pytester.makepyfile(MEASURED.format(slow=1))
-    result = pytester.runpytest("--weightsync-baseline=nope.json")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--weightsync-baseline: file 'nope.json' does not exist*--weightsync-save-baseline*"])
+    _usage_error(pytester, MEASURED.format(slow=1), "--weightsync-baseline=nope.json",
+                 "*--weightsync-baseline: file 'nope.json' does not exist*"
+                 "--weightsync-save-baseline*")
 
 
 def test_malformed_baseline_is_a_clear_usage_error(pytester):
-    pytester.makepyfile(MEASURED.format(slow=1))
-    (pytester.path / "bad.json").write_text('{"ratios": {"x": "fast"}}')
-    result = pytester.runpytest("--weightsync-baseline=bad.json")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*'bad.json' has no 'ratios' mapping of name -> positive number*"])
-    (pytester.path / "empty.json").write_text("{}")
-    result = pytester.runpytest("--weightsync-baseline=empty.json")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*'empty.json' has neither 'ratios'*nor 'counts'*"])
+    _usage_error(pytester, MEASURED.format(slow=1), "--weightsync-baseline=bad.json",
+                 "*'bad.json' has no 'ratios' mapping of name -> positive number*",
+                 **{"bad.json": '{"ratios": {"x": "fast"}}'})
+    _usage_error(pytester, MEASURED.format(slow=1), "--weightsync-baseline=empty.json",
+                 "*'empty.json' has neither 'ratios'*nor 'counts'*", **{"empty.json": "{}"})
 
 
 def test_tolerance_out_of_range_is_rejected(pytester):
-    pytester.makepyfile(MEASURED.format(slow=1))
-    result = pytester.runpytest("--weightsync-tolerance=1.5")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--weightsync-tolerance must be a fraction in [[]0, 1), got 1.5*"])
+    _usage_error(pytester, MEASURED.format(slow=1), "--weightsync-tolerance=1.5",
+                 "*--weightsync-tolerance must be a fraction in [[]0, 1), got 1.5*")
 
 
 def test_same_name_from_two_tests_fails_the_run(pytester):

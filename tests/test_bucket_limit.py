@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from toy_sources import TOY_CASES
 import torch
 
 from pytest_weightsync.reference_impl.senders.buckets import bucket_limit_findings, bucket_units
@@ -77,20 +78,7 @@ class Toy:
         return None
 
 
-class ToyCase:
-    def __init__(self, id):
-        self.id, self.spec, self.receiver = id, None, None
-
-
-@pytest.fixture
-def weightsync_implementations():
-    return [Toy]
-
-
-def pytest_generate_tests(metafunc):
-    if "case" in metafunc.fixturenames:
-        metafunc.parametrize("case", [ToyCase("topoA"), ToyCase("topoB")], ids=["topoA", "topoB"])
-'''
+''' + TOY_CASES
 
 TESTS = '''
 import pytest

@@ -11,18 +11,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from toy_sources import LOADER_BASE
 
-CONFTEST = '''
-import pytest
-from pytest_weightsync.protocols import Capabilities
-
-
-class _Loader:
-    capabilities = Capabilities(formats={"compat"})
-
-    def load_weights(self, params, payload, *, format, spec, topology, rank):
-        pass
-
+CONFTEST = LOADER_BASE + '''
 
 class Engine(_Loader):
     name = "engine-row"

@@ -12,6 +12,7 @@ import re
 import time
 
 import pytest
+from toy_sources import LOADER_BASE
 
 #: Imported here, before any in-process run, so no run imports it again after pytester
 #: restores sys.modules.
@@ -23,17 +24,10 @@ MAX_LINES = 20
 #: byte is 16 million lines, minutes of work).
 BIG = 4096 * 1024
 
-CONFTEST = '''
-import pytest
-from pytest_weightsync.protocols import Capabilities
+CONFTEST = LOADER_BASE + '''
 
-
-class Toy:
+class Toy(_Loader):
     name = "toy"
-    capabilities = Capabilities(formats={"compat"})
-
-    def load_weights(self, params, payload, *, format, spec, topology, rank):
-        pass
 
 
 @pytest.fixture

@@ -36,12 +36,8 @@ def _suite(name: str):
     return importlib.import_module(f"pytest_weightsync.suites.selftest.{name}")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+#: The suites' own autouse fixture: one intra-op thread, as the suites run.
+_one_torch_thread = importlib.import_module("pytest_weightsync.suites.conftest")._one_torch_thread
 
 
 # --------------------------------------------------------------------------------------------

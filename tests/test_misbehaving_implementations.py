@@ -22,6 +22,7 @@ import threading
 import time
 
 import pytest
+from toy_sources import TINY_LOADER
 
 from pytest_weightsync import boundary
 from pytest_weightsync.deadline import CallTimeoutError, TimeoutRedelivered, deadline
@@ -35,33 +36,7 @@ import sys
 import threading
 import time
 
-from pytest_weightsync.protocols import Capabilities
-from pytest_weightsync.reference_impl.impl import ReferenceImplementation
-
-
-def one_expert(spec, receiver):
-    return spec.num_experts == 1
-
-
-class Tiny:
-    """A correct loader (the reference's), claiming compat on one-expert topologies only."""
-
-    name = "tiny"
-    capabilities = Capabilities(formats={"compat"}, topology=one_expert)
-
-    def __init__(self):
-        self._impl = ReferenceImplementation()
-
-    def begin_update(self, params, **kw):
-        self._impl.begin_update(params, **kw)
-
-    def end_update(self, params, **kw):
-        self._impl.end_update(params, **kw)
-
-    def load_weights(self, params, payload, **kw):
-        self._impl.load_weights(params, payload, **kw)
-
-
+''' + TINY_LOADER + '''
 class Hangs(Tiny):
     name = "hangs"
 

@@ -12,36 +12,14 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
+from toy_sources import LOADER_BASE, TOY_CASES
 
-CONFTEST = '''
-import pytest
-from pytest_weightsync.protocols import Capabilities
+CONFTEST = LOADER_BASE + '''
 
-
-class Toy:
+class Toy(_Loader):
     name = "toy"
-    capabilities = Capabilities(formats={"compat"})
 
-    def load_weights(self, params, payload, *, format, spec, topology, rank):
-        pass
-
-
-class ToyCase:
-    """Looks like suites.harness.cases.Case to the report: spec, receiver and an id."""
-
-    def __init__(self, id):
-        self.id, self.spec, self.receiver = id, None, None
-
-
-@pytest.fixture
-def weightsync_implementations():
-    return [Toy]
-
-
-def pytest_generate_tests(metafunc):
-    if "case" in metafunc.fixturenames:
-        metafunc.parametrize("case", [ToyCase("topoA"), ToyCase("topoB")], ids=["topoA", "topoB"])
-'''
+''' + TOY_CASES
 
 TESTS = '''
 import pytest
@@ -247,17 +225,7 @@ def test_no_matrix_but_an_empty_report_without_tagged_tests(pytester: pytest.Pyt
 
 # --- verdict vs hardening, "not run" ------------------------------------------------------------
 
-VERDICT_CONFTEST = '''
-import pytest
-from pytest_weightsync.protocols import Capabilities
-
-
-class _Loader:
-    capabilities = Capabilities(formats={"compat"})
-
-    def load_weights(self, params, payload, *, format, spec, topology, rank):
-        pass
-
+VERDICT_CONFTEST = LOADER_BASE + '''
 
 class Lenient(_Loader):
     name = "lenient"

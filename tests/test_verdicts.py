@@ -27,37 +27,14 @@ import sys
 import time
 
 import pytest
+from toy_sources import TINY_LOADER
 
 
 TOY_IMPLS = '''
+import os
 import time
 
-from pytest_weightsync.protocols import Capabilities
-from pytest_weightsync.reference_impl.impl import ReferenceImplementation
-
-
-def one_expert(spec, receiver):
-    return spec.num_experts == 1
-
-
-class Tiny:
-    """A correct loader (the reference's), claiming compat on one-expert topologies only."""
-
-    name = "tiny"
-    capabilities = Capabilities(formats={"compat"}, topology=one_expert)
-
-    def __init__(self):
-        self._impl = ReferenceImplementation()
-
-    def begin_update(self, params, **kw):
-        self._impl.begin_update(params, **kw)
-
-    def end_update(self, params, **kw):
-        self._impl.end_update(params, **kw)
-
-    def load_weights(self, params, payload, **kw):
-        self._impl.load_weights(params, payload, **kw)
-
+''' + TINY_LOADER + '''
 
 class Broken(Tiny):
     """Writes nothing: every update fails bit_exact."""
@@ -94,7 +71,7 @@ class WrongSignature(Tiny):
 
     def load_weights(self, params, payload, fmt, spec, topology, rank):
         pass
-'''.replace("import time\n", "import os\nimport time\n", 1)
+'''
 
 
 @pytest.fixture

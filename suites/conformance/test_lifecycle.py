@@ -43,12 +43,16 @@ REPLICAS = [pytest.param(case, id=case.id) for case in cases.REPLICA_CASES]
 PREFERRED = ("compat", "hf_fused", "direct", "packed")
 
 
-def _format(impl, case) -> str:
+def _format(impl, case, claim=None) -> str:
+    """The payload format the lifecycle tests of ``case`` use for ``impl`` (the first it claims
+    of :data:`PREFERRED`); skipped where it claims none, or not the lifecycle ``claim``."""
     lifecycle.require(impl, case, None)
     claimed = [f for f in PREFERRED if impl.capabilities.format_refusal("loader", f,
                                                                         case.receiver) is None]
     if not claimed:
         lifecycle.require(impl, case, PREFERRED[0])  # skips, naming the formats it claims
+    if claim is not None:
+        lifecycle.require(impl, case, claimed[0], claim)
     return claimed[0]
 
 
@@ -74,8 +78,7 @@ def test_every_rank_and_replica_receives_the_update(weightsync_loader, case,
 @pytest.mark.parametrize("failure", lifecycle.FAILURES)
 @pytest.mark.parametrize("case", ENGINES)
 def test_a_failed_update_is_never_a_silent_mix(weightsync_loader, case, failure):
-    fmt = _format(weightsync_loader, case)
-    lifecycle.require(weightsync_loader, case, fmt, "atomic")
+    fmt = _format(weightsync_loader, case, "atomic")
     lifecycle.check_atomic(weightsync_loader, case, fmt, failure)
 
 
@@ -83,14 +86,12 @@ def test_a_failed_update_is_never_a_silent_mix(weightsync_loader, case, failure)
 @pytest.mark.parametrize("probe", lifecycle.PROBES)
 @pytest.mark.parametrize("case", ENGINES)
 def test_misuse_of_the_session_is_refused_or_harmless(weightsync_loader, case, probe):
-    fmt = _format(weightsync_loader, case)
-    lifecycle.require(weightsync_loader, case, fmt, "sessions")
+    fmt = _format(weightsync_loader, case, "sessions")
     lifecycle.check_probe(weightsync_loader, case, fmt, probe)
 
 
 @pytest.mark.weightsync_property("version")
 @pytest.mark.parametrize("case", ENGINES)
 def test_the_version_moves_once_per_completed_update(weightsync_loader, case):
-    fmt = _format(weightsync_loader, case)
-    lifecycle.require(weightsync_loader, case, fmt, "version")
+    fmt = _format(weightsync_loader, case, "version")
     lifecycle.check_version(weightsync_loader, case, fmt)

@@ -58,12 +58,17 @@ def _updated(weightsync_loader, case, fmt, version, rank, params=None):
 # --- loaders ----------------------------------------------------------------------------------
 
 
+def _claimed_ranks(loader, case, fmt) -> range:
+    """The engine ranks of ``case`` once ``loader`` claims it in ``fmt`` (else skipped)."""
+    claims.require_model_claim(loader, "loader", case, fmt)
+    return range(case.receiver.tp)
+
+
 @pytest.mark.weightsync_property("coverage")
 @pytest.mark.parametrize("payload_format", FORMATS)
 @pytest.mark.parametrize("case", CASES)
 def test_loader_writes_every_parameter_from_its_source(weightsync_loader, case, payload_format):
-    claims.require_model_claim(weightsync_loader, "loader", case, payload_format)
-    for rank in range(case.receiver.tp):
+    for rank in _claimed_ranks(weightsync_loader, case, payload_format):
         params, before = _updated(weightsync_loader, case, payload_format, 1, rank)
         coverage.check_model_rank(params, case, rank, 1, before)
 
@@ -72,8 +77,7 @@ def test_loader_writes_every_parameter_from_its_source(weightsync_loader, case, 
 @pytest.mark.parametrize("payload_format", FORMATS)
 @pytest.mark.parametrize("case", CASES)
 def test_loader_second_version_lands_bit_exact_in_place(weightsync_loader, case, payload_format):
-    claims.require_model_claim(weightsync_loader, "loader", case, payload_format)
-    for rank in range(case.receiver.tp):
+    for rank in _claimed_ranks(weightsync_loader, case, payload_format):
         params, first = _updated(weightsync_loader, case, payload_format, 1, rank)
         params, before = _updated(weightsync_loader, case, payload_format, 2, rank, params)
         compare.assert_same_storage(first, params, rank=rank)
@@ -126,6 +130,9 @@ def test_loader_updates_the_draft_when_reached_and_leaves_a_frozen_one(weightsyn
 
 
 def _exports(exporter, case, fmt, version=1):
+    """The trainer states of ``version`` and the streams ``exporter`` makes of them, once it
+    claims ``case`` in ``fmt`` (else skipped)."""
+    claims.require_model_claim(exporter, "exporter", case, fmt)
     states = model_inputs.trainer_states(case, version)
     return states, exporter_harness.exported_streams(exporter, case, fmt, states)
 
@@ -134,7 +141,6 @@ def _exports(exporter, case, fmt, version=1):
 @pytest.mark.parametrize("payload_format", FORMATS)
 @pytest.mark.parametrize("case", EXPORT_CASES)
 def test_exporter_stream_carries_every_parameter_once(weightsync_exporter, case, payload_format):
-    claims.require_model_claim(weightsync_exporter, "exporter", case, payload_format)
     _, exports = _exports(weightsync_exporter, case, payload_format)
     for rank, stream in exports:
         coverage.judge_model_stream(case, rank, stream, payload_format, 1,
@@ -147,7 +153,6 @@ def test_exporter_stream_carries_every_parameter_once(weightsync_exporter, case,
 def test_exporter_second_version_after_in_place_change(weightsync_exporter, case, payload_format):
     """The trainer's tensors change in place (every element) between two exports: the
     second stream must carry the second version."""
-    claims.require_model_claim(weightsync_exporter, "exporter", case, payload_format)
     import torch
 
     states, exports = _exports(weightsync_exporter, case, payload_format)
@@ -173,7 +178,6 @@ def test_exporter_sends_the_tied_embedding_once(weightsync_exporter, case, paylo
     """Checkpoint formats: ``model.embed_tokens.weight`` once, no ``lm_head.weight`` (with PP
     > 1 the last stage's copy of the embedding is not a second source); direct: both engine
     tensors, equal."""
-    claims.require_model_claim(weightsync_exporter, "exporter", case, payload_format)
     _, exports = _exports(weightsync_exporter, case, payload_format)
     for rank, stream in exports:
         problem = coverage.tied_stream_problem(rank, stream, payload_format)
@@ -186,7 +190,6 @@ def test_exporter_sends_the_tied_embedding_once(weightsync_exporter, case, paylo
 @pytest.mark.parametrize("case", EXPORT_DRAFT)
 def test_exporter_sends_the_draft(weightsync_exporter, case, payload_format):
     """The trainer's MTP block reaches the draft: every ``mtp.*`` (direct: ``draft.*``) tensor."""
-    claims.require_model_claim(weightsync_exporter, "exporter", case, payload_format)
     _, exports = _exports(weightsync_exporter, case, payload_format)
     for rank, stream in exports:
         problem = coverage.draft_stream_problem(case, rank, stream, payload_format)

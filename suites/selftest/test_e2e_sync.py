@@ -338,14 +338,24 @@ def test_colocated_sync_through_engine_processes_is_exact_and_replays_its_plans(
     layer = 3 * SPEC.num_experts * SPEC.intermediate * SPEC.hidden * 2
     sync, caches = run_sync(cpu_engines, fmt, topo, full, (0x0101, 0x0101 ^ 0x0202, 0x0202 ^ 0x0303),
                             staging_bytes=2 * layer + 100)  # direct: two buckets, two arenas
-    buckets = len(sync.sender.buckets) * topo.world_size
-    assert caches == [["miss"] * buckets, ["hit"] * buckets, ["hit"] * buckets]
-    assert [e.check(9, 0, 0x0303) for e in cpu_engines] == [None, None]
+    assert_replayed_and_exact(sync, caches, cpu_engines, seed=9, mask=0x0303)
     report = cpu_engines[0].update_registered(sync.registrations[0][:1], sync.sender.load_format,
                                               begin=False, end=False)
     assert dict(report.param_ptrs) == ptrs[0]
+    close_all(sync, cpu_engines)
+
+
+def assert_replayed_and_exact(sync, caches, engines, *, seed, mask) -> None:
+    """Three updates: every bucket of every rank planned on the first, replayed on the next
+    two; every engine holds the oracle's bits (``seed``) xor ``mask``."""
+    buckets = len(sync.sender.buckets) * sync.sender.topo.world_size
+    assert caches == [["miss"] * buckets, ["hit"] * buckets, ["hit"] * buckets]
+    assert [e.check(seed, 0, mask) for e in engines] == [None] * len(engines)
+
+
+def close_all(sync, engines) -> None:
     sync.close()
-    for engine in cpu_engines:
+    for engine in engines:
         engine.reset()
 
 
@@ -404,19 +414,34 @@ def test_end_to_end_benchmark_runs_and_checks_its_bits_on_cpu(cpu_engines):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt, tp", [("direct", 1), ("packed", 2), ("compat", 1), ("direct", 2)])
 def test_gpu_colocated_sync_over_cuda_ipc_is_exact_and_replays_cuda_graphs(fmt, tp):
+    gpu_sync_rounds(fmt, tp, seed=12, steps=4,
+                    check_sender=lambda sender: (sender.staged_bytes == 0) == (fmt != "direct"
+                                                                               or tp == 1))
+
+
+def gpu_sync_rounds(fmt, tp, *, seed, steps, per_update=False, bucket_layers=False,
+                    check_sender=None, after_update=None):
+    """Updates of 3 small layers over CUDA IPC into ``tp`` engine processes on GPU 0: the
+    trainer's bits xor-ed in place before each, every bucket a plan-cache miss on the first
+    update and a hit after, parameters never moved, the oracle's bits after the last.
+    ``per_update``: SGLang's protocol (serialized every update) instead of registered
+    payloads; ``bucket_layers``: one layer per bucket; ``after_update(engines, full, step)``."""
     spec = MoESpec(num_layers=3, num_experts=16, hidden=256, intermediate=128)
     topo = ReceiverTopology(tp=tp)
-    full = synth.grouped_full_weights(spec, 12, device="cuda")
+    full = synth.grouped_full_weights(spec, seed, device="cuda")
     engines = [engine_process.ReceiverProcess("cuda:0", timeout=120) for _ in range(tp)]
     try:
         ptrs = [e.configure(spec, topo, r) for r, e in enumerate(engines)]
         layer = 3 * spec.num_experts * spec.intermediate * spec.hidden * 2
-        sender = ColocatedSender(fmt, spec, topo, full, staging_bytes=2 * layer)
-        assert (sender.staged_bytes == 0) == (fmt != "direct" or tp == 1)
-        sync = ColocatedSync(sender, engines)
-        sync.register()
+        sender = ColocatedSender(fmt, spec, topo, full, staging_bytes=2 * layer,
+                                 bucket_bytes=layer if bucket_layers else None)
+        if check_sender is not None:
+            assert check_sender(sender)
+        sync = ColocatedSync(sender, engines, per_update=per_update)
+        if not per_update:
+            sync.register()
         mask = 0
-        for step in range(4):
+        for step in range(steps):
             new = 0x1357 * (step + 1) & 0x7FFF
             xor_weights(full, mask ^ new)
             torch.cuda.synchronize()
@@ -427,7 +452,9 @@ def test_gpu_colocated_sync_over_cuda_ipc_is_exact_and_replays_cuda_graphs(fmt, 
             for reports in timing.reports:
                 for report in reports:
                     assert dict(report.param_ptrs) == ptrs[report.rank]
-        assert [e.check(12, 0, mask) for e in engines] == [None] * tp
+            if after_update is not None:
+                after_update(engines, full, step)
+        assert [e.check(seed, 0, mask) for e in engines] == [None] * tp
         sync.close()
     finally:
         for engine in engines:

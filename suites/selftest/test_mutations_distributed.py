@@ -145,25 +145,26 @@ def test_reference_exporter_passes_the_cases_the_mutants_use(rank_pool):
         assert dh.run_and_judge(rank_pool, _Planted(), dcase, ["direct", "compat"]).checked
 
 
-def test_interleaved_trainer_expert_numbering_is_killed_and_named(rank_pool):
-    message = _fails(rank_pool, InterleavedExpertNumbering(), EP4, ["compat"],
-                     "compat payload, distributed delivery, trainer rank 0 (sender) -> engine "
-                     "rank 0:")
-    assert message.startswith("experts misplaced: receiver rank 0's slot for expert 1 holds "
-                              "expert 2's values (1 of 2 local experts) - interleaved trainer "
-                              "expert numbering"), message
-    assert "round-robin engine" not in message.splitlines()[0]
-    assert "first at layer=0 expert=1 projection=gate row=0 col=0" in message, message
+#: Expert misplacements: the mutant, its format, which expert engine rank 0's slot for expert 1
+#: then holds, the pattern named, and the one it must not be mistaken for.
+MISPLACED = {
+    "interleaved_trainer_numbering": (lambda: InterleavedExpertNumbering(), "compat", 2,
+                                      "interleaved trainer expert numbering",
+                                      "round-robin engine"),
+    "round_robin_engine_routing": (lambda: RoundRobinEngineRouting(), "direct", 4,
+                                   "round-robin engine expert routing", "interleaved trainer"),
+}
 
 
-def test_round_robin_engine_routing_is_killed_and_named(rank_pool):
-    message = _fails(rank_pool, RoundRobinEngineRouting(), EP4, ["direct"],
-                     "direct payload, distributed delivery, trainer rank 0 (sender) -> engine "
-                     "rank 0:")
-    assert message.startswith("experts misplaced: receiver rank 0's slot for expert 1 holds "
-                              "expert 4's values (1 of 2 local experts) - round-robin engine "
-                              "expert routing"), message
-    assert "interleaved trainer" not in message.splitlines()[0]
+@pytest.mark.parametrize("mutant", sorted(MISPLACED))
+def test_misplaced_experts_are_killed_and_named(rank_pool, mutant):
+    make, fmt, held, named, other = MISPLACED[mutant]
+    message = _fails(rank_pool, make(), EP4, [fmt],
+                     f"{fmt} payload, distributed delivery, trainer rank 0 (sender) -> engine "
+                     f"rank 0:")
+    assert message.startswith(f"experts misplaced: receiver rank 0's slot for expert 1 holds "
+                              f"expert {held}'s values (1 of 2 local experts) - {named}"), message
+    assert other not in message.splitlines()[0]
     assert "first at layer=0 expert=1 projection=gate row=0 col=0" in message, message
 
 

@@ -223,12 +223,18 @@ def test_expert_bias_unmapped_is_killed_and_located(rank_pool):
                      r"e_score_correction_bias'\], layers \[0, 1\]", message), message
 
 
-def test_tied_lm_head_not_sent_is_killed_and_named(rank_pool):
-    result = md.run(rank_pool, TiedHeadNotSent(), Q35_TIED_PP2, ["direct"])
+def _stream_check_fails(rank_pool, mutant, case, fmts, check, expected: str) -> None:
+    """The stream check ``check`` of ``mutant``'s run fails, saying ``expected``."""
+    result = md.run(rank_pool, mutant, case, fmts)
     with pytest.raises(judge.ConformanceError) as info:
-        md.check_tied(result)
-    assert "tied embeddings, engine rank 0, direct: the stream carries model.embed_tokens." \
-           "weight 1 time(s) and lm_head.weight 0 time(s)" in str(info.value), str(info.value)
+        check(result)
+    assert expected in str(info.value), str(info.value)
+
+
+def test_tied_lm_head_not_sent_is_killed_and_named(rank_pool):
+    _stream_check_fails(rank_pool, TiedHeadNotSent(), Q35_TIED_PP2, ["direct"], md.check_tied,
+                        "tied embeddings, engine rank 0, direct: the stream carries "
+                        "model.embed_tokens.weight 1 time(s) and lm_head.weight 0 time(s)")
     message = _fails(rank_pool, TiedHeadNotSent(), Q35_TIED_PP2, ["direct"])
     assert "never written: 1 tensor(s), e.g. ['lm_head.weight']" in message, message
 
@@ -241,11 +247,9 @@ def test_gdn_in_proj_ba_split_evenly_is_killed_named_and_located(rank_pool):
 
 
 def test_draft_never_exported_is_killed_and_named(rank_pool):
-    result = md.run(rank_pool, DraftNotExported(), Q35_TIED_PP2, ["compat"])
-    with pytest.raises(judge.ConformanceError) as info:
-        md.check_draft(result)
-    assert "the draft (MTP) model was never updated: the compat stream for engine rank 0 " \
-           "carries no mtp.* tensor" in str(info.value), str(info.value)
+    _stream_check_fails(rank_pool, DraftNotExported(), Q35_TIED_PP2, ["compat"], md.check_draft,
+                        "the draft (MTP) model was never updated: the compat stream for engine "
+                        "rank 0 carries no mtp.* tensor")
     message = _fails(rank_pool, DraftNotExported(), Q35_TIED_PP2, ["compat"])
     assert re.search(r"never written: \d+ tensor\(s\), e\.g\. \['mtp\.", message), message
 

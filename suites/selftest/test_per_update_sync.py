@@ -22,7 +22,7 @@ from pytest_weightsync.reference_impl.engine.receiver import (  # noqa: E402
     ReferenceReceiver,
     TensorStorageError,
 )
-from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology  # noqa: E402
+from pytest_weightsync.reference_impl.model.layout import ReceiverTopology  # noqa: E402
 from pytest_weightsync.reference_impl.oracle import synth  # noqa: E402
 from pytest_weightsync.reference_impl.oracle.oracle_check import first_mismatch  # noqa: E402
 from pytest_weightsync.reference_impl.senders import formats as senders  # noqa: E402
@@ -34,21 +34,17 @@ from pytest_weightsync.reference_impl.transport.shared_payload import (  # noqa:
     serialize_storages,
 )
 
-SPEC = MoESpec(num_layers=3, num_experts=4, hidden=32, intermediate=16)
-FORMATS = ("direct", "packed", "hf_fused", "compat")
-LOAD_FORMAT = {"direct": "direct", "packed": None, "hf_fused": None, "compat": None}
+from .test_e2e_sync import (  # noqa: E402,F401,F811
+    FORMATS,
+    LOAD_FORMAT,
+    SPEC,
+    assert_replayed_and_exact,
+    close_all,
+    cpu_engines,
+    gpu_sync_rounds,
+    xor_weights,
+)
 
-
-def xor_weights(full, mask: int) -> None:
-    """Every trainer element becomes ``bits ^ mask`` (in place, storages unchanged)."""
-    signed = mask - 0x10000 if mask >= 0x8000 else mask
-    done = set()
-    for layer in full.values():
-        for w in layer:
-            for t in (w.gate, w.up, w.down):
-                if id(t) not in done:
-                    t.view(torch.int16).bitwise_xor_(signed)
-                    done.add(id(t))
 
 
 def trainer_digest(full):
@@ -214,17 +210,6 @@ def test_bits_digest_is_placement_free_and_sees_a_missed_element():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cpu_engines():
-    engines = [engine_process.ReceiverProcess("cpu", timeout=120), engine_process.ReceiverProcess("cpu", timeout=120)]
-    for engine in engines:
-        engine.start()
-    yield engines
-    for engine in engines:
-        engine.close()
-    assert all(engine.pid is None for engine in engines)
-
-
 def per_update(engines, fmt, topo, full, masks, staging_bytes=None, bucket_bytes=None):
     sync = ColocatedSync(ColocatedSender(fmt, SPEC, topo, full, staging_bytes=staging_bytes,
                                          bucket_bytes=bucket_bytes), engines, per_update=True)
@@ -251,15 +236,11 @@ def test_per_update_protocol_through_engine_processes_is_exact_and_recognises_ev
     sync, caches = per_update(cpu_engines, fmt, topo, full, (0x0101, 0x0202, 0x0303),
                               staging_bytes=2 * layer + 100,  # direct: buckets on two arenas
                               bucket_bytes=2 * layer)
-    buckets = len(sync.sender.buckets) * topo.world_size
-    assert caches == [["miss"] * buckets, ["hit"] * buckets, ["hit"] * buckets]
-    assert [e.check(5, 0, 0x0303) for e in cpu_engines] == [None, None]
+    assert_replayed_and_exact(sync, caches, cpu_engines, seed=5, mask=0x0303)
     cpu_engines[0].post_update(sync.sender.serialize(0, 0), sync.sender.load_format,
                                begin=False, end=False)  # one more bucket, outside an update
     assert dict(cpu_engines[0].result().param_ptrs) == ptrs[0]
-    sync.close()
-    for engine in cpu_engines:
-        engine.reset()
+    close_all(sync, cpu_engines)
 
 
 def test_per_update_protocol_refuses_a_bad_bucket_and_keeps_the_parameters(cpu_engines):
@@ -282,33 +263,11 @@ def test_per_update_protocol_refuses_a_bad_bucket_and_keeps_the_parameters(cpu_e
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt, tp", [("direct", 1), ("packed", 2), ("compat", 1), ("direct", 2)])
 def test_gpu_per_update_protocol_over_cuda_ipc_is_exact_and_replays_cuda_graphs(fmt, tp):
-    spec = MoESpec(num_layers=3, num_experts=16, hidden=256, intermediate=128)
-    topo = ReceiverTopology(tp=tp)
-    full = synth.grouped_full_weights(spec, 7, device="cuda")
-    engines = [engine_process.ReceiverProcess("cuda:0", timeout=120) for _ in range(tp)]
-    try:
-        ptrs = [e.configure(spec, topo, r) for r, e in enumerate(engines)]
-        layer = 3 * spec.num_experts * spec.intermediate * spec.hidden * 2
-        # one layer per bucket: buckets of views are answered before their copies finish
-        sender = ColocatedSender(fmt, spec, topo, full, staging_bytes=2 * layer, bucket_bytes=layer)
-        assert len(sender.buckets) == spec.num_layers
-        sync = ColocatedSync(sender, engines, per_update=True)
-        mask = 0
-        for step in range(5):
-            new = 0x1357 * (step + 1) & 0x7FFF
-            xor_weights(full, mask ^ new)
-            torch.cuda.synchronize()
-            mask = new
-            timing = sync.update(memory=True)
-            want = "miss" if step == 0 else "hit"
-            assert timing.cache == [want] * len(sender.buckets) * tp, timing.cache
-            for reports in timing.reports:
-                for report in reports:
-                    assert dict(report.param_ptrs) == ptrs[report.rank]
-            got = [e.digest() for e in engines]
-            assert tuple(map(sum, zip(*got))) == trainer_digest(full), f"update {step}"
-        assert [e.check(7, 0, mask) for e in engines] == [None] * tp
-        sync.close()
-    finally:
-        for engine in engines:
-            engine.close()
+    # one layer per bucket: buckets of views are answered before their copies finish
+    def digests_agree(engines, full, step):
+        got = [e.digest() for e in engines]
+        assert tuple(map(sum, zip(*got))) == trainer_digest(full), f"update {step}"
+
+    gpu_sync_rounds(fmt, tp, seed=7, steps=5, per_update=True, bucket_layers=True,
+                    check_sender=lambda sender: len(sender.buckets) == 3,
+                    after_update=digests_agree)

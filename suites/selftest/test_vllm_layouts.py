@@ -109,18 +109,7 @@ def expert_payload(spec: MoESpec, fmt: str, layer: int):
 
 def expected_experts(spec: MoESpec, topo: v.VllmTopology, rank: int, layer: int) -> dict:
     """What the vLLM model says rank ``rank`` holds of ``layer`` after a full load."""
-    shard = v.expert_shard(spec, topo, rank)
-    rows = torch.arange(shard.row_start, shard.row_start + shard.rows)
-    cols = torch.arange(spec.hidden)
-    w13 = torch.zeros(len(shard.experts), 2 * shard.rows, spec.hidden, dtype=spec.dtype)
-    w2 = torch.zeros(len(shard.experts), spec.hidden, shard.rows, dtype=spec.dtype)
-    for slot, expert in enumerate(shard.experts):
-        for p in ("gate", "up"):
-            at = v.W13_HALVES.index(v.SHARD_IDS[p]) * shard.rows
-            w13[slot, at:at + shard.rows] = synth.expert_block(spec, VERSION, layer, expert, p,
-                                                               rows, cols)
-        w2[slot] = synth.expert_block(spec, VERSION, layer, expert, "down", cols, rows)
-    return {"w13_weight": w13, "w2_weight": w2}
+    return _expected_from(spec, v.expert_shard(spec, topo, rank), layer)
 
 
 def _routed(spec, topo, rank, layer=0):
