@@ -66,11 +66,20 @@ def counting() -> bool:
 def _from_a_signal(exc: BaseException, seen: int) -> bool:
     """Whether ``exc`` (a KeyboardInterrupt) came from a signal sent to the session rather
     than from the code under test."""
-    if not counting() or interrupts() != seen:
-        return True
     terminated = getattr(sys.modules.get("pytest_weightsync.ranks.dispatch"), "Terminated",
                          None)
-    return terminated is not None and isinstance(exc, terminated)
+    if terminated is not None and isinstance(exc, terminated):
+        return True  # SIGTERM, turned into an interrupt by the rank dispatcher
+    if _sigint_ignored():
+        return False  # no Ctrl-C reaches this process (a background job): the code raised it
+    return not counting() or interrupts() != seen
+
+
+def _sigint_ignored() -> bool:
+    try:
+        return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    except (ValueError, AttributeError):  # pragma: no cover - no signals here
+        return False
 
 
 def describe(what: str, exc: BaseException, seen: int) -> Optional[str]:

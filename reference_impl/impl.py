@@ -180,6 +180,17 @@ class ReferenceImplementation:
         self._plan_caches: OrderedDict = OrderedDict()  # GPU parameter set -> its LoadCache
         self._tokens = itertools.count()
 
+    def __getstate__(self) -> dict:
+        """A copy sent to another process (the harness pickles the implementation to trainer
+        ranks) keeps its settings but starts with no update state: the tables hold weak
+        references to parameters of this process, which the copy never sees."""
+        tables = ("_open", "_held", "_plan_caches", "_tokens")
+        return {k: v for k, v in self.__dict__.items() if k not in tables}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+        self.__dict__.update(state)
+
     def _plan_cache_for(self, receiver, spec, topology):
         """The copy-plan cache of ``receiver``'s parameters when they live on a GPU: a bucket is
         still validated and planned in full on every call, but a copy plan seen before at the

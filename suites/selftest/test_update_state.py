@@ -127,3 +127,23 @@ def test_buckets_the_implementation_refuses_itself_are_counted_too():
         impl.load_weights(params, bad, **KWARGS)
     with pytest.raises(rx.MissingExpertError, match=r"incomplete update \(5 bucket\(s\), 4 refused\)"):
         impl.end_update(params, **KWARGS)
+
+
+def test_the_reference_still_pickles_to_trainer_ranks_after_updates():
+    """The harness sends the registered implementation to trainer ranks by pickle: the
+    per-parameter tables (weak references) stay behind, its settings travel."""
+    import pickle
+
+    from pytest_weightsync.reference_impl.engine.receiver import ReferenceReceiver
+    from pytest_weightsync.reference_impl.impl import ReferenceImplementation
+    from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology
+
+    impl = ReferenceImplementation()
+    impl.transport = "flattened_bucket"
+    spec, topo = MoESpec(1, 2, 4, 2), ReceiverTopology()
+    params = ReferenceReceiver(spec, topo, 0).params
+    impl.begin_update(params, format="compat", spec=spec, topology=topo, rank=0)
+    copy = pickle.loads(pickle.dumps(impl))
+    assert copy.transport == "flattened_bucket"
+    assert copy.weight_version(params, spec=spec, topology=topo, rank=0) is None
+    assert impl._open and not copy._open
