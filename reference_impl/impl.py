@@ -188,8 +188,8 @@ class ReferenceImplementation:
         return {k: v for k, v in self.__dict__.items() if k not in tables}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__()
-        self.__dict__.update(state)
+        ReferenceImplementation.__init__(self)  # the tables only: a subclass's own __init__
+        self.__dict__.update(state)             # may take arguments its state already holds
 
     def _plan_cache_for(self, receiver, spec, topology):
         """The copy-plan cache of ``receiver``'s parameters when they live on a GPU: a bucket is
