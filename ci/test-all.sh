@@ -4,11 +4,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash ci/install.sh || exit 1
-# pytest runs in the foreground: Ctrl-C reaches it (and its xdist workers) as SIGINT, which a
-# background job of a script would ignore - and the suites' own Ctrl-C tests need.
-.venv/bin/python -m pytest -p weightsync -n 2 tests/ suites/ --weightsync-selftests \
-  --weightsync-baseline ci/baselines/cpu.json "$@"
+# pytest runs as a child that gets the signals sent to this script (Ctrl-C, SIGTERM, SIGHUP),
+# with its xdist workers: stopping the script never leaves them running (ci/forward-signals.sh).
+. ci/forward-signals.sh
+FORWARD_PYTHON=.venv/bin/python run_forwarding .venv/bin/python -m pytest -p weightsync -n 2 \
+  tests/ suites/ --weightsync-selftests --weightsync-baseline ci/baselines/cpu.json "$@"
 rc=$?
+if [ -n "$FORWARDED_SIGNAL" ]; then echo "test-all: stopped by SIG$FORWARDED_SIGNAL"; exit $rc; fi
 # pytest exits 5 when it collected no test: that is a broken run, not a green one.
 if [ $rc -eq 5 ]; then echo "test-all: no tests were collected"; exit 1; fi
 # The installed layout: wheel + example in a fresh venv, suites run from outside the checkout.

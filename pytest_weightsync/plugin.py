@@ -28,6 +28,7 @@ SUB_PLUGINS = (
     "pytest_weightsync.listing",
     "pytest_weightsync.narrowing",
     "pytest_weightsync.failures",
+    "pytest_weightsync.waivers",
     "pytest_weightsync.throughput",
     "pytest_weightsync.eligibility",
 )
@@ -169,6 +170,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="write the conformance matrix and per-backend pass/skip counts as JSON to PATH.",
     )
     group.addoption(
+        "--weightsync-waivers",
+        default=None,
+        metavar="FILE",
+        help="known, accepted deviations: a file of node id patterns, one per line, each with "
+        "'# reason'; a listed test that fails is reported xfailed and WAIVED (never PASS), and "
+        "the run exits 0 for it; unused waivers are listed (default: the ini value "
+        "weightsync_waivers).",
+    )
+    group.addoption(
         "--weightsync-baseline",
         default=None,
         metavar="FILE",
@@ -207,6 +217,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "weightsync_max_call_timeouts",
         "in-process call time-outs after which an implementation is cut off; 0 never (default 2)",
         default="2",
+    )
+    parser.addini(
+        "weightsync_waivers",
+        "a waiver file (see --weightsync-waivers), relative to the directory pytest starts in",
+        default="",
     )
     parser.addini(
         "weightsync_tolerance",

@@ -53,7 +53,7 @@ from typing import Mapping, Optional
 
 import pytest
 
-from pytest_weightsync import topology
+from pytest_weightsync import speed_column, topology, waivers
 from pytest_weightsync import verdict as verdicts
 from pytest_weightsync.registry import (
     USAGE_ERROR,
@@ -69,18 +69,20 @@ from pytest_weightsync.vocabulary import (
     FORMAT_PARAMS,
     HARDENING,
     NOT_RUN,
+    OUTCOME_WAIVED,
     PASS,
     PROPERTIES,
     RANKS_COVERED,
     REPORT_PROPERTIES,
     SPEED,
     VERDICTS,
+    WAIVED,
 )
 
 PREFIX = "weightsync_"
 KEYS = ("implementation", "property", "topology", "format", "backend")
 #: What a test or a cell counts as, worst first.
-OUTCOMES = ("failed", "passed", "skipped")
+OUTCOMES = ("failed", OUTCOME_WAIVED, "passed", "skipped")
 #: Longest failure message kept per test in the matrix and the JSON.
 MAX_MESSAGE = 4000
 #: Longest pytest failure report (terminal, junit) of a tagged test.
@@ -101,7 +103,7 @@ COLLECT_ONLY = "--collect-only: no test ran"
 #: Versions of these distributions go into the JSON report (read from metadata, no import).
 VERSIONED = ("pytest-weightsync", "pytest", "pytest-xdist", "hypothesis", "torch", "sglang",
              "megatron-core", "megatron-bridge", "transformer-engine")
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 #: Widest terminal line of the matrix tables (details are listed under them).
 MATRIX_WIDTH = 120
 
@@ -222,6 +224,8 @@ class TestResult:
     location: Optional[tuple] = None
     file: Optional[str] = None
     speed: dict = field(default_factory=dict)
+    #: the reason of the waiver that accepted this test's failure (``waivers``), if one did
+    waived: Optional[str] = None
 
     def update(self, report) -> None:
         self.phases.add(report.when)
@@ -231,6 +235,9 @@ class TestResult:
             if self.outcome != "failed":
                 self.message = _failure_message(report)
             self.outcome = "failed"
+        elif self.waived and report.when == "call" and self.outcome != "failed":
+            self.outcome = OUTCOME_WAIVED
+            self.message = _failure_message(report)
         elif report.skipped and self.outcome != "failed":
             self.outcome = "skipped"
             self.message = _skip_reason(report)
@@ -331,6 +338,8 @@ class ConformanceReport:
         self.exitstatus: Optional[int] = None
         #: The exit status pytest gives the interruption (set when it is reported).
         self.interrupt_status: Optional[int] = None
+        #: the speed column drawn beside the JSON report (``speed_column.write_plot``)
+        self.speed_plot = None
 
     # -- hooks -----------------------------------------------------------------------------
 
@@ -351,6 +360,8 @@ class ConformanceReport:
                 result.skip_kind = str(v)
             elif k == "file":
                 result.file = str(v)
+            elif k == "waived":
+                result.waived = str(v)
             elif k == ENGINE and tags.get("implementation"):
                 try:
                     self.engines[tags["implementation"]] = json.loads(v)
@@ -397,7 +408,8 @@ class ConformanceReport:
             self.interrupted = "interrupted"
         self._verdicts = None
         judged = self.verdicts()
-        not_pass = {name: v for name, v in judged.items() if v.word != PASS}
+        # a waived deviation was accepted by the team's own file: reported, not failed
+        not_pass = {name: v for name, v in judged.items() if v.word not in (PASS, WAIVED)}
         allow = self.config.getoption("weightsync_allow_partial", False)
         if (not_pass and status == int(pytest.ExitCode.OK) and not allow
                 and not self.collect_only()):
@@ -411,6 +423,7 @@ class ConformanceReport:
         if path:  # written even when no tagged test ran: a CI step may read it unconditionally
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
+            self.speed_plot = speed_column.write_plot(self.speed(), path)
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.collect_only() and (self.results or self.selection().implementations()):
@@ -422,6 +435,9 @@ class ConformanceReport:
         path = self.config.getoption("weightsync_report", None)
         if path:
             terminalreporter.write_line(f"weightsync: conformance report written to {path}")
+        plot = getattr(self, "speed_plot", None)
+        if plot is not None:
+            terminalreporter.write_line(f"weightsync: speed column plotted in {plot}")
 
     # -- the selection and the verdicts ------------------------------------------------------
 
@@ -451,7 +467,7 @@ class ConformanceReport:
             return self._verdicts
         out = {}
         for impl in impls:
-            outcomes = [verdicts.Outcome(r.nodeid, r.outcome, r.skip_kind, r.message,
+            outcomes = [verdicts.Outcome(r.nodeid, r.outcome, r.skip_kind, r.waived or r.message,
                                          counts=r.tags.get("property") not in REPORT_PROPERTIES)
                         for r in self.conformance() if r.tags["implementation"] == impl]
             selected = selection.selected.get(impl, []) if known and impl in selection.roles \
@@ -507,30 +523,6 @@ class ConformanceReport:
                     {k: v for k, v in r.speed.items() if k != "format"})
         return out
 
-    @staticmethod
-    def _speed_cell(impl: str, speed: dict) -> str:
-        """The CPU profile next to the reference's (ops, bytes written; same formats), or the
-        GPU ratio to a plain copy."""
-        mine = speed.get(impl, {})
-        if not mine:
-            return "not run"
-        gpu = [p["gpu_ratio"] for p in mine.values() if "gpu_ratio" in p]
-        cpu = {f: p for f, p in mine.items() if "ops" in p}
-        parts = []
-        if cpu:
-            ref = speed.get("reference", {})
-            shared = [f for f in cpu if "ops" in ref.get(f, {})]
-            if impl != "reference" and shared:
-                ops = sum(cpu[f]["ops"] for f in shared) / max(1, sum(ref[f]["ops"] for f in shared))
-                written = (sum(cpu[f]["bytes_written"] for f in shared)
-                           / max(1, sum(ref[f]["bytes_written"] for f in shared)))
-                parts.append(f"{ops:.2g}x ops, {written:.2g}x bytes of ref")
-            else:
-                parts.append(f"{sum(p['ops'] for p in cpu.values())} ops / {len(cpu)} fmt")
-        if gpu:
-            parts.append(f"gpu {min(gpu):.2f}-{max(gpu):.2f}")
-        return ", ".join(parts)
-
     def findings(self) -> dict:
         """``{implementation: {(format, kind): {finding: {"topologies": [...], "detail": the
         first message head}}}}`` of the hardening tests that recorded a finding, in node-id
@@ -584,14 +576,15 @@ class ConformanceReport:
         if not c:
             return "-"
         if prop == SPEED:
-            text = self._speed_cell(impl, speed if speed is not None else self.speed())
+            text = speed_column.cell(impl, speed if speed is not None else self.speed())
             return f"{text}, {c['failed']} failed" if c["failed"] else text
         if prop == HARDENING:
             text = self._hardening_cell(findings.get(impl, {}))
             return f"{text}, {c['failed']} failed" if c["failed"] else text
-        if not c["passed"] and not c["failed"]:
+        if not c["passed"] and not c["failed"] and not c[OUTCOME_WAIVED]:
             return "not run"
-        return f"{c['passed']}/{c['failed']}/{c['skipped'] + c['not run']}"
+        text = f"{c['passed']}/{c['failed']}/{c['skipped'] + c['not run']}"
+        return f"{text} {c[OUTCOME_WAIVED]} {WAIVED}" if c[OUTCOME_WAIVED] else text
 
     def rerun_command(self, result: TestResult) -> str:
         """A shell command that reruns exactly ``result``'s test against its implementation,
@@ -659,6 +652,9 @@ class ConformanceReport:
                     lines.append(f"  {key[0]} / {key[1]} / {t.tags.get('topology', '-')}: "
                                  f"{cut(head, 300)}")
                     lines.append(f"    rerun: {self.rerun_command(t)}")
+            waived = waivers.of(self.config)
+            lines += waived.lines() if waived is not None else []
+            lines += speed_column.lines(speed)
             lines += self.hardening_lines(findings)
             lines += self.bucket_limit_lines(buckets)
             lines += self.left_behind_lines()
@@ -781,6 +777,8 @@ class ConformanceReport:
                          + ", ".join(f"{i} {c['passed']}/{c['failed']}/{c['skipped']}"
                                      + (f" ({c['not run']} without a result)" if c["not run"]
                                         else "")
+                                     + (f" ({c[OUTCOME_WAIVED]} waived)" if c[OUTCOME_WAIVED]
+                                        else "")
                                      for i, c in sorted(by_impl.items())))
         others = [r for r in self.results.values() if "implementation" not in r.tags]
         if others:
@@ -893,7 +891,8 @@ class ConformanceReport:
                 c = _topology_outcomes(cells, impl, prop)
                 if c:
                     summary[impl][prop] = {o: c[o] for o in ("passed", "failed", "skipped",
-                                                             "not run") if o != "not run" or c[o]}
+                                                             "not run", OUTCOME_WAIVED)
+                                           if o in ("passed", "failed", "skipped") or c[o]}
         return {
             "format_version": FORMAT_VERSION,
             "started": _utc(self.started),
@@ -916,6 +915,9 @@ class ConformanceReport:
             "failures": failures,
             "backends": self.backends(),
             "speed": self.speed(),
+            "speed_plot": (str(speed_column.plot_path(self.config.getoption("weightsync_report")))
+                           if speed_column.bars(self.speed())
+                           and self.config.getoption("weightsync_report", None) else None),
             "hardening": {impl: [{"format": fmt, "kind": kind, "findings": [
                 {"finding": text, **entry} for text, entry in texts.items()]}
                 for (fmt, kind), texts in sorted(by_key.items())]
@@ -923,6 +925,8 @@ class ConformanceReport:
             BUCKET_LIMIT: {impl: [{k: e[k] for k in ("topology", "nodeid", "finding", "detail")}
                                   for e in entries] for impl, entries in sorted(buckets.items())},
             "left_behind": self.left_behind(),
+            "waivers": (waivers.of(self.config).to_json() if waivers.of(self.config) is not None
+                        else None),
             "tests": [{"nodeid": r.nodeid, **r.tags, "outcome": r.outcome,
                        "skip_kind": r.skip_kind, "duration_s": round(r.duration, 6),
                        "message": r.message or None, **r.finding}

@@ -14,6 +14,8 @@ run was interrupted. Words (``pytest_weightsync.vocabulary``), worst first:
                  collected (a narrower path, ``--lf`` skipping files), or claimed cases skipped
                  for a reason outside the claims (a package that is not installed);
 ``NOT RUN``      no case ran at all (everything skipped as not claimed);
+``WAIVED``       as PASS, but some failures were accepted by the run's waiver file
+                 (:mod:`pytest_weightsync.waivers`): listed, never called PASS;
 ``PASS``         every selected case ran to a result, none failed, no claimed case was left out
                  (cases that need a GPU the machine lacks are listed: "PASS (12 GPU case(s)
                  not run here: ...)" certifies what ran, and says what did not).
@@ -36,12 +38,14 @@ from pytest_weightsync.vocabulary import (
     FAIL,
     INTERRUPTED,
     NOT_RUN,
+    OUTCOME_WAIVED,
     PARTIAL,
     PASS,
     SKIP_NO_DEVICE,
     SKIP_NOT_APPLICABLE,
     SKIP_NOT_RUN,
     SKIP_UNCLAIMED,
+    WAIVED,
 )
 
 #: Skip kinds that are outside the implementation's claims.
@@ -52,8 +56,9 @@ MAX_REASONS = 3
 
 @dataclass
 class Outcome:
-    """What one test of an implementation came to: ``passed``, ``failed``, ``skipped`` or
-    ``not run`` (no result: setup only, or nothing at all), and for a skip its kind."""
+    """What one test of an implementation came to: ``passed``, ``failed``, ``waived`` (a
+    failure its waiver accepted), ``skipped`` or ``not run`` (no result: setup only, or
+    nothing at all), and for a skip its kind."""
 
     nodeid: str
     outcome: str
@@ -74,6 +79,8 @@ class Verdict:
     def __str__(self) -> str:
         if self.word == PASS:
             return PASS + (f" ({'; '.join(self.details)})" if self.details else "")
+        if self.word == WAIVED:
+            return f"{WAIVED} ({'; '.join(self.details)})"
         if self.word == NOT_RUN:
             return f"{NOT_RUN} ({'; '.join(self.details) or 'no case ran'})"
         inner = f"{self.ran}/{self.total} ran" + ("; " + "; ".join(self.details)
@@ -107,10 +114,13 @@ def decide(outcomes: list[Outcome], *, selected: Optional[list] = None, deselect
     no_device = [o for o in done if o.outcome == "skipped" and o.counts
                  and o.skip_kind == SKIP_NO_DEVICE]
     ran_cases = [o for o in done if o.outcome in ("passed", "failed") and o.counts]
+    waived = [o for o in done if o.outcome == OUTCOME_WAIVED]
 
     details = []
     if failed:
         details.append(f"{len(failed)} failed")
+    if waived:
+        details.append(f"{len(waived)} waived: {_reasons(waived, 160)}")
     if unreached:
         details.append(f"{unreached} selected but not run")
     if deselected:
@@ -133,6 +143,9 @@ def decide(outcomes: list[Outcome], *, selected: Optional[list] = None, deselect
         word = INTERRUPTED  # something stopped the run before these had a result
     elif deselected or missing_modules or claimed_skips or not_run or not selection_known:
         word = PARTIAL
+    elif waived:
+        word = WAIVED
+        details = details + ([device_note] if device_note else [])
     elif not ran_cases:
         word = NOT_RUN
         details = ([device_note] if no_device else

@@ -189,9 +189,15 @@ CONFORMANCE_MODULES = {
 #: case was not selected (``-k``, ``--lf``, a path narrower than the suites), not collected,
 #: or skipped for a reason other than the claims (a missing backend). INTERRUPTED: the run
 #: stopped (Ctrl-C, ``-x``, a crashed worker) before every selected case had a result.
-#: NOT RUN: no case ran at all (nothing it claims is tested here).
+#: NOT RUN: no case ran at all (nothing it claims is tested here). WAIVED: as PASS, except
+#: that some failures were waived as known, accepted deviations (``--weightsync-waivers``):
+#: never PASS, but the run exits 0 for it.
 PASS, FAIL, PARTIAL, INTERRUPTED, NOT_RUN = "PASS", "FAIL", "PARTIAL", "INTERRUPTED", "NOT RUN"
-VERDICTS = (PASS, FAIL, PARTIAL, INTERRUPTED, NOT_RUN)
+WAIVED = "WAIVED"
+VERDICTS = (PASS, FAIL, PARTIAL, INTERRUPTED, NOT_RUN, WAIVED)
+#: The outcome of a test whose failure a waiver accepted (the report's word for pytest's
+#: xfailed report of it).
+OUTCOME_WAIVED = "waived"
 
 #: Skip kinds a conformance test reports (``weightsync_skip`` user property). ``unclaimed``
 #: and ``not_applicable`` are outside what the implementation claims and do not hold the

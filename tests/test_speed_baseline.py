@@ -48,6 +48,14 @@ def test_a_planted_copy_loop_fails_the_loaders_saved_baseline(shipped):
     assert again.returncode == 0, again.stdout + again.stderr
     speed = shipped.report()["speed"]["mine"]
     assert speed["compat"]["ops"] > 0 and speed["compat"]["host_us_per_entry"] > 0
+    # timed after a warm-up, over rounds, with the spread and the ratio to a plain copy
+    compat = speed["compat"]
+    assert compat["rounds"] == 5 and compat["loops"] >= 1
+    assert (compat["host_us_per_entry_min"] <= compat["host_us_per_entry"]
+            <= compat["host_us_per_entry_max"])
+    assert 0 < compat["cpu_ratio_min"] <= compat["cpu_ratio"] <= compat["cpu_ratio_max"]
+    assert shipped.report()["speed_plot"].endswith("report.speed.svg")
+    assert (shipped.path / "report.speed.svg").read_text().startswith("<svg")
     # the planted loop: still bit-exact, but the counts rose and the guard says where
     slow = shipped.run(*args, "--weightsync-baseline", "mine.json", MINE_LOOP="1")
     out = slow.stdout + slow.stderr

@@ -27,6 +27,8 @@ slices the full tensors the sender paths slice, so it is an independent oracle f
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from pytest_weightsync.reference_impl.model.layout import (
@@ -156,10 +158,64 @@ def expert_block(spec: MoESpec, version: int, layer: int, expert: int, projectio
                  finite: bool = False) -> torch.Tensor:
     """Values of ``projection`` of ``(layer, expert)`` at HF coordinates ``rows x cols``.
     A model dtype that cannot hold every BF16 pattern (FP16, FP64) gets the finite set, so
-    the expected values stay exact in it."""
+    the expected values stay exact in it. Always a new tensor (never a view of a cached one)."""
     finite = finite or spec.dtype not in _HOLDS_EVERY_BF16
+    full = _cached_block(spec, version, layer, expert, projection, rows, cols, seed, finite)
+    if full is not None:
+        return full.index_select(0, rows.long()).index_select(1, cols.long())
     return _bits_to_dtype(bf16_bits(seed, version, layer, expert, projection, rows, cols,
                                     finite), spec.dtype)
+
+
+#: Largest expert block (elements) the CPU cache of :func:`expert_block` keeps, and the most
+#: bytes it holds in all (least recently used dropped first; well under what the suites'
+#: memory check attributes to an implementation). The suites evaluate the same
+#: small blocks again and again - for each format's payload, each rank's expected state, each
+#: version - and the hash is some 20 tensor operations per call, each costing more in dispatch
+#: than in arithmetic at these sizes. A hit indexes the block the same hash computed over its
+#: whole shape, so the values are the same bits; GPU-sized blocks are computed every time.
+CACHED_BLOCK_ELEMENTS = 1 << 18
+CACHE_BYTES = 64 << 20
+_BLOCKS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_CACHED = [0]
+
+
+def clear_block_cache() -> None:
+    """Drop every cached block (self-tests that plant mutants start and end with this)."""
+    _BLOCKS.clear()
+    _CACHED[0] = 0
+
+
+def _cached_block(spec: MoESpec, version: int, layer: int, expert: int, projection: str,
+                  rows: torch.Tensor, cols: torch.Tensor, seed: int, finite: bool):
+    """The whole ``projection`` block of ``(layer, expert)``, from the cache or computed and
+    kept; ``None`` when the request is not one the cache serves (off the CPU, a large block,
+    coordinates outside the block)."""
+    n_rows, n_cols = spec.hf_shape(projection)
+    if (rows.device.type != "cpu" or n_rows * n_cols > CACHED_BLOCK_ELEMENTS
+            or rows.numel() == 0 or cols.numel() == 0):
+        return None
+    if int(rows.min()) < 0 or int(cols.min()) < 0 or int(rows.max()) >= n_rows \
+            or int(cols.max()) >= n_cols:
+        return None
+    # the functions the bits come from are part of the key: a self-test that plants a
+    # mutant in one of them must get the mutant's bits, and later tests the real ones
+    key = (seed, version, layer, expert, projection, finite, spec.dtype, n_rows, n_cols,
+           bf16_bits, keyed_bf16_bits, _bits_at, _mix32, _lsr, _scalar_key, version_mask,
+           _bits_to_dtype)
+    block = _BLOCKS.get(key)
+    if block is not None:
+        _BLOCKS.move_to_end(key)
+        return block
+    block = _bits_to_dtype(bf16_bits(seed, version, layer, expert, projection,
+                                     torch.arange(n_rows), torch.arange(n_cols), finite),
+                           spec.dtype)
+    _BLOCKS[key] = block
+    _CACHED[0] += block.numel() * block.element_size()
+    while _CACHED[0] > CACHE_BYTES:
+        _, dropped = _BLOCKS.popitem(last=False)
+        _CACHED[0] -= dropped.numel() * dropped.element_size()
+    return block
 
 
 def expert_blocks(spec: MoESpec, version: int, layer: int, experts, projection: str,

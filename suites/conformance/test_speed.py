@@ -7,8 +7,10 @@ claims) after a warm-up update, and the update is bit-checked like ``bit_exact``
 
 - on CPU, the deterministic profile of that update: the aten operations it dispatched, the
   bytes it wrote, the temporaries it allocated (``pytest_weightsync.opcount``, exact and the
-  same on every machine), and the host time per payload entry (informational: it moves with
-  the machine). The counts ride to the report under ``speed/<implementation>/<format>``;
+  same on every machine); then the update timed without the profiler, a warm-up round and
+  :data:`CPU_ROUNDS` rounds interleaved with a plain copy of the bytes it writes: host time
+  per payload entry and the ratio to that copy, median and spread (informational: they move
+  with the machine). The counts ride to the report under ``speed/<implementation>/<format>``;
   ``--weightsync-save-baseline FILE`` stores them and ``--weightsync-baseline FILE`` fails the
   run when any count rose - a per-expert copy loop planted in a loader that used to batch its
   copies is caught on any machine;
@@ -52,6 +54,10 @@ GPU_CASE = Case(MoESpec(num_layers=1, num_experts=256, hidden=2048, intermediate
 GPU_RANK = 1
 #: Rounds of the GPU ratio.
 GPU_ROUNDS = 7
+#: The GPU update's bucket limit: none, one bucket per update, as the per-update benchmark
+#: sends it (``bench_e2e.py --per-update``: buckets of up to 8 GiB per engine rank, which
+#: hold this 0.75 GiB layer whole), so the column and the benchmark time the same stream.
+GPU_BUCKET = None
 
 
 def _claimed(impl, fmt, case=PROFILE_CASE):
@@ -73,18 +79,55 @@ def test_loader_update_profile(weightsync_loader, payload_format, throughput,
     loader.load_stream(weightsync_loader, params, warm, payload_format, case, rank)
     stream = inputs.stream(payload_format, case, rank, 2)
     name = f"speed/{weightsync_loader.name}/{payload_format}"
-    started = time.perf_counter()
     counts = throughput.count_ops(name, lambda: loader.load_stream(
         weightsync_loader, params, stream, payload_format, case, rank))
-    seconds = time.perf_counter() - started
     judge.check_rank(params, case, rank, 2, before, previous_version=1)
     entries = _entries(stream)
     payload = sum(t.numel() * t.element_size() for bucket in stream for _, t in bucket)
+    timed = timed_rounds(lambda: loader.load_stream(
+        weightsync_loader, params, stream, payload_format, case, rank), counts.bytes_written)
+    judge.check_rank(params, case, rank, 2, before, previous_version=1)
+    per_entry = [round(1e6 * t / max(1, entries), 3) for t in timed["path"]]
     weightsync_record_property("weightsync_speed", json.dumps({
         "format": payload_format, "ops": sum(counts.ops.values()),
         "bytes_written": counts.bytes_written, "allocations": counts.allocations,
         "allocated_bytes": counts.allocated_bytes, "payload_bytes": payload,
-        "entries": entries, "host_us_per_entry": round(1e6 * seconds / max(1, entries), 3)}))
+        "entries": entries, "rounds": len(per_entry), "loops": timed["loops"],
+        "host_us_per_entry": statistics.median(per_entry),
+        "host_us_per_entry_min": min(per_entry), "host_us_per_entry_max": max(per_entry),
+        **_ratios(timed)}))
+
+
+#: Timed rounds of the CPU update (each after the profiled one and a warm-up round), and the
+#: least time one sample runs: a sample repeats the update until it takes that long, as
+#: pytest-benchmark calibrates, so a tiny update is not timed in the clock's noise.
+CPU_ROUNDS = 5
+CPU_SAMPLE_SECONDS = 0.002
+
+
+def timed_rounds(update, nbytes: int) -> dict:
+    """Seconds per update over :data:`CPU_ROUNDS` rounds, each round interleaved with a plain
+    copy of the ``nbytes`` the update writes (the same repeats), after a warm-up round."""
+    once = time.perf_counter()
+    update()
+    single = max(time.perf_counter() - once, 1e-7)
+    loops = max(1, min(1000, int(CPU_SAMPLE_SECONDS / single) + 1))
+    copy = plain_copy(max(1, nbytes), "cpu")
+
+    def repeated(fn):
+        return lambda: [fn() for _ in range(loops)]
+
+    samples = interleaved_samples({"path": repeated(update), "copy": repeated(copy)}, "cpu",
+                                  repeats=CPU_ROUNDS, warmup=1)
+    return {"path": [t / loops for t in samples["path"]],
+            "copy": [t / loops for t in samples["copy"]], "loops": loops}
+
+
+def _ratios(timed: dict) -> dict:
+    """A plain copy of the written bytes over the update, per round: median, min and max."""
+    ratios = [c / p for c, p in zip(timed["copy"], timed["path"])]
+    return {"cpu_ratio": round(statistics.median(ratios), 4),
+            "cpu_ratio_min": round(min(ratios), 4), "cpu_ratio_max": round(max(ratios), 4)}
 
 
 @pytest.mark.gpu
@@ -99,7 +142,7 @@ def test_loader_update_throughput_on_gpu(weightsync_loader, payload_format, thro
     case, rank = GPU_CASE, GPU_RANK
     params = {n: t.to("cuda") for n, t in inputs.receiver_params(case, rank).items()}
     stream = [[(n, t.to("cuda")) for n, t in bucket]
-              for bucket in inputs.stream(payload_format, case, rank, 1)]
+              for bucket in inputs.stream(payload_format, case, rank, 1, bucket=GPU_BUCKET)]
     before = compare.snapshot(params)
 
     def update():

@@ -51,16 +51,37 @@ RECIPE = matrix.ANCHORS[0]
 LOCATED = ("layer=", "expert=", "projection=")
 
 
+#: ``(name, mutant, original)`` of every mutant planted in the running test.
+_PLANTED: list = []
+
+
+def _project_modules():
+    return [mod for mod in list(sys.modules.values())
+            if mod is not None and getattr(mod, "__name__", "").startswith("pytest_weightsync")]
+
+
 def plant(monkeypatch, module, name, replacement):
     """Replace ``module.name`` and every other binding of the same object in the project's
     modules (``from module import name`` copies), for this test only."""
     original = getattr(module, name)
-    for mod in list(sys.modules.values()):
-        if mod is None or not getattr(mod, "__name__", "").startswith("pytest_weightsync"):
-            continue
+    for mod in _project_modules():
         if getattr(mod, name, None) is original:
             monkeypatch.setattr(mod, name, replacement)
+    _PLANTED.append((name, replacement, original))
     return original
+
+
+@pytest.fixture(autouse=True)
+def _no_mutant_outlives_its_test():
+    """A module first imported while a mutant was planted bound the mutant itself
+    (``from layout import gate_up_halves``), out of monkeypatch's reach: put the original
+    back there too, or every later test in this process runs the mutant."""
+    yield
+    for name, mutant, original in _PLANTED:
+        for mod in _project_modules():
+            if getattr(mod, name, None) is mutant:
+                setattr(mod, name, original)
+    _PLANTED.clear()
 
 
 # --- the two checks ------------------------------------------------------------------------

@@ -202,3 +202,24 @@ def test_vectorized_value_function_equals_its_unsigned_definition(finite):
         want = [[_hash_in_python(seed, version, layer, expert, projection, int(r), int(c),
                                  finite) for c in cols] for r in rows]
         assert (got & 0xFFFF).tolist() == want, (seed, version, layer, expert, projection)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_cached_blocks_are_the_same_bits_and_never_shared(dtype):
+    """``expert_block`` serves small CPU blocks from a cache of whole blocks: any coordinates
+    (out of order, repeated, a slice) give the bits the hash computes there, and the result
+    is a new tensor, so a caller writing into it cannot change what the next one gets."""
+    spec = MoESpec(num_layers=2, num_experts=3, hidden=6, intermediate=5, dtype=dtype)
+    rows, cols = torch.tensor([4, 0, 4, 2]), torch.tensor([5, 1, 0])
+    finite = dtype == torch.float16
+    want = synth._bits_to_dtype(synth.bf16_bits(0, 2, 1, 2, "down", rows, cols, finite), dtype)
+    first = synth.expert_block(spec, 2, 1, 2, "down", rows, cols)
+    assert torch.equal(first.view(torch.uint8), want.view(torch.uint8))
+    first.fill_(0)
+    again = synth.expert_block(spec, 2, 1, 2, "down", rows, cols)
+    assert torch.equal(again.view(torch.uint8), want.view(torch.uint8))
+    # outside the block (a flat poison index): computed, not cached, still the hash
+    far = torch.tensor([2**31 + 5])
+    assert torch.equal(synth.expert_block(spec, 2, 1, 2, "down", far, cols).view(torch.uint8),
+                       synth._bits_to_dtype(synth.bf16_bits(0, 2, 1, 2, "down", far, cols,
+                                                            finite), dtype).view(torch.uint8))
