@@ -237,6 +237,9 @@ fi
 # ci/baselines/h200.json when this GPU is the kind that file was measured on.
 BASELINE=ci/baselines/h200.json
 GUARD_ARGS=(--weightsync-save-baseline "$RESULTS/h200.json")
+# the conformance speed column's rows (speed-gpu/...) are in the same file; that run saves its
+# own ratios beside the guard's
+SPEED_ARGS=(--weightsync-save-baseline "$RESULTS/h200-speed.json")
 if [ -f "$BASELINE" ]; then
     same=$("$PYTHON" - "$BASELINE" <<'PY'
 import json, sys, torch
@@ -246,6 +249,7 @@ PY
 )
     if [ "$same" = "yes" ]; then
         GUARD_ARGS+=(--weightsync-baseline "$BASELINE")
+        SPEED_ARGS+=(--weightsync-baseline "$BASELINE")
         GUARD_NOTE="compared with $BASELINE"
     else
         GUARD_NOTE="not compared with $BASELINE (measured on another GPU, $same)"
@@ -266,6 +270,10 @@ if has_stage one; then
         fi
         if [ "$file" = "suites/selftest/test_throughput_guard.py" ]; then
             run_pytest "$file" 0 "$limit" -m gpu "$file" "${GUARD_ARGS[@]}"
+        elif [ "$file" = "suites/conformance/test_speed.py" ]; then
+            # the speed column, guarded like the copy plans (-m gpu: PARTIAL by definition)
+            run_pytest "$file" 0 "$limit" -m gpu "$file" --weightsync-allow-partial \
+                "${SPEED_ARGS[@]}"
         elif [[ "$file" == suites/conformance/* ]]; then
             # -m gpu selects part of the conformance set: its verdict is PARTIAL by definition
             run_pytest "$file" 0 "$limit" -m gpu "$file" --weightsync-allow-partial

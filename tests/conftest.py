@@ -10,6 +10,7 @@ registry is built at collection, before any test runs).
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -27,17 +28,62 @@ def _no_optional_builtins_in_pytester(request: pytest.FixtureRequest,
         monkeypatch.setenv(OPTIONAL_BUILTINS_ENV, "none")
 
 
+#: Marks a test whose inner sessions must start in a cold interpreter (one that checks what
+#: a session imports: the zygote has torch imported already).
+COLD = "cold_interpreter"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{COLD}: inner pytest sessions of this test start cold "
+                                       f"(not forked from the warm zygote)")
+
+
+@pytest.fixture(autouse=True)
+def _inner_sessions_fork_from_the_zygote(request: pytest.FixtureRequest,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pytester.runpytest_subprocess`` as pytester does it (a numbered ``--basetemp``, the
+    test directory on ``PYTHONPATH``, the same arguments), forked from the warm zygote."""
+    if "pytester" not in request.fixturenames or request.node.get_closest_marker(COLD):
+        return
+    zygote = request.getfixturevalue("zygote")
+    if zygote is None:
+        return
+    pytester = request.getfixturevalue("pytester")
+
+    def runpytest_subprocess(*args, timeout=None):
+        from _pytest.pathlib import make_numbered_dir
+        from _pytest.pytester import RunResult
+
+        basetemp = make_numbered_dir(root=pytester.path, prefix="runpytest-", mode=0o700)
+        argv = [f"--basetemp={basetemp}", *map(str, args)]
+        for plugin in pytester.plugins:
+            argv = ["-p", plugin, *argv]
+        env = os.environ.copy()
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(),
+                                                          env.get("PYTHONPATH", "")]))
+        started = time.monotonic()
+        try:
+            proc = zygote.run(argv, cwd=os.getcwd(), env=env, timeout=timeout or 3600)
+        except subprocess.TimeoutExpired:
+            raise pytester.TimeoutExpired(f"{timeout} second timeout expired running: {argv}")
+        return RunResult(proc.returncode, proc.stdout.splitlines(), proc.stderr.splitlines(),
+                         time.monotonic() - started)
+
+    monkeypatch.setattr(pytester, "runpytest_subprocess", runpytest_subprocess)
+
+
 class ShippedSuites:
     """A copy of the shipped suites (conformance modules and harness, no self-tests) in a
     fresh directory, run in ``pytest -p weightsync`` subprocesses there, with that directory on
     ``PYTHONPATH`` (for test-local implementation modules) and no optional built-in rows."""
 
-    def __init__(self, path):
+    def __init__(self, path, zygote=None):
         import shutil
         from pathlib import Path
 
         repo = Path(__file__).resolve().parents[1]
         self.path = path
+        self.zygote = zygote
         shutil.copytree(repo / "suites", path / "suites",
                         ignore=shutil.ignore_patterns("selftest", "__pycache__"))
 
@@ -58,8 +104,13 @@ class ShippedSuites:
                 "--weightsync-report", "report.json", *args]
 
     def run(self, *args: str, timeout: float = 300, **env):
+        """``subprocess.run`` of :meth:`command` (forked from the warm zygote when there is
+        one: the same session, without paying the interpreter's start)."""
         import subprocess
 
+        if self.zygote is not None:
+            return self.zygote.run(self.command(*args)[3:], cwd=self.path, env=self.env(**env),
+                                   timeout=timeout)
         return subprocess.run(self.command(*args), cwd=self.path, env=self.env(**env),
                               capture_output=True, text=True, timeout=timeout)
 
@@ -72,10 +123,24 @@ class ShippedSuites:
         return {i["name"]: i for i in self.report()["implementations"]}
 
 
+@pytest.fixture(scope="session")
+def zygote():
+    """A warm interpreter that inner sessions fork from (``tests/zygote.py``); none with
+    ``WEIGHTSYNC_TESTS_COLD=1`` (every inner session started cold, as before)."""
+    if os.environ.get("WEIGHTSYNC_TESTS_COLD") == "1":
+        yield None
+        return
+    from zygote import Zygote
+
+    warm = Zygote()
+    yield warm
+    warm.close()
+
+
 @pytest.fixture
-def shipped(tmp_path) -> ShippedSuites:
+def shipped(tmp_path, zygote) -> ShippedSuites:
     """The shipped suites in a fresh directory (see :class:`ShippedSuites`)."""
-    return ShippedSuites(tmp_path)
+    return ShippedSuites(tmp_path, zygote)
 
 
 def tagged_processes(tag: str) -> list:

@@ -58,8 +58,9 @@ def test_compare_within_tolerance_passes(pytester):
     saved = pytester.path / "saved.json"
     pytester.runpytest(f"--weightsync-save-baseline={saved}")
     ratio = json.loads(saved.read_text())["ratios"]["fast_path"]
-    # a baseline a little below the measured value can only pass
-    baseline = write_baseline(pytester, {"fast_path": ratio * 0.5})
+    # a baseline below the measured value can only pass; far below, because the second run
+    # times a sleep again on a machine that may be busy (a ratio can move 3x between runs)
+    baseline = write_baseline(pytester, {"fast_path": ratio * 0.01})
     result = pytester.runpytest(f"--weightsync-baseline={baseline}")
     assert result.ret == 0
     result.stdout.fnmatch_lines(["*throughput vs baseline*", "fast_path*ok"])

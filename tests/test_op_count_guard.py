@@ -42,9 +42,10 @@ fastcopy.plan_copies = staged
 """
 
 
-def run_guard(tmp_path, plant: str | None):
+def run_guard(tmp_path, plant: str | None, zygote=None):
     """Run the suite in place (it imports its package's shared helpers) with the committed
-    baseline; ``plant`` is loaded first as a plugin module (``-p planted``)."""
+    baseline; ``plant`` is loaded first as a plugin module (``-p planted``). Forked from the
+    warm ``zygote`` when there is one (``tests/zygote.py``)."""
     args = [sys.executable, "-m", "pytest", "-p", "weightsync", "-p", "no:cacheprovider", "-q",
             f"--weightsync-baseline={BASELINE}", "-o", "addopts=", str(SUITE)]
     env = dict(os.environ)
@@ -52,7 +53,11 @@ def run_guard(tmp_path, plant: str | None):
         (tmp_path / "planted.py").write_text(plant)
         args[3:3] = ["-p", "planted"]
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if zygote is not None:
+        proc = zygote.run(args[3:], cwd=ROOT, env=env, timeout=300)
+    else:
+        proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -62,14 +67,14 @@ def baseline_exists():
         pytest.fail(f"{BASELINE.relative_to(ROOT)} is missing: CI compares op counts against it")
 
 
-def test_committed_paths_match_the_committed_counts(tmp_path, baseline_exists):
-    rc, out = run_guard(tmp_path, None)
+def test_committed_paths_match_the_committed_counts(tmp_path, baseline_exists, zygote):
+    rc, out = run_guard(tmp_path, None, zygote)
     assert rc == 0, out
     assert "REGRESSION" not in out, out
 
 
-def test_a_per_expert_loop_fails_the_guard(tmp_path, baseline_exists):
-    rc, out = run_guard(tmp_path, PER_EXPERT_LOOP)
+def test_a_per_expert_loop_fails_the_guard(tmp_path, baseline_exists, zygote):
+    rc, out = run_guard(tmp_path, PER_EXPERT_LOOP, zygote)
     assert rc == 1, out
     assert "weightsync throughput REGRESSION" in out, out
     # reused plans of a layer: 2 batched copies became one per pair - 32 whole per-expert
@@ -82,10 +87,10 @@ def test_a_per_expert_loop_fails_the_guard(tmp_path, baseline_exists):
     assert ["ops/direct_tp2/plan", "op:aten.copy_.default", "16", "48", "MORE"] in lines, out
 
 
-def test_an_extra_staging_copy_fails_the_guard(tmp_path, baseline_exists):
+def test_an_extra_staging_copy_fails_the_guard(tmp_path, baseline_exists, zygote):
     """An extra copy is caught twice: the suite's own shape-derived expectation (payload
     written once) fails the test, and the guard then reports its stored entry unmeasured."""
-    rc, out = run_guard(tmp_path, STAGING_COPY)
+    rc, out = run_guard(tmp_path, STAGING_COPY, zygote)
     assert rc == 1, out
     assert "weightsync throughput REGRESSION" in out, out
     assert (

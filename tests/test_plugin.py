@@ -76,6 +76,7 @@ def test_importing_the_plugin_does_not_import_torch():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.cold_interpreter
 def test_plugin_loads_with_autoload_disabled_and_a_plain_session_never_imports_torch(pytester, monkeypatch):
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     pytester.makepyfile(
