@@ -392,6 +392,7 @@ def print_row(r) -> None:
 def run(args) -> dict:
     from pytest_weightsync.reference_impl.engine import process as engine_process
     from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology
+    from pytest_weightsync.reference_impl.transport import share_chain
 
     torch.set_num_threads(1)
     device = torch.device(args.device)
@@ -445,6 +446,12 @@ def run(args) -> dict:
         finally:
             for engine in engines:
                 engine.close()
+    # The trainer's buffers, shared once per tensor and update by the per-tensor rows, are
+    # freed on a large stack (share_chain): unwinding one deleter per share overflowed the
+    # main thread's stack at exit.
+    trainer = [part] + ([small] if small is not None else [])
+    del part, small
+    share_chain.release(trainer)
     return dict(
         model=dict(layers=spec.num_layers, experts=spec.num_experts, hidden=spec.hidden,
                    moe_ffn=spec.intermediate, dtype=str(spec.dtype), parts=[p.name for p in PARTS]),

@@ -155,7 +155,8 @@ class ReceiverProcess:
 
     def post_update(self, data: Optional[bytes], load_format: Optional[str] = None,
                     registrations=(), *, begin: bool = True, end: bool = True,
-                    memory: bool = True, sync: bool = True) -> None:
+                    memory: bool = True, sync: bool = True, wait: Optional[bytes] = None,
+                    signal: Optional[bytes] = None) -> None:
         """Send an update without waiting (so several receiver ranks load at once); collect
         its :class:`UpdateReport` with :meth:`result`. ``data`` (a serialized payload) is
         loaded first, then each registered payload.
@@ -165,9 +166,14 @@ class ReceiverProcess:
         queued, keeping what it rebuilt alive until it next waits for the device - at the
         update's end, at a bucket sent with ``sync=True``, or on an error - so the sender
         prepares the next bucket while this one is copied. A bucket with ``end`` is always
-        waited for."""
+        waited for.
+
+        ``wait`` / ``signal`` (CUDA IPC event handles, :mod:`~pytest_weightsync.reference_impl.transport.ipc_events`):
+        the engine's copies wait on the device for the trainer's record of ``wait`` (a staging
+        copy the host did not wait for), and ``signal`` is recorded after them, so the trainer
+        can refill what they read once its stream has waited for it - neither side blocks."""
         ids = tuple(getattr(r, "id", r) for r in registrations)
-        self._post(("update", data, load_format, ids, begin, end, memory, sync))
+        self._post(("update", data, load_format, ids, begin, end, memory, sync, wait, signal))
 
     @property
     def pending(self) -> bool:
@@ -285,7 +291,11 @@ def _receiver_main(conn, device: str) -> None:
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     state = {"receiver": None, "keep": False, "kept": [], "registered": {}, "next_id": 0,
-             "inflight": []}
+             "inflight": [], "events": None}
+    if dev.type == "cuda":
+        from pytest_weightsync.reference_impl.transport.ipc_events import OpenedEvents
+
+        state["events"] = OpenedEvents(dev)
     conn.send(("ok", os.getpid()))
     while True:
         try:
@@ -338,6 +348,8 @@ def _serve(state: dict, device: torch.device, message):
     kind = message[0]
     if kind != "update" and state["inflight"]:
         _settle(state, device)  # nothing else runs beside copies still in flight
+    if kind in ("configure", "reset") and state["events"] is not None:
+        state["events"].clear()  # a new sender's events come with new handles
     if kind == "configure":
         _, spec, topo, rank, keep, poison, *rest = message
         plan_cache = rest[0] if rest else True
@@ -389,6 +401,10 @@ def _serve(state: dict, device: torch.device, message):
         _, data, load_format, *rest = message
         ids, begin, end, memory, *more = rest if rest else ((), True, True, True)
         sync = end or (more[0] if more else True) or device.type != "cuda"
+        wait, signal = (more[1], more[2]) if len(more) > 2 else (None, None)
+        events = state["events"]
+        if events is None and (wait is not None or signal is not None):
+            raise ReceiverProcessError("CUDA IPC events sent to a receiver that is not on a GPU")
         t0 = time.perf_counter()
         payloads, rebuilt = [], None
         if data is not None:
@@ -400,12 +416,16 @@ def _serve(state: dict, device: torch.device, message):
             payloads.append(state["registered"][rid])
         t1 = time.perf_counter()
         cache = []
+        if events is not None:
+            events.wait(wait)  # the trainer's staging of these sources, on the device
         if begin:
             receiver.begin_update()
         for payload in payloads:
             receiver.load(payload, load_format=load_format)
             if receiver.plan_cache is not None:
                 cache.append(receiver.plan_cache.stats.last)
+        if events is not None:
+            events.record(signal)  # recorded before the answer: the trainer waits after it
         if end:
             receiver.end_update()
         t2 = time.perf_counter()

@@ -61,6 +61,7 @@ Atomicity promise:
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
@@ -86,6 +87,8 @@ from pytest_weightsync.reference_impl.model.layout import (
 
 #: Most missing pieces / entries listed in one message (the count is always given).
 MAX_LISTED = 8
+#: Owed pieces per (receiver class, spec, topology, rank): see ``ReferenceReceiver._owed_set``.
+_OWED: dict = {}
 #: Naming schemes of ``load_format=None``, by ``ParsedName.kind``, as format names.
 _SCHEME = {"expert": "compat", "fused": "packed", "hf_fused": "hf_fused"}
 
@@ -187,6 +190,25 @@ def entry_readable_on(tensor, device, rank: int, where: str) -> None:
     _refuse(tensor_checks.storage_problem(tensor), where)
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_layout(spec: MoESpec, topo: ReceiverTopology, rank: int, shard_of,
+                   shapes_of) -> tuple:
+    # the layout functions are part of the key: a self-test that plants a mutant in one of
+    # them gets the mutant's layout, and later tests the real one
+    return shard_of(spec, topo, rank), tuple(shapes_of(spec, topo, rank).items())
+
+
+def rank_layout(spec: MoESpec, topo: ReceiverTopology, rank: int) -> tuple:
+    """``(shard, ((name, shape), ...))`` of receiver ``rank``: what a receiver owns and the
+    parameters it holds, a pure function of its arguments, kept for the next receiver of the
+    same rank (a loader that builds a receiver per call pays it once, not per bucket)."""
+    try:
+        return _cached_layout(spec, topo, rank, receiver_shard, receiver_param_shapes)
+    except TypeError:  # an unhashable spec or topology: computed every time
+        return (receiver_shard(spec, topo, rank),
+                tuple(receiver_param_shapes(spec, topo, rank).items()))
+
+
 class ReceiverParamsError(WeightSyncError):
     """Existing parameters handed to :class:`ReferenceReceiver` do not match its topology."""
 
@@ -252,15 +274,14 @@ class ReferenceReceiver:
         self.spec = spec
         self.topo = topo
         self.rank = rank
-        self.shard = receiver_shard(spec, topo, rank)
-        shapes = receiver_param_shapes(spec, topo, rank)
+        self.shard, shapes = rank_layout(spec, topo, rank)
         if params is None:
             self.params: dict[str, torch.Tensor] = {
                 name: torch.zeros(shape, dtype=spec.dtype, device=device)
-                for name, shape in shapes.items()
+                for name, shape in shapes
             }
         else:
-            self.params = checked_params(params, {n: (s, spec.dtype) for n, s in shapes.items()},
+            self.params = checked_params(params, {n: (s, spec.dtype) for n, s in shapes},
                                          rank, "the topology")
         # The device the parameters really live on: "cuda" means the current GPU, and a payload
         # tensor reports "cuda:0", so compare against the resolved device, not the request.
@@ -290,6 +311,23 @@ class ReferenceReceiver:
                 for layer in range(self.spec.num_layers)
                 for expert in self.shard.experts
                 for projection in PROJECTIONS]
+
+    def _owed_set(self) -> frozenset:
+        """:meth:`_owed_units` as a set, kept per receiver class, spec, topology and rank (a
+        complete update is then one set comparison, not a loop over every piece)."""
+        if not type(self)._owed_units.__module__.startswith(__package__ or __name__):
+            return frozenset(self._owed_units())  # a variant's own pieces: not kept
+        key = (type(self), self.spec, self.topo, self.rank, receiver_shard,
+               receiver_param_shapes)
+        try:
+            owed = _OWED.get(key)
+        except TypeError:  # unhashable spec or topology
+            return frozenset(self._owed_units())
+        if owed is None:
+            owed = _OWED[key] = frozenset(self._owed_units())
+            while len(_OWED) > 64:
+                _OWED.pop(next(iter(_OWED)))
+        return owed
 
     def _tp_rows(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's MoE-TP slice of a full tensor along ``dim``."""
@@ -343,6 +381,8 @@ class ReferenceReceiver:
         update, self._update = self._update, None
         if update is None:
             raise IncompleteUpdateError("end_update() without begin_update()")
+        if self._owed_set() <= update.seen.keys():
+            return
         missing = [unit for unit in self._owed_units() if unit not in update.seen]
         if missing:
             listed = ", ".join(f"layer {l} expert {e} {p}_proj" for l, e, p in missing[:MAX_LISTED])

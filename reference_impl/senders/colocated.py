@@ -141,6 +141,7 @@ class ColocatedSender:
         if not layers:
             raise WeightSyncError("ColocatedSender needs at least one layer")
         device = torch.device(device) if device is not None else full[layers[0]][0].gate.device
+        self.device = device
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
                                          or not isinstance(bucket_bytes, int) or bucket_bytes < 0):
             raise WeightSyncError(f"bucket_bytes must be None or an int >= 0, got {bucket_bytes!r}")
@@ -214,15 +215,25 @@ class ColocatedSender:
 
     # -- per update -----------------------------------------------------------------------
 
-    def stage(self, index: int) -> None:
+    def stage(self, index: int, *, after=(), signal=None) -> None:
         """Refill bucket ``index``'s staging tensors from the trainer's current weights (a
-        no-op for a bucket of views) and wait until the device has written them."""
+        no-op for a bucket of views) and wait until the device has written them.
+
+        With ``signal`` (a CUDA event) nothing is waited for on the host: the refill is
+        queued after the events in ``after`` (the engines' copies that last read this arena)
+        and ``signal`` is recorded after it, for the engines' streams to wait for."""
         bucket = self.buckets[index]
+        stream = torch.cuda.current_stream(self.device) if signal is not None else None
+        for event in after:
+            stream.wait_event(event)
         with torch.no_grad():
             for view in bucket.zero:
                 view.zero_()
             if bucket.plan is not None:
                 bucket.plan.run()
+        if signal is not None:
+            signal.record(stream)
+            return
         for shared in bucket.shared.values():
             shared.ready()
 
@@ -230,12 +241,13 @@ class ColocatedSender:
         """Bucket ``index`` for receiver ``rank`` as ``[(name, tensor), ...]``."""
         return self.buckets[index].entries[self._rank(rank)]
 
-    def serialize(self, index: int, rank: int) -> bytes:
+    def serialize(self, index: int, rank: int, *, wait: bool = True) -> bytes:
         """Bucket ``index`` for receiver ``rank``, serialized for registration or for one
         update of the per-update protocol (one serialization per engine rank and message:
         torch counts references per serialization): one IPC share per storage, the table
-        pickled once."""
-        return self.buckets[index].shared[self._rank(rank)].serialize()
+        pickled once. ``wait=False``: queued writes are not waited for (an event the engine
+        waits for on the device orders them)."""
+        return self.buckets[index].shared[self._rank(rank)].serialize(wait=wait)
 
     def _rank(self, rank: int) -> int:
         return self.ranks[0] if len(self.ranks) == 1 else rank
@@ -286,6 +298,14 @@ class ColocatedSync:
         self.sender, self.engines = sender, list(engines)
         self.per_update = bool(per_update)
         self.registrations: list = []
+        #: Staged buckets on a GPU are ordered by CUDA IPC events, not host waits (see
+        #: :meth:`update`): ("staged", bucket) recorded here, ("copied", bucket, rank) by the
+        #: engine rank.
+        self.events = None
+        if sender.device.type == "cuda" and any(b.staged_bytes for b in sender.buckets):
+            from pytest_weightsync.reference_impl.transport.ipc_events import EventPool
+
+            self.events = EventPool(sender.device)
 
     def register(self) -> float:
         """Share every bucket with every rank once; returns the seconds it took (none in the
@@ -304,7 +324,14 @@ class ColocatedSync:
         Buckets are pipelined: bucket ``b + 1`` is staged while the engines load bucket ``b``
         unless it refills the arena ``b`` is read from (then the engines' answers come
         first); a bucket of views is answered once its copies are queued, so bucket ``b + 1``
-        is serialized, sent, rebuilt and recognised while the device copies bucket ``b``."""
+        is serialized, sent, rebuilt and recognised while the device copies bucket ``b``.
+
+        On a GPU a staged bucket is not waited for on the host either: its refill is queued
+        behind the engines' copies of the bucket that last used its arena (their IPC events,
+        recorded before they answered), an event recorded after it travels with the bucket,
+        and the engines' copies wait for that event on the device and answer once queued.
+        Every context then keeps work queued, where a host wait per bucket on each side left
+        the device idle between them."""
         if not self.registrations and not self.per_update:
             self.register()
         timing = SyncTiming()
@@ -314,29 +341,38 @@ class ColocatedSync:
         start = time.perf_counter()
         try:
             for index in range(last + 1):
-                if (pending is not None and buckets[index].staged_bytes
+                staged = bool(buckets[index].staged_bytes)
+                if (pending is not None and staged
                         and buckets[pending].arena == buckets[index].arena):
                     pending = self._collect(timing)
+                evented = staged and self.events is not None
                 t0 = time.perf_counter()
-                self.sender.stage(index)
+                if evented:
+                    self.sender.stage(index, after=self._readers(index),
+                                      signal=self.events.get(("staged", index)))
+                else:
+                    self.sender.stage(index)
                 t1 = time.perf_counter()
                 if pending is not None:
                     pending = self._collect(timing)
                 t2 = time.perf_counter()
                 pending = index
-                # A staged bucket is waited for before its answer (its arena is refilled
-                # later); a bucket of views is not: the engine answers once its copies are
-                # queued and copies it while the next bucket is prepared and sent. The
-                # update's last bucket is always waited for.
-                sync = bool(buckets[index].staged_bytes)
+                # A staged bucket without events is waited for before its answer (its arena
+                # is refilled later); a bucket of views, or one ordered by events, is not:
+                # the engine answers once its copies are queued and copies it while the next
+                # bucket is prepared and sent. The update's last bucket is always waited for.
+                sync = staged and not evented
+                wait = self.events.handle(("staged", index)) if evented else None
                 for rank, engine in enumerate(self.engines):
                     if self.per_update:  # the bytes SGLang's update_weights_from_tensor gets
-                        data, registered = self.sender.serialize(index, rank), ()
+                        data = self.sender.serialize(index, rank, wait=not evented)
+                        registered = ()
                     else:
                         data, registered = None, [self.registrations[index][rank]]
+                    signal = self.events.handle(("copied", index, rank)) if evented else None
                     engine.post_update(data, self.sender.load_format, registered,
                                        begin=index == 0, end=index == last, memory=memory,
-                                       sync=sync)
+                                       sync=sync, wait=wait, signal=signal)
                 timing.export += t1 - t0
                 timing.serialize += time.perf_counter() - t2
             pending = self._collect(timing)
@@ -350,6 +386,16 @@ class ColocatedSync:
                             pass
         timing.wall = time.perf_counter() - start
         return timing
+
+    def _readers(self, index: int) -> list:
+        """The engines' events of the bucket that last read ``index``'s arena in this update
+        (answered already, so recorded): the refill must wait for their copies."""
+        buckets = self.sender.buckets
+        for earlier in range(index - 1, -1, -1):
+            if buckets[earlier].staged_bytes and buckets[earlier].arena == buckets[index].arena:
+                return [self.events.get(("copied", earlier, rank))
+                        for rank in range(len(self.engines))]
+        return []
 
     def _collect(self, timing: SyncTiming) -> None:
         """Every engine's answer to the posted bucket (all of them, then the first error)."""

@@ -93,7 +93,7 @@ class SharedPayload:
         for device in {w.device for w in self.wholes if w.device.type == "cuda"}:
             torch.cuda.current_stream(device).synchronize()
 
-    def serialize(self) -> bytes:
+    def serialize(self, wait: bool = True) -> bytes:
         """The payload as bytes holding one handle per storage and the table (call once per
         receiver rank and message: torch's reference counting is per serialization).
 
@@ -103,10 +103,13 @@ class SharedPayload:
         stream would not run until the engine's time slice ends, and the next wait for that
         stream (the next bucket's :meth:`ready`) would wait for it - 12 ms per update of 8
         buckets on an H200 (2026-12-03). The event still follows every write, which was done
-        before it was recorded."""
+        before it was recorded. ``wait=False`` skips that wait, for a sender that orders the
+        receiver's reads after its writes itself (an interprocess event the receiver's stream
+        waits for: :mod:`~pytest_weightsync.reference_impl.transport.ipc_events`)."""
         from pytest_weightsync.reference_impl.transport import ipc
 
-        self.ready()
+        if wait:
+            self.ready()
         buf = io.BytesIO()
         with _side_streams(self.wholes):
             ipc.tensor_pickler(buf).dump(_Wire(self.wholes, self.table, self.entries, self.nbytes))
