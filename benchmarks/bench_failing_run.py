@@ -15,7 +15,8 @@ pair: wall seconds of each run (interpreter start to exit), tests passed / faile
 failing run's time over the passing run's, and the longest failure report in lines (pytest's
 FAILURES section, default ``--tb``).
 
-Run from the repository root: ``python benchmarks/bench_failing_run.py [-n 2] [--json F]``.
+Run from the repository root: ``python benchmarks/bench_failing_run.py [-n 2] [--json F]
+[PATHS...]`` (PATHS: what both runs collect, default ``suites/``).
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ PAIRS = (
 )
 
 
-def run(name: str, target: str, workers: int, report: Path) -> dict:
+def run(name: str, target: str, workers: int, report: Path, paths=("suites/",)) -> dict:
     env = dict(os.environ, WEIGHTSYNC_OPTIONAL_BUILTINS="none",
                PYTHONPATH=os.pathsep.join(filter(None, [str(EXAMPLE),
                                                         os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "pytest", "-p", "weightsync", "suites/", "-q",
+    command = [sys.executable, "-m", "pytest", "-p", "weightsync", *paths, "-q",
                "-p", "no:cacheprovider", "--weightsync-loader", target, "--weightsync-only", name,
                "--weightsync-report", str(report)]
     if workers:
@@ -77,12 +78,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=0, help="pytest-xdist workers (default: none)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument("paths", nargs="*", default=["suites/"],
+                        help="what both runs of a pair collect (default: suites/)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for good, good_target, bad, bad_target in PAIRS:
-            passing = run(good, good_target, args.n, Path(tmp) / f"{good}.json")
-            failing = run(bad, bad_target, args.n, Path(tmp) / f"{bad}.json")
+            passing = run(good, good_target, args.n, Path(tmp) / f"{good}.json", args.paths)
+            failing = run(bad, bad_target, args.n, Path(tmp) / f"{bad}.json", args.paths)
             rows.append({"passing": passing, "failing": failing,
                          "ratio": round(failing["seconds"] / passing["seconds"], 3)})
     print(f"{'passing run':<20} {'s':>7} {'p/f/s':>12}   {'failing run':<20} {'s':>7} "

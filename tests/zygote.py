@@ -33,6 +33,13 @@ _ZYGOTE = r'''
 import importlib, json, os, signal, sys, time
 for name in sys.argv[1:]:
     importlib.import_module(name)
+# pytest warns that it cannot rewrite the asserts of a plugin module imported before it
+# started (hypothesis here) - in a cold session it would have; the marker says not to try
+for module in list(sys.modules.values()):
+    try:
+        module.__doc__ = (module.__doc__ or "") + "\nPYTEST_DONT_REWRITE"
+    except (AttributeError, TypeError):
+        pass
 requests, replies = sys.stdin.buffer, sys.stdout
 print(json.dumps({"ready": os.getpid()}), file=replies, flush=True)
 for line in requests:
