@@ -65,13 +65,21 @@ def run(name: str, target: str, workers: int, report: Path, paths=("suites/",)) 
 
 
 def longest_failure(stdout: str) -> int:
-    """Lines of the longest report in pytest's FAILURES section (0 when there is none)."""
-    section = stdout.split("= FAILURES =", 1)
-    if len(section) < 2:
+    """Lines of the longest report in pytest's FAILURES section (0 when there is none): a
+    report starts at its ``___ test id ___`` line and ends at the next one or at the first
+    section after it (``=== ... ===``, or the plugin's ``--- weightsync ... ---`` tables);
+    its own ``--- Captured ... ---`` parts count."""
+    if "= FAILURES =" not in stdout:
         return 0
-    body = re.split(r"\n=+ .* =+\n", "\n" + section[1].split("\n", 1)[1], maxsplit=1)[0]
-    reports = re.split(r"\n_{3,} .* _{3,}\n", "\n" + body)
-    return max((len(r.strip("\n").splitlines()) for r in reports if r.strip()), default=0)
+    reports: list = []
+    for line in stdout.split("= FAILURES =", 1)[1].splitlines()[1:]:
+        if re.match(r"^_+ .* _+$", line):
+            reports.append(0)
+        elif re.match(r"^=+ .* =+$", line) or re.match(r"^-+ weightsync .* -+$", line):
+            break  # the next section, or the plugin's tables after the failures
+        elif reports:
+            reports[-1] += 1
+    return max(reports, default=0)
 
 
 def main() -> None:

@@ -98,17 +98,18 @@ def short_repr(item: pytest.Item, excinfo: pytest.ExceptionInfo):
     return rep
 
 
-@pytest.hookimpl(hookwrapper=True, trylast=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """Where the test ran: a located failure's report becomes its message (the innermost
-    wrapper, so the report module's size limit applies to the result)."""
-    outcome = yield
-    report = outcome.get_result()
-    excinfo: Optional[pytest.ExceptionInfo] = call.excinfo
-    if not report.failed or excinfo is None or not is_located(excinfo.value):
-        return
-    if not _default_style(item.config):
-        return
-    short = short_repr(item, excinfo)
-    if short is not None:
-        report.longrepr = short
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A located failure's report is its message: ``item.repr_failure`` answers it before
+    pytest formats the default report - formatting that report (the source of every frame
+    parsed again, per failure) would cost as much as the test did, only to be thrown away."""
+    original = item.repr_failure
+
+    def repr_failure(excinfo, *args, **kwargs):
+        if is_located(excinfo.value) and _default_style(item.config):
+            short = short_repr(item, excinfo)
+            if short is not None:
+                return short
+        return original(excinfo, *args, **kwargs)
+
+    item.repr_failure = repr_failure
