@@ -192,6 +192,17 @@ def decoded_stream(result, *, engine_rank: int, engine_tp: int, source: str,
         items = list(result) if hasattr(result, "__iter__") else result
     if not isinstance(items, list):
         return items
+    if any(transport_of(bucket) == "weight_transfer" for bucket in items):
+        from pytest_weightsync import weight_transfer
+
+        try:  # vLLM's calls: the whole session decoded and checked before any bucket
+            out = weight_transfer.decode_stream(items, engine_rank=engine_rank,
+                                                engine_world=engine_tp,
+                                                where=f"{source} (weight_transfer)")
+        except WireFormatError as error:
+            raise DistributedExportError(str(error)) from None
+        transports.add("weight_transfer")
+        return out
     out = []
     for index, bucket in enumerate(items):
         kind = transport_of(bucket)

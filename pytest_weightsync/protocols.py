@@ -36,6 +36,14 @@ spec, topology, rank)`` (optional)
     update"). The lifecycle contract (``docs/validate-your-loader.md``) says what an
     engine-side loader may claim (:data:`LIFECYCLE`).
 
+``sleep(params, *, level, spec, topology, rank)`` / ``wake_up(params, *, spec, topology,
+rank)`` (optional; claimed by ``"sleep"`` in ``Capabilities.lifecycle``)
+    The engine gives the memory of ``params`` back between updates and takes it again (vLLM's
+    ``sleep(level)`` / ``wake_up``, SGLang's ``release_memory_occupation`` /
+    ``resume_memory_occupation``). Level 1 offloads: after ``wake_up`` every parameter holds
+    its bits again, at its address. Level 2 discards: after ``wake_up`` no complete version
+    is held (``weight_version`` says ``None``) and the next update must be complete.
+
 ``export_weights(trainer_states, *, format, spec, trainer, receiver, rank) -> payload``
     The sender side (what runs in the trainer). ``trainer_states`` is every trainer rank's
     Megatron-Core expert state dict, in rank order (``trainer`` is the
@@ -172,6 +180,8 @@ SIGNATURES = {
     "begin_update": (("params",), ("format", "spec", "topology", "rank"), ("targets",)),
     "end_update": (("params",), ("format", "spec", "topology", "rank"), ("targets",)),
     "weight_version": (("params",), ("spec", "topology", "rank"), ("targets",)),
+    "sleep": (("params",), ("level", "spec", "topology", "rank"), ("targets",)),
+    "wake_up": (("params",), ("spec", "topology", "rank"), ("targets",)),
     "export_weights": (("trainer_states",), ("format", "spec", "trainer", "receiver", "rank"), ()),
     "export_weights_distributed": (
         ("model_state",),
@@ -268,9 +278,10 @@ class Capabilities:
         Which of :data:`LIFECYCLE` it promises: ``sessions`` (its ``begin_update`` /
         ``end_update`` keep the session: misuse refused or handled, never corrupting),
         ``atomic`` (a failed update leaves the old bits or the engine marked unusable, never
-        a silent mix), ``version`` (it defines ``weight_version``). Default none: the
-        ``identity`` and ``coverage_by_rank`` properties run for every loader, these three
-        only where claimed.
+        a silent mix), ``version`` (it defines ``weight_version``), ``sleep`` (it defines
+        ``sleep`` / ``wake_up``: level 1 restores every bit, level 2 leaves no complete version
+        until a complete update). Default none: the ``identity`` and ``coverage_by_rank``
+        properties run for every loader, the others only where claimed.
     ``lifecycle_note``
         Why what is not claimed is not (shown with those skips), e.g. that a layer above the
         loader keeps the session.
@@ -560,7 +571,8 @@ def protocol_problems(obj) -> list[str]:
             problems.append(problem)
     for claim, methods in (("sessions", ("begin_update", "end_update")),
                            ("atomic", ("begin_update", "end_update")),
-                           ("version", ("weight_version",))):
+                           ("version", ("weight_version",)),
+                           ("sleep", ("sleep", "wake_up", "begin_update", "end_update"))):
         lacking = [m for m in methods if not callable(getattr(obj, m, None))]
         if isinstance(caps, Capabilities) and claim in caps.lifecycle and lacking:
             problems.append(f"Capabilities.lifecycle claims {claim!r} but it has no "

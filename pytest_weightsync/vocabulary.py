@@ -72,8 +72,10 @@ DELIVERIES = ("colocated", "distributed")
 #: (``(name, tensor)`` pairs), ``flattened_bucket`` (one uint8 tensor plus SGLang's
 #: ``FlattenedTensorMetadata``), ``serialized`` (``update_weights_from_tensor``'s
 #: ``serialized_named_tensors``, one entry per engine TP rank) and ``broadcast`` (names,
-#: dtypes and shapes, then a broadcast from the sender: ``pytest_weightsync.broadcast``).
-TRANSPORTS = ("tensors", "flattened_bucket", "serialized", "broadcast")
+#: dtypes and shapes, then a broadcast from the sender: ``pytest_weightsync.broadcast``) and
+#: ``weight_transfer`` (vLLM's protocol: init, start, ``update_weights`` calls carrying IPC
+#: handles or announcing NCCL broadcasts, finish: ``pytest_weightsync.weight_transfer``).
+TRANSPORTS = ("tensors", "flattened_bucket", "serialized", "broadcast", "weight_transfer")
 #: The transports a loader's ``load_weights`` can be handed (the engine's TP worker decodes
 #: the others before its loader runs); ``Capabilities.transports`` of a loader.
 LOADER_TRANSPORTS = ("tensors", "flattened_bucket")
@@ -124,8 +126,16 @@ TARGETS = ("target", "draft")
 #:               (property ``atomic_update``);
 #: ``version``   it exposes ``weight_version(params, *, spec, topology, rank)``: the version
 #:               those parameters hold, which moves exactly once per completed update, or
-#:               ``None`` while they hold no complete version (property ``version``).
-LIFECYCLE = ("sessions", "atomic", "version")
+#:               ``None`` while they hold no complete version (property ``version``);
+#: ``sleep``     it exposes ``sleep(params, *, level, spec, topology, rank)`` and
+#:               ``wake_up(params, *, spec, topology, rank)``, an engine giving its weights'
+#:               memory back between updates (vLLM's sleep levels, SGLang's
+#:               ``release_memory_occupation`` / ``resume_memory_occupation``): level 1
+#:               offloads the weights and wake_up restores them bit for bit at the same
+#:               addresses; level 2 discards them, so no complete version is held after
+#:               wake_up and the next update must be complete - an incomplete one is refused
+#:               or leaves the engine marked unusable (property ``lifecycle``).
+LIFECYCLE = ("sessions", "atomic", "version", "sleep")
 #: The run-time record of the ``coverage_by_rank`` property: which engine ranks (and
 #: replicas) its check covered, as vLLM's weight checker returns them.
 RANKS_COVERED = "ranks_covered"

@@ -1,6 +1,6 @@
 """The wire formats real senders put a bucket on, and the harness's own decoder for each.
 
-A bucket is what one engine call receives. Real senders use four shapes of it
+A bucket is what one engine call receives. Real senders use five shapes of it
 (:data:`pytest_weightsync.vocabulary.TRANSPORTS`), and a distributed exporter may return any
 of them in its streams:
 
@@ -26,6 +26,10 @@ of them in its streams:
 ``broadcast``
     names, dtypes and shapes, then a broadcast of each tensor (or of one flattened bucket)
     from the sender: :mod:`pytest_weightsync.broadcast`.
+``weight_transfer``
+    vLLM's protocol: a stream of calls (init, start, ``update_weights`` chunks of names,
+    dtypes, shapes and IPC handles or NCCL broadcasts, finish), decoded a whole stream at a
+    time by :mod:`pytest_weightsync.weight_transfer`.
 
 The decoders check what a real engine would trip over, before anything is loaded, and name
 the bucket and entry: a flat tensor whose storage was freed or is smaller than the tensor, a
@@ -99,6 +103,8 @@ def transport_of(bucket) -> str:
         return "flattened_bucket"
     if hasattr(bucket, "serialized_named_tensors") and hasattr(bucket, "load_format"):
         return "serialized"
+    if getattr(type(bucket), "wire_transport", None) == "weight_transfer":
+        return "weight_transfer"  # a call of vLLM's protocol (pytest_weightsync.weight_transfer)
     return "tensors"
 
 
@@ -426,6 +432,10 @@ def decode_bucket(bucket, *, engine_rank: int, engine_tp: int, where: str) -> tu
         pairs, _ = decode_serialized(bucket, engine_rank=engine_rank, engine_tp=engine_tp,
                                      where=where)
         return pairs, transport
+    if transport == "weight_transfer":
+        raise WireFormatError(f"{where}: a call of vLLM's weight-transfer protocol is decoded "
+                              f"with the calls around it (start, updates, finish), never alone "
+                              f"(pytest_weightsync.weight_transfer.decode_stream)")
     return bucket, transport
 
 

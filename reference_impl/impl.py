@@ -19,7 +19,9 @@ The update lifecycle (``docs/validate-your-loader.md``, claimed in ``Capabilitie
 ``weight_version(params, ...)`` is the number of updates completed on ``params``, or ``None``
 while they hold no complete version - never updated, an update open (its buckets land in
 place), after an update that failed (a refused bucket, an incomplete ``end_update``) or was
-abandoned, and after a bucket loaded outside an update - until the next update completes. A
+abandoned, after a bucket loaded outside an update and after a level-2 ``sleep`` (which
+discards the weights; level 1 offloads them and ``wake_up`` restores every bit) - until the
+next update completes. A
 stream written in place cannot be rolled back without a second copy of the model, so a failed
 update marks the parameters unusable instead.
 
@@ -169,7 +171,7 @@ class ReferenceImplementation:
                                 redundant_experts=True, weight_quants=("none", "fp8_block"),
                                 quantizers=("sender", "loader"),
                                 transports=("tensors", "flattened_bucket"),
-                                lifecycle=("sessions", "atomic", "version"))
+                                lifecycle=("sessions", "atomic", "version", "sleep"))
     #: How the distributed exporter puts its buckets on the wire (one of
     #: ``distributed_export.REFERENCE_TRANSPORTS``); the self-tests run every one.
     transport = "tensors"
@@ -178,13 +180,14 @@ class ReferenceImplementation:
         self._open: dict[int, _OpenUpdate] = {}  # id(params) -> the update open on them
         self._held: dict[int, _Held] = {}  # id(params) -> the version they hold
         self._plan_caches: OrderedDict = OrderedDict()  # GPU parameter set -> its LoadCache
+        self._asleep: dict[int, tuple] = {}  # id(params) -> (level, offloaded copies or None)
         self._tokens = itertools.count()
 
     def __getstate__(self) -> dict:
         """A copy sent to another process (the harness pickles the implementation to trainer
         ranks) keeps its settings but starts with no update state: the tables hold weak
         references to parameters of this process, which the copy never sees."""
-        tables = ("_open", "_held", "_plan_caches", "_tokens")
+        tables = ("_open", "_held", "_plan_caches", "_asleep", "_tokens")
         return {k: v for k, v in self.__dict__.items() if k not in tables}
 
     def __setstate__(self, state: dict) -> None:
@@ -333,6 +336,46 @@ class ReferenceImplementation:
         receiver.load(payload, load_format="direct" if format == "direct" else None)
         held = self._find_held(params) if entry is None else None
         if held is not None:  # a bucket outside an update: written, but no complete version
+            held.usable = False
+
+    def sleep(self, params, *, level, spec, topology, rank, targets=None) -> None:
+        """Give the memory of ``params`` back, as an engine between updates: level 1 offloads
+        a copy first (restored by :meth:`wake_up`), level 2 discards. Here the tensors stay
+        allocated (their addresses are kept, as vLLM's allocator re-maps them) and their
+        contents are overwritten, as released memory holds anything."""
+        import torch
+
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level!r}; expected 1 (offload) or 2 (discard)")
+        if id(params) in self._asleep:
+            raise RuntimeError("sleep() on params that are asleep already; wake_up() first")
+        if self._find_open(params) is not None:
+            raise RuntimeError("sleep() during an open update; end_update() it first")
+        receiver = self._receiver(params, spec, topology, rank, _targets(spec, targets))
+        own = dict(receiver.named_parameters())  # what this loader writes (no router weight)
+        offloaded = {n: t.detach().clone() for n, t in own.items()} if level == 1 else None
+        with torch.no_grad():
+            for tensor in own.values():
+                if tensor.is_floating_point() and tensor.element_size() > 1:
+                    tensor.fill_(float("nan"))
+                else:  # FP8 and integer tensors: bytes of zeros
+                    tensor.view(torch.uint8).zero_()
+        self._asleep[id(params)] = (level, offloaded)
+
+    def wake_up(self, params, *, spec, topology, rank, targets=None) -> None:
+        """Take the memory of ``params`` again: after level 1 every tensor holds its bits
+        again; after level 2 they hold nothing usable, and no version is complete until a
+        complete update (the receiver's ``end_update`` refuses an incomplete one)."""
+        if id(params) not in self._asleep:
+            raise RuntimeError("wake_up() on params that are not asleep")
+        _, offloaded = self._asleep.pop(id(params))
+        if offloaded is not None:
+            receiver = self._receiver(params, spec, topology, rank, _targets(spec, targets))
+            for name, tensor in receiver.named_parameters():
+                tensor.detach().copy_(offloaded[name])
+            return
+        held = self._find_held(params)
+        if held is not None:
             held.usable = False
 
     def export_weights(self, trainer_states, *, format, spec, trainer, receiver, rank):

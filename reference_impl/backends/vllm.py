@@ -32,6 +32,17 @@ the worker's session, ``v1/worker/gpu_worker.py``):
   part of its elements is processed with the rest freshly materialized (uninitialised), and
   attention layers are processed last. ``e_score_correction_bias`` and the expert maps are
   never wrapped (:data:`RELOAD_SKIPPED`).
+
+What a sender hands the engine per update (names, dtype names, shapes, IPC handles or the NCCL
+broadcasts, the calls' order) is the harness transport ``weight_transfer``
+(:mod:`pytest_weightsync.weight_transfer`), checked against the wheel in
+``suites/selftest/test_vllm_transfer.py``.
+
+Sleep between updates (``Worker.sleep(level)`` / ``wake_up``, ``device_allocator/
+sleep_mode_backend.py``): level 1 offloads the weights to host memory and restores them at
+``wake_up``; level 2 keeps only buffers (and ``sleep_preserve_parameter_names``): the weights
+are discarded and must be loaded again (:data:`SLEEP_OFFLOADS_WEIGHTS`). The lifecycle claim
+``sleep`` (``docs/validate-your-loader.md``) holds an engine to exactly that.
 """
 
 from __future__ import annotations
@@ -80,3 +91,5 @@ LAYERWISE_ENGINES = {"ipc": "IPCWeightTransferEngine", "nccl": "NCCLWeightTransf
 RELOAD_SKIPPED = frozenset({"_expert_map", "expert_mask", "expert_global_to_physical",
                             "expert_physical_to_global", "expert_local_to_global",
                             "e_score_correction_bias"})
+#: Sleep level -> whether the weights survive it (offloaded and restored at ``wake_up``).
+SLEEP_OFFLOADS_WEIGHTS = {1: True, 2: False}

@@ -21,10 +21,13 @@ Each test runs once per registered implementation with a loader role and states 
   ``begin_update``, an ``end_update`` without one, a ``begin_update`` after a failure:
   refused or handled as documented, never corrupting; the next full update lands;
 - ``version`` (claimed ``version``): ``weight_version`` moves exactly once per completed
-  update - an identity update too - never at ``begin_update``, a bucket or a failed update.
+  update - an identity update too - never at ``begin_update``, a bucket or a failed update;
+- ``lifecycle`` again, sleep and wake (claimed ``sleep``): between updates the engine gives
+  its weights' memory back and takes it again (vLLM's sleep levels): level 1 restores every bit
+  at its address, level 2 leaves no complete version until a complete update.
 
 ``identity`` and ``coverage_by_rank`` run for every loader (framed by its hooks when it has
-them); the other three only where ``Capabilities.lifecycle`` claims them - anything else is
+them); the others only where ``Capabilities.lifecycle`` claims them - anything else is
 skipped as not claimed, never passed.
 """
 
@@ -88,6 +91,14 @@ def test_a_failed_update_is_never_a_silent_mix(weightsync_loader, case, failure)
 def test_misuse_of_the_session_is_refused_or_harmless(weightsync_loader, case, probe):
     fmt = _format(weightsync_loader, case, "sessions")
     lifecycle.check_probe(weightsync_loader, case, fmt, probe)
+
+
+@pytest.mark.weightsync_property("lifecycle")
+@pytest.mark.parametrize("level", lifecycle.SLEEP_LEVELS)
+@pytest.mark.parametrize("case", ENGINES)
+def test_sleep_and_wake_between_updates(weightsync_loader, case, level):
+    fmt = _format(weightsync_loader, case, "sleep")
+    lifecycle.check_sleep(weightsync_loader, case, fmt, level)
 
 
 @pytest.mark.weightsync_property("version")

@@ -3,7 +3,8 @@
 The exporter gets every trainer rank's Megatron-Core expert shards of the case; after EVERY
 call the shards are checked bit-identical - before any receiver value is judged, so the
 failure names the call that changed them - and its payload for each receiver rank (pairs, or
-buckets on a wire format: ``pytest_weightsync.wire``, decoded by the harness) is loaded by the
+buckets on a wire format: ``pytest_weightsync.wire``, or vLLM's weight-transfer calls:
+``pytest_weightsync.weight_transfer``, decoded by the harness) is loaded by the
 reference receiver (``suites.harness.reference``) and judged bit for bit.
 """
 
@@ -46,7 +47,8 @@ def exported_streams(exporter, case, fmt, states, ranks=None, shards_before=None
             if where is not None:
                 raise judge.ConformanceError(f"export call for receiver rank {rank} ({fmt}) "
                                              f"modified trainer rank {trainer_rank}'s shard {where}")
-        try:  # wire buckets (flattened, serialized) decoded as that receiver rank reads them
+        try:  # wire buckets (flattened, serialized) and vLLM's weight-transfer calls decoded
+            #     as that receiver rank reads them
             stream = as_stream(distributed.decoded_stream(
                 result, engine_rank=rank, engine_tp=case.receiver.tp, source=source,
                 transports=set()), source=source)

@@ -29,6 +29,12 @@ inside one bucket, ``../shared/DOMAIN.md`` section 10) are each one property her
 ``version``
     ``weight_version`` moves exactly once per completed update (an identity update included),
     never at ``begin_update`` or a bucket, never by a failed update.
+``lifecycle``, sleep and wake (claimed ``sleep``)
+    Between updates the engine gives its weights' memory back (:data:`SLEEP_LEVELS`): after a
+    level-1 ``sleep`` and ``wake_up`` every parameter holds its bits at its address, the version
+    unmoved, and the next update lands; after a level-2 one (weights discarded) no complete
+    version is claimed, an update that stops short is refused or leaves the engine marked
+    unusable, and the next complete update lands.
 
 Expected states come from the oracle (:func:`suites.harness.inputs.expected`, the synthetic
 value function at layout coordinates), never from the loader; "unchanged" is the engine's
@@ -64,6 +70,8 @@ IDENTITY_SYNCS = 3
 FAILURES = ("refused_bucket", "sender_exception", "lost_rank")
 #: Misuse of the session the ``lifecycle`` property probes.
 PROBES = ("outside_session", "double_begin", "end_without_begin", "begin_after_failure")
+#: Sleep levels (vLLM's: 1 offloads the weights to host memory, 2 discards them).
+SLEEP_LEVELS = (1, 2)
 #: Tokens of the fixed forward input.
 FORWARD_TOKENS = 5
 
@@ -692,6 +700,58 @@ def _outside_session(engine: EngineRank, held) -> None:
             f"{engine.version()!r}: the parameters mix versions 1 and 2 "
             f"({engine.mix_summary()}) - a bucket outside a session completes no update, so no "
             f"complete version until a full update (answer None)")
+
+
+# --------------------------------------------------------------------------------------------
+# sleep and wake between updates
+# --------------------------------------------------------------------------------------------
+
+
+def check_sleep(impl, case, fmt: str, level: int) -> None:
+    """An engine holding version 1 sleeps at ``level`` and wakes; judged as the module says."""
+    engine = _start(impl, case, fmt)
+    held = engine.before_step = compare.snapshot(engine.params)
+    kwargs = dict(spec=case.spec, topology=case.receiver, rank=engine.rank)
+    _refused(f"sleep(level={level}) was refused on {engine.where}",
+             lambda: calls.call(impl, "sleep", engine.params, level=level, **kwargs))
+    _refused(f"wake_up after sleep(level={level}) was refused on {engine.where}",
+             lambda: calls.call(impl, "wake_up", engine.params, **kwargs))
+    compare.assert_same_storage(held, engine.params, rank=engine.rank)
+    what = f"a level-{level} sleep and wake_up"
+    if level == 1:
+        moved = changed(held, engine.params)
+        if moved:
+            try:
+                engine.check(1, before=held)
+                located, mismatch = "", None
+            except ConformanceError as failure:
+                located, mismatch = str(failure), failure.mismatch
+            raise ConformanceError(
+                f"weights lost across a level-1 sleep: after {what}, {len(moved)} of "
+                f"{len(held.records)} parameter(s) of {engine.where} no longer hold their bits: "
+                f"{[_kind(n) for n in moved[:4]]} - level 1 offloads the weights and wake_up "
+                f"restores every bit at its address (vLLM's sleep level 1)\n{located}", mismatch)
+        engine.not_moved(what, bits_unchanged=True)
+        _recover(engine, 2, what)
+        return
+    if engine.versioned and engine.version() is not None:
+        raise ConformanceError(
+            f"version survives a level-2 sleep: weight_version says {engine.version()!r} after "
+            f"{what} on {engine.where}, but level 2 discards the weights: no complete version "
+            f"is held until a complete update (answer None)")
+    stream = engine.stream(2, bucket="tensor")
+    cut = failure_point(stream, case, engine.rank)
+    engine.begin()
+    for piece in stream[:cut]:
+        engine.load(piece)
+    error = attempt(engine.end)
+    if error is None and not (engine.versioned and engine.version() is None):
+        raise ConformanceError(
+            f"partial update accepted after a level-2 sleep: end_update completed an update of "
+            f"{cut} of {len(stream)} buckets on {engine.where} after {what}, and nothing marks "
+            f"the engine unusable - what no bucket carried holds whatever the discarded memory "
+            f"held (after level 2 the next update must be complete)")
+    _recover(engine, 3, f"{what} and an update that stopped short")
 
 
 # --------------------------------------------------------------------------------------------

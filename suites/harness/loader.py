@@ -62,10 +62,21 @@ def load_and_check(impl, params, fmt, case, rank, version, *, before, bucket,
     after its ``load_weights`` call returned: the failure is named "deferred copy"."""
     from . import judge
 
+    held = compare.snapshot(params) if previous_version is not None else None
     load(impl, params, fmt, case, rank, version, bucket=bucket, refill=True, transport=transport)
     try:
         judge.check_rank(params, case, rank, version, before, previous_version=previous_version)
     except judge.ConformanceError as error:
+        if held is not None and not any(not compare.same_bits(params[name], record.copy)
+                                        for name, record in held.records.items()):
+            raise judge.ConformanceError(
+                f"served by layout, values stale: {impl.name} took a full update to version "
+                f"{version} - every tensor under the names, shapes and dtypes of the previous "
+                f"one, into the same parameters at the same addresses, every element a new "
+                f"value - and changed not one element of the {len(held.records)} parameters: "
+                f"something keyed by layout (names, shapes, dtypes, addresses), not by "
+                f"content, served version {previous_version}'s weights (vllm#59647)\n{error}",
+                error.mismatch) from None
         fresh = inputs.receiver_params(case, rank)
         fresh_before = compare.snapshot(fresh)
         try:

@@ -8,6 +8,13 @@ bucket's tensors and copies them at the end - right when nobody touches the buff
 under a real sender. The harness refills every bucket after ``load_weights`` returns, so the
 mutant must fail with "deferred copy", located; the same mutant that clones what it keeps
 must pass.
+
+Its twin, a loader that copies too little rather than too late: a cache keyed by layout
+(each tensor's name, shape and dtype and the parameters' addresses) that skips a copy it has
+"seen" serves the previous version whenever an update keeps the layout (vllm#59647: a weight
+cache fingerprinting names and headers, not values, served a fine-tune). The same
+``no_stale_values`` check kills it, named "served by layout, values stale" - never "deferred
+copy", although fresh buffers (new addresses) would let it land.
 """
 
 from __future__ import annotations
@@ -78,3 +85,34 @@ def test_a_deferred_copy_of_clones_passes():
 @pytest.mark.parametrize("transport", ["tensors", "flattened_bucket"])
 def test_the_reference_loader_passes_with_refilled_buckets(transport):
     _update(ReferenceImplementation(), version=2, transport=transport)
+
+
+class ServedByLayout(ReferenceImplementation):
+    """Skips every tensor whose layout key - (name, shape, dtype) and the addresses of the
+    parameters it goes to - it has loaded before."""
+
+    name = "mutant-served-by-layout"
+    begin_update = end_update = None  # a plain loader: each bucket stands alone
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def load_weights(self, params, payload, **kwargs):
+        where = tuple((n, t.data_ptr(), tuple(t.shape), t.dtype) for n, t in params.items())
+        keys = [(where, name, tuple(t.shape), t.dtype) for name, t in payload]
+        fresh = [pair for pair, key in zip(payload, keys) if key not in self.seen]
+        self.seen.update(keys)
+        super().load_weights(params, fresh, **kwargs)
+
+
+def test_a_cache_keyed_by_layout_is_killed_and_named_stale():
+    from ..conformance import test_loader
+
+    with pytest.raises(judge.ConformanceError) as info:
+        test_loader.test_loader_repeated_updates_leave_no_stale_value(ServedByLayout(), CASE,
+                                                                      "compat")
+    message = str(info.value)
+    assert message.startswith("served by layout, values stale: mutant-served-by-layout took a "
+                              "full update to version 2"), message[:600]
+    assert "stale: it still holds the previous version's values" in message, message[:1500]

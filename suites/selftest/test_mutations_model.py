@@ -12,7 +12,10 @@ layers):
   prime-rl#3524);
 * ``e_score_correction_bias`` left unmapped (Megatron-Bridge#4199);
 * a tied ``lm_head`` not updated (vllm#51665);
-* the draft never updated - by the loader and by the exporter (sglang#27718);
+* the draft never updated - by the loader and by the exporter (sglang#27718), and by an
+  engine that receives each bucket once and hands the one stream to every selected runner,
+  the target's runner consuming it before the draft's reads it;
+* a frozen draft re-processed after an update of the served model (miles#1926);
 * GDN ``in_proj_ba`` split evenly across TP (vllm#36242, Megatron-LM#1989);
 * the shared expert written as routed expert 0 (sglang#26015);
 * a loader that replays the previous update's tensors: named stale, not never written;
@@ -105,6 +108,33 @@ class RouterThroughBf16(LenientLoader):
 class DraftDropped(LenientLoader):
     def bucket(self, payload, spec, topology, rank):
         return [(n, t) for n, t in payload if not n.startswith(("mtp.", "draft."))]
+
+
+class DraftFedAnExhaustedStream(LenientLoader):
+    """Receives a bucket once and feeds it to every selected runner in turn, as SGLang's
+    speculative worker loads one received update into the target and the draft runner; but
+    the bucket travels as one iterator, and the target's runner drains it."""
+
+    def load_weights(self, params, payload, *, format, spec, topology, rank, targets=None):
+        received = iter(payload)
+        for target in (targets or spec.targets):
+            draft = target == "draft"
+            runner = [(n, t) for n, t in received
+                      if n.startswith(("mtp.", "draft.")) == draft]
+            super().load_weights(params, runner, format=format, spec=spec, topology=topology,
+                                 rank=rank, targets=targets)
+
+
+class FrozenDraftReprocessed(LenientLoader):
+    """After each bucket the draft's post-load transform runs again (here a row permutation
+    of every 2-D draft weight), whether or not the update reaches the draft."""
+
+    def load_weights(self, params, payload, **kwargs):
+        super().load_weights(params, payload, **kwargs)
+        with torch.no_grad():
+            for name, tensor in params.items():
+                if name.startswith("draft.") and tensor.dim() == 2:
+                    tensor.copy_(tensor.flip(0))
 
 
 class _HeadLeftAlone(ModelReceiver):
@@ -247,6 +277,18 @@ def test_draft_never_updated_by_the_loader():
     _fails(suite.test_loader_updates_the_draft_when_reached_and_leaves_a_frozen_one, DraftDropped(),
            Q35_TIED_PP2, "compat", "the draft (MTP) model was never updated",
            "parameter=mtp.")
+
+
+def test_one_received_stream_drained_by_the_target_runner_leaves_the_draft_stale():
+    _fails(suite.test_loader_updates_the_draft_when_reached_and_leaves_a_frozen_one,
+           DraftFedAnExhaustedStream(), Q35_TIED_PP2, "compat",
+           "the draft (MTP) model was never updated", "parameter=mtp.")
+
+
+def test_a_frozen_draft_reprocessed_after_an_update_is_named():
+    _fails(suite.test_loader_updates_the_draft_when_reached_and_leaves_a_frozen_one,
+           FrozenDraftReprocessed(), Q35_FROZEN, "compat",
+           "frozen written: draft.fc.weight: the update reaches ['target']", "parameter=mtp.fc")
 
 
 def test_draft_never_exported():
