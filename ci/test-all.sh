@@ -7,7 +7,7 @@ bash ci/install.sh || exit 1
 # pytest runs as a child that gets the signals sent to this script (Ctrl-C, SIGTERM, SIGHUP),
 # with its xdist workers: stopping the script never leaves them running (ci/forward-signals.sh).
 . ci/forward-signals.sh
-FORWARD_PYTHON=.venv/bin/python run_forwarding .venv/bin/python -m pytest -p weightsync -n 2 \
+FORWARD_PYTHON=.venv/bin/python run_forwarding .venv/bin/python -m pytest -p weightsync -n 2 --dist worksteal \
   tests/ suites/ --weightsync-selftests --weightsync-baseline ci/baselines/cpu.json "$@"
 rc=$?
 if [ -n "$FORWARDED_SIGNAL" ]; then echo "test-all: stopped by SIG$FORWARDED_SIGNAL"; exit $rc; fi

@@ -25,8 +25,10 @@ Memory counts when the resident set grew by more than :data:`MEMORY_GROWTH` byte
 after glibc's ``malloc_trim`` (memory a test freed but the allocator kept would otherwise
 count: a realistic-layer test of the reference "grows" by 200 MiB without it). A test is
 measured whole, harness included; what the harness keeps on purpose is left out: warm rank
-pools and multiprocessing's helper processes, and the harness's own threads (named
-``weightsync-...``). File descriptors are not compared here (pytest's own come and go).
+pools and multiprocessing's helper processes, the harness's own threads (named
+``weightsync-...``), and the bytes the harness cached during the test (its inputs and expected
+states, reported through :func:`harness_keeps`: the first test of a realistic topology would
+otherwise "leak" the 200 MiB of inputs every later test of it reuses). File descriptors are not compared here (pytest's own come and go).
 """
 
 from __future__ import annotations
@@ -55,6 +57,14 @@ MAX_LISTED = hygiene.MAX_LISTED
 
 _BEFORE = pytest.StashKey[dict]()
 _CHILDREN = pytest.StashKey[dict]()
+#: Bytes the harness has put in its caches in this process (:func:`harness_keeps`).
+_HARNESS_KEPT = [0]
+
+
+def harness_keeps(nbytes: int) -> None:
+    """The harness cached ``nbytes`` more (inputs, expected states, oracle blocks): growth of
+    the resident set by that much is the harness's, not the implementation's."""
+    _HARNESS_KEPT[0] += max(0, int(nbytes))
 
 
 class ImplementationLeakWarning(UserWarning):
@@ -148,6 +158,7 @@ def snapshot() -> dict:
         "children": _children(),
         "environ": dict(os.environ),
         "rss": _rss(),
+        "harness kept": _HARNESS_KEPT[0],
     })
     return state
 
@@ -192,7 +203,8 @@ def differences(before: dict, after: dict) -> list[str]:
                 parts.append(f"{verb} {', '.join(sorted(names))}")
         words.append("environment variables " + "; ".join(parts))
     if before["rss"] is not None and after["rss"] is not None:
-        grown = after["rss"] - before["rss"]
+        kept = after.get("harness kept", 0) - before.get("harness kept", 0)
+        grown = after["rss"] - before["rss"] - kept
         if grown > MEMORY_GROWTH:
             words.append(f"+{grown / 2**20:.0f} MiB resident memory (still held after a garbage "
                          f"collection)")

@@ -7,19 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_report import CONFTEST, TESTS, _conformance_package
+from test_report import toy  # noqa: F401  (the toy suite, a fixture shared with the report's tests)
 
 from pytest_weightsync import waivers
 
 FAILING = "conformance/test_loader.py::test_bit_exact[toy-topoB-compat]"
-
-
-@pytest.fixture
-def toy(pytester: pytest.Pytester):
-    pytester.makeconftest(CONFTEST)
-    _conformance_package(pytester, TESTS)
-    pytester.makeini("[pytest]\nmarkers =\n    weightsync_backend(name): backend\n")
-    return pytester
 
 
 def test_patterns_take_brackets_literally_and_match_from_the_suites_directory():

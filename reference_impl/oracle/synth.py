@@ -174,8 +174,8 @@ def expert_block(spec: MoESpec, version: int, layer: int, expert: int, projectio
 #: version - and the hash is some 20 tensor operations per call, each costing more in dispatch
 #: than in arithmetic at these sizes. A hit indexes the block the same hash computed over its
 #: whole shape, so the values are the same bits; GPU-sized blocks are computed every time.
-CACHED_BLOCK_ELEMENTS = 1 << 18
-CACHE_BYTES = 64 << 20
+CACHED_BLOCK_ELEMENTS = 1 << 16
+CACHE_BYTES = 32 << 20
 _BLOCKS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _CACHED = [0]
 

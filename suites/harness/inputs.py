@@ -24,6 +24,8 @@ from pytest_weightsync.reference_impl.model.layout import receiver_param_shapes
 from pytest_weightsync.reference_impl.model.locate import locate_receiver_element
 from pytest_weightsync.vocabulary import BUCKET_LIMITS
 
+from .memo import memo
+
 #: The bucket limit a full update is cut at unless a test says otherwise: a layer's experts
 #: straddle buckets, as in real senders' streams.
 DEFAULT_BUCKET = "split_layer"
@@ -74,7 +76,7 @@ def gathered_weights(case, version):
     return trainer.gather_full_weights(case.spec, case.trainer, states)
 
 
-@functools.lru_cache(maxsize=16)
+@memo(16)
 def _clean_trainer_states(case, version):
     from pytest_weightsync.reference_impl.trainer import trainer as trainer_side
 
@@ -89,7 +91,7 @@ def trainer_states(case, version):
             for state in _clean_trainer_states(case, version)]
 
 
-@functools.lru_cache(maxsize=64)
+@memo(64)
 def cached_gathered(case, version):
     """:func:`gathered_weights`, kept for the next test of the same case (read only)."""
     return gathered_weights(case, version)
@@ -108,7 +110,7 @@ def expected_uncached(case, rank, version):
     return synth.expected_receiver_params(case.spec, case.receiver, rank, version)
 
 
-@functools.lru_cache(maxsize=256)
+@memo(256)
 def expected(case, rank, version):
     """:func:`expected_uncached`, kept for the next test of the same case (read only)."""
     return expected_uncached(case, rank, version)
@@ -207,7 +209,7 @@ def rebalance(params_by_rank, spec, old, new) -> None:
                         params_by_rank[rank][name][slot].copy_(sources[src[0]][src[1]])
 
 
-@functools.lru_cache(maxsize=16)
+@memo(16)
 def fp8_quantized(case, version):
     """Every projection of ``version`` of an FP8 case's weights, quantized by the reference
     quantizer: ``{(layer, expert, projection): fp8.Quantized}`` (read only)."""

@@ -44,7 +44,6 @@ own bits before the step, snapshotted.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import warnings
 from typing import Optional
@@ -62,6 +61,7 @@ from pytest_weightsync.vocabulary import BUCKET_LIMITS
 
 from . import calls, claims, diagnosis, inputs, judge
 from .cases import ENGINE_REPLICAS
+from .memo import memo
 from .judge import ConformanceError
 
 #: Identity syncs after the first update (the issue's N >= 3).
@@ -369,13 +369,13 @@ def _named(error: ConformanceError, engine: EngineRank, version: int,
 IDENTITY_VERSION = 1
 
 
-@functools.lru_cache(maxsize=8)
+@memo(8)
 def identity_weights(spec):
     """The full weights every identity sync sends (read only)."""
     return synth.full_weights(spec, IDENTITY_VERSION, finite=True)
 
 
-@functools.lru_cache(maxsize=32)
+@memo(32)
 def identity_expected(case, rank: int) -> dict:
     """What ``rank`` holds after an update of :func:`identity_weights`, in the engine's layout
     (the oracle at layout coordinates; read only)."""

@@ -9,7 +9,6 @@ coordinates (``model_synth.expected_engine_params``).
 
 from __future__ import annotations
 
-import functools
 
 from pytest_weightsync.reference_impl.trainer import megatron_model
 from pytest_weightsync.reference_impl.senders import model_senders
@@ -18,9 +17,10 @@ from pytest_weightsync.reference_impl.senders.buckets import split_buckets
 from pytest_weightsync.reference_impl.model.model_layout import engine_params as layout_params
 
 from . import calls, inputs
+from .memo import memo
 
 
-@functools.lru_cache(maxsize=16)
+@memo(16)
 def weights(spec, version):
     """The synthetic checkpoint of ``spec`` at ``version`` (read only)."""
     return model_synth.full_model(spec, version)
@@ -30,13 +30,13 @@ def expected_uncached(case, rank, version):
     return model_synth.expected_engine_params(case.spec, case.receiver, rank, version)
 
 
-@functools.lru_cache(maxsize=64)
+@memo(64)
 def expected(case, rank, version):
     """What engine ``rank`` holds after a complete update of every target to ``version``."""
     return expected_uncached(case, rank, version)
 
 
-@functools.lru_cache(maxsize=64)
+@memo(64)
 def _poisoned(spec, receiver, rank) -> dict:
     import torch
 
@@ -86,7 +86,7 @@ def load(impl, params, fmt, case, rank, version, *, bucket=inputs.DEFAULT_BUCKET
     load_stream(impl, params, stream(fmt, case, rank, version, bucket=bucket), fmt, case, rank)
 
 
-@functools.lru_cache(maxsize=16)
+@memo(16)
 def _trainer_states(case, version):
     return megatron_model.trainer_model_states(case.spec, case.trainer,
                                                model_synth.full_model(case.spec, version))
@@ -99,7 +99,7 @@ def trainer_states(case, version) -> list:
             for state in _trainer_states(case, version)]
 
 
-@functools.lru_cache(maxsize=128)
+@memo(128)
 def owed(case, rank, fmt, version) -> tuple:
     """``(name, tensor)`` of every tensor a whole-model ``fmt`` update of ``case.targets``
     owes engine ``rank`` (the reference senders' payload; read only)."""
