@@ -386,11 +386,15 @@ def test_nccl_suite_checks_can_fail():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip behaviour without CUDA")
-def test_gpu_suites_collect_and_skip_cleanly_without_cuda():
+def test_gpu_suites_collect_and_skip_cleanly_without_cuda(zygote):
     files = sorted(str(p) for p in SUITES.glob("test_gpu_*.py"))
     assert len(files) == 6, files
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "weightsync", "-q", "-rs", "-p", "no:cacheprovider",
-                          *files], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    args = ["-p", "weightsync", "-q", "-rs", "-p", "no:cacheprovider", *files]
+    if zygote is not None:  # forked from the warm interpreter (tests/zygote.py)
+        run = zygote.run(args, cwd=ROOT, env=dict(os.environ), timeout=300)
+    else:
+        run = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     last = run.stdout.strip().splitlines()[-1]

@@ -1,7 +1,8 @@
 """The CPU op-count guard fails planted regressions every time, against the committed baseline.
 
 Runs ``suites/selftest/test_copy_op_counts.py`` in a subprocess with ``ci/baselines/cpu.json`` (what
-CI runs), once as committed and once with each planted regression loaded as a plugin module:
+CI runs) with each planted regression loaded as a plugin module (the committed paths against
+the committed counts are what CI's own run of that file checks, with the same baseline):
 fastcopy no longer batching runs (every layer back to one copy per expert and shard), and a
 sender staging its payload through a temporary copy. The counts are exact,
 so these fail deterministically - unlike a throughput ratio on a busy two-core machine.
@@ -65,12 +66,6 @@ def run_guard(tmp_path, plant: str | None, zygote=None):
 def baseline_exists():
     if not BASELINE.exists():
         pytest.fail(f"{BASELINE.relative_to(ROOT)} is missing: CI compares op counts against it")
-
-
-def test_committed_paths_match_the_committed_counts(tmp_path, baseline_exists, zygote):
-    rc, out = run_guard(tmp_path, None, zygote)
-    assert rc == 0, out
-    assert "REGRESSION" not in out, out
 
 
 def test_a_per_expert_loop_fails_the_guard(tmp_path, baseline_exists, zygote):

@@ -43,9 +43,7 @@ def test_a_planted_copy_loop_fails_the_loaders_saved_baseline(shipped):
     assert saved.returncode == 0, saved.stdout + saved.stderr
     baseline = json.loads((shipped.path / "mine.json").read_text())
     assert {"speed/mine/compat", "speed/mine/direct"} <= set(baseline["counts"]), baseline
-    # the same loader again: every count equal, the guard passes
-    again = shipped.run(*args, "--weightsync-baseline", "mine.json")
-    assert again.returncode == 0, again.stdout + again.stderr
+    # (the same counts compared again pass: tests/test_baseline_guard.py)
     speed = shipped.report()["speed"]["mine"]
     assert speed["compat"]["ops"] > 0 and speed["compat"]["host_us_per_entry"] > 0
     # timed after a warm-up, over rounds, with the spread and the ratio to a plain copy
