@@ -422,8 +422,8 @@ class ConformanceReport:
         path = self.config.getoption("weightsync_report", None)
         if path:  # written even when no tagged test ran: a CI step may read it unconditionally
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
             self.speed_plot = speed_column.write_plot(self.speed(), path)
+            Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.collect_only() and (self.results or self.selection().implementations()):
@@ -435,9 +435,8 @@ class ConformanceReport:
         path = self.config.getoption("weightsync_report", None)
         if path:
             terminalreporter.write_line(f"weightsync: conformance report written to {path}")
-        plot = getattr(self, "speed_plot", None)
-        if plot is not None:
-            terminalreporter.write_line(f"weightsync: speed column plotted in {plot}")
+        if self.speed_plot is not None:
+            terminalreporter.write_line(f"weightsync: speed column plotted in {self.speed_plot}")
 
     # -- the selection and the verdicts ------------------------------------------------------
 
@@ -915,9 +914,7 @@ class ConformanceReport:
             "failures": failures,
             "backends": self.backends(),
             "speed": self.speed(),
-            "speed_plot": (str(speed_column.plot_path(self.config.getoption("weightsync_report")))
-                           if speed_column.bars(self.speed())
-                           and self.config.getoption("weightsync_report", None) else None),
+            "speed_plot": str(self.speed_plot) if self.speed_plot is not None else None,
             "hardening": {impl: [{"format": fmt, "kind": kind, "findings": [
                 {"finding": text, **entry} for text, entry in texts.items()]}
                 for (fmt, kind), texts in sorted(by_key.items())]

@@ -106,13 +106,10 @@ class ShippedSuites:
     def run(self, *args: str, timeout: float = 300, **env):
         """``subprocess.run`` of :meth:`command` (forked from the warm zygote when there is
         one: the same session, without paying the interpreter's start)."""
-        import subprocess
+        from zygote import run_pytest
 
-        if self.zygote is not None:
-            return self.zygote.run(self.command(*args)[3:], cwd=self.path, env=self.env(**env),
-                                   timeout=timeout)
-        return subprocess.run(self.command(*args), cwd=self.path, env=self.env(**env),
-                              capture_output=True, text=True, timeout=timeout)
+        return run_pytest(self.zygote, self.command(*args)[3:], cwd=self.path,
+                          env=self.env(**env), timeout=timeout)
 
     def report(self) -> dict:
         import json

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from zygote import run_pytest
 
 from pytest_weightsync.reference_impl.oracle import moe_forward as mf
 from pytest_weightsync.reference_impl.oracle import synth
@@ -390,11 +391,7 @@ def test_gpu_suites_collect_and_skip_cleanly_without_cuda(zygote):
     files = sorted(str(p) for p in SUITES.glob("test_gpu_*.py"))
     assert len(files) == 6, files
     args = ["-p", "weightsync", "-q", "-rs", "-p", "no:cacheprovider", *files]
-    if zygote is not None:  # forked from the warm interpreter (tests/zygote.py)
-        run = zygote.run(args, cwd=ROOT, env=dict(os.environ), timeout=300)
-    else:
-        run = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT,
-                             capture_output=True, text=True, timeout=300)
+    run = run_pytest(zygote, args, cwd=ROOT, env=dict(os.environ), timeout=300)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     last = run.stdout.strip().splitlines()[-1]

@@ -11,11 +11,10 @@ so these fail deterministically - unlike a throughput ratio on a busy two-core m
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from zygote import run_pytest
 
 pytest.importorskip("torch")
 
@@ -47,18 +46,14 @@ def run_guard(tmp_path, plant: str | None, zygote=None):
     """Run the suite in place (it imports its package's shared helpers) with the committed
     baseline; ``plant`` is loaded first as a plugin module (``-p planted``). Forked from the
     warm ``zygote`` when there is one (``tests/zygote.py``)."""
-    args = [sys.executable, "-m", "pytest", "-p", "weightsync", "-p", "no:cacheprovider", "-q",
+    args = ["-p", "weightsync", "-p", "no:cacheprovider", "-q",
             f"--weightsync-baseline={BASELINE}", "-o", "addopts=", str(SUITE)]
     env = dict(os.environ)
     if plant:
         (tmp_path / "planted.py").write_text(plant)
-        args[3:3] = ["-p", "planted"]
+        args[0:0] = ["-p", "planted"]
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
-    if zygote is not None:
-        proc = zygote.run(args[3:], cwd=ROOT, env=env, timeout=300)
-    else:
-        proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=300)
+    proc = run_pytest(zygote, args, cwd=ROOT, env=env, timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
 
 

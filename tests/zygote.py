@@ -134,3 +134,13 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+
+
+def run_pytest(zygote, argv: list, *, cwd, env: dict, timeout: float
+               ) -> subprocess.CompletedProcess:
+    """``python -m pytest ARGV`` in ``cwd`` with ``env``, output captured as text: forked from
+    ``zygote`` when there is one (``None``: started cold, as ``WEIGHTSYNC_TESTS_COLD=1`` asks)."""
+    if zygote is not None:
+        return zygote.run(argv, cwd=cwd, env=env, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "pytest", *map(str, argv)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)

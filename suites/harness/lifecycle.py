@@ -179,6 +179,11 @@ class EngineRank:
         return calls.call(self.impl, "weight_version", self.params, spec=self.case.spec,
                           topology=self.case.receiver, rank=self.rank)
 
+    def says_no_version(self) -> bool:
+        """Whether the engine marks itself unusable: ``weight_version`` claimed and ``None``
+        (no complete version held)."""
+        return self.versioned and self.version() is None
+
     def completed(self, what: str) -> None:
         """After a completed update: the version moved exactly once (an ``int`` by one), to a
         value never held before. Nothing to judge when ``version`` is not claimed."""
@@ -547,7 +552,7 @@ def check_atomic(impl, case, fmt: str, failure: str) -> None:
             for piece in stream[cut + 1:]:
                 engine.load(piece)
             end_error = attempt(engine.end)
-            if end_error is None and not (engine.versioned and engine.version() is None):
+            if end_error is None and not engine.says_no_version():
                 raise ConformanceError(
                     f"silent mix: {impl.name} accepted a bad bucket at {at} ({what}) and "
                     f"completed the update on {engine.where}: {engine.mix_summary()} - a loader "
@@ -560,7 +565,7 @@ def check_atomic(impl, case, fmt: str, failure: str) -> None:
         raise ValueError(f"unknown failure {failure!r}; expected one of {FAILURES}")
     bits_old = not changed(old, engine.params)
     engine.not_moved(f"an update that failed at {at} ({failure})", bits_unchanged=bits_old)
-    marked = end_error is not None or (engine.versioned and engine.version() is None)
+    marked = end_error is not None or engine.says_no_version()
     if not bits_old and not marked and failure != "lost_rank":
         raise ConformanceError(
             f"silent mix: end_update completed an update that failed at {at} ({failure}) on "
@@ -745,7 +750,7 @@ def check_sleep(impl, case, fmt: str, level: int) -> None:
     for piece in stream[:cut]:
         engine.load(piece)
     error = attempt(engine.end)
-    if error is None and not (engine.versioned and engine.version() is None):
+    if error is None and not engine.says_no_version():
         raise ConformanceError(
             f"partial update accepted after a level-2 sleep: end_update completed an update of "
             f"{cut} of {len(stream)} buckets on {engine.where} after {what}, and nothing marks "
