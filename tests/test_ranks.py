@@ -30,7 +30,8 @@ def _leftovers():
     me = psutil.Process()
     children = [
         p for p in me.children(recursive=True)
-        if "resource_tracker" not in " ".join(p.cmdline())
+        if not any(server in " ".join(p.cmdline())
+                   for server in ("resource_tracker", "multiprocessing.forkserver"))
     ]
     dirs = [d for d in os.listdir(tempfile.gettempdir()) if d.startswith("weightsync-ranks-")]
     return children, dirs

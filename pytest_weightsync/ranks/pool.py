@@ -3,6 +3,8 @@
 Starting a rank costs seconds (a fresh interpreter importing torch, then a rendezvous); a
 trivial collective costs milliseconds. The pool pays the first cost once per
 (world size, backend) and reuses the processes and their process group for every later call.
+gloo ranks are forked from a server that imported torch once; NCCL ranks are spawned
+(:mod:`pytest_weightsync.ranks.launch`).
 
 Rendezvous goes through a ``FileStore`` in a private temporary directory rather than a TCP
 store, so no port is ever bound for it and concurrent pools (xdist workers, parallel CI jobs)
@@ -52,6 +54,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, Callable
 
+from pytest_weightsync.ranks import launch as _launch
 from pytest_weightsync.ranks import leftovers as _leftovers
 from pytest_weightsync.ranks import reaper as _reaper
 from pytest_weightsync.ranks import target as _target
@@ -101,8 +104,9 @@ class RankPool:
     pickle. ``threads`` is passed to ``torch.set_num_threads`` in every rank (0 leaves torch's
     default). ``devices`` sets ``CUDA_VISIBLE_DEVICES`` of the ranks (None inherits it).
 
-    The ranks are tied to the thread that starts them (the kernel kills them when it exits),
-    so create and use a pool from a long-lived thread, normally the main one.
+    Spawned (NCCL) ranks are tied to the thread that starts them (the kernel kills them when
+    it exits), so create and use a pool from a long-lived thread, normally the main one;
+    forked (gloo) ranks die with the fork server, which ends with the pytest process.
     """
 
     def __init__(
@@ -226,7 +230,9 @@ class RankPool:
         self._tmpdir = tempfile.mkdtemp(prefix=_leftovers.PREFIX)
         self._lock_fd = _leftovers.claim(self._tmpdir)
         store_path = os.path.join(self._tmpdir, "store")
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _launch.context(self.backend)
+        forked = ctx.get_start_method() == "forkserver"
+        server_pid = _launch.server_pid() if forked else None
         env = self._rank_env()
         from pytest_weightsync.ranks.worker import rank_main
 
@@ -245,6 +251,8 @@ class RankPool:
                     self._stack_path(rank),
                     os.getpid(),
                     self._crash_path(rank),
+                    _launch.start_state() if forked else None,
+                    server_pid,
                 ),
                 name=f"weightsync-rank-{rank}-of-{self.world_size}",
             )
@@ -297,8 +305,10 @@ class RankPool:
                 continue
             try:
                 # The rank leads its own process group (setpgid in the worker): this also
-                # kills whatever the test body started. Safe from pid reuse because the
-                # rank is not reaped yet.
+                # kills whatever the test body started. Safe from pid reuse: a spawned rank
+                # is not reaped yet, and the kernel hands out no pid still in use as a
+                # process group id (a forked rank is reaped by the fork server, but its
+                # group lives while anything the test started is in it).
                 os.killpg(p.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass

@@ -58,9 +58,17 @@ def rank_main(
     stack_path: str,
     parent_pid: int,
     crash_path: str | None = None,
+    start_state: dict | None = None,
+    server_pid: int | None = None,
 ) -> None:
-    """Entry point of a spawned rank (the ``target`` of its ``multiprocessing`` Process)."""
-    _detach_and_tie_to_parent(parent_pid)
+    """Entry point of a rank (the ``target`` of its ``multiprocessing`` Process): spawned by
+    the pytest process ``parent_pid``, or forked by the fork server ``server_pid`` with the
+    pytest process's ``start_state`` to adopt (:mod:`pytest_weightsync.ranks.launch`)."""
+    _detach_and_tie_to_parent(parent_pid, server_pid)
+    if start_state is not None:
+        from pytest_weightsync.ranks import launch
+
+        launch.adopt(start_state)
     os.environ.update(env)
     _quiet_what_the_machine_lacks()
     global _stack_file, _crash_file
@@ -107,7 +115,13 @@ def _quiet_what_the_machine_lacks() -> None:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
-def _detach_and_tie_to_parent(parent_pid: int) -> None:
+def _detach_and_tie_to_parent(parent_pid: int, server_pid: int | None = None) -> None:
+    """Lead a process group of its own, die with the process that started it and adopt the
+    orphans of what it starts. A forked rank's parent is the fork server, which lives as long
+    as some process holds its "alive" pipe: the rank lets go of its copy
+    (:func:`release_server`), so the server - and with it, by ``PDEATHSIG``, the rank - ends
+    when the pytest process does."""
+    direct = parent_pid if server_pid is None else server_pid
     try:
         os.setpgid(0, 0)
     except OSError:
@@ -125,8 +139,35 @@ def _detach_and_tie_to_parent(parent_pid: int) -> None:
             libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         except Exception:  # pragma: no cover - best effort; the pipe EOF is the fallback
             pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    release_server()
+    if os.getppid() != direct or not _alive(parent_pid):  # died before prctl took effect
         os._exit(1)
+
+
+def release_server() -> None:
+    """Close this process's copy of the fork server's "alive" pipe (a forked child inherits
+    one; while any copy is open the server outlives the pytest process). Code that later uses
+    the fork server from this rank starts a server of its own."""
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    server = getattr(forkserver, "_forkserver", None)
+    if server is None or server._forkserver_pid is not None:
+        return  # no server state, or this process started the server itself
+    fd, server._forkserver_alive_fd = server._forkserver_alive_fd, None
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _init_process_group(rank: int, world_size: int, backend: str, store_path: str, threads: int) -> str:

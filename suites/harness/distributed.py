@@ -37,7 +37,12 @@ import pytest
 from . import claims, judge, loader, reference
 from .cases import DistCase
 from pytest_weightsync.reference_impl.senders.buckets import bucket_limit_findings
+from pytest_weightsync.ranks import launch
 from pytest_weightsync.vocabulary import FORMATS
+
+#: Every rank of the Megatron suites imports megatron-core (5 s of CPU): once in the fork
+#: server that gloo ranks are forked from, not once per rank start.
+launch.want_preloaded("megatron.core")
 
 __all__ = ["DistCase", "DistResult", "FORMATS", "delivered_streams", "engine_loaders",
            "engine_streams", "export_in_rank",
@@ -111,15 +116,22 @@ def export_from_trainer_rank(exporter, dcase, updates, parallel_spec, *, configu
 
     from pytest_weightsync.reference_impl.trainer.megatron_state import megatron_parallel_state
 
+    from megatron.core import parallel_state as ps
+
     case, rank = dcase.case, dist.get_rank()
     with megatron_parallel_state(parallel_spec, case.trainer):
+        # a pipeline stage's source rank (slime's pp source: TP rank 0 of DP rank 0) gets an
+        # engine channel of its own under distributed delivery
+        source_rank = ps.get_tensor_model_parallel_rank() == 0 and \
+            ps.get_data_parallel_rank(with_context_parallel=True) == 0
         config = configure()
         model, tensors = build(rank, config, updates[0][0])
         try:
             return call_each_update(
                 exporter, tensors, updates, lambda version: write(tensors, rank, version),
                 config=config, spec=case.spec, trainer=case.trainer, receiver=case.receiver,
-                delivery=dcase.delivery, bucket_bytes=dcase.bucket_bytes, rank=rank, model=model)
+                delivery=dcase.delivery, bucket_bytes=dcase.bucket_bytes, rank=rank, model=model,
+                source_rank=source_rank)
         finally:
             del model, tensors
 
@@ -146,18 +158,44 @@ def call_each_update(exporter, state, updates, write_version, **call) -> list:
 
 
 def engine_streams(dcase, rank_results: list) -> list:
-    """``[(sender description, engine rank, stream)]`` in trainer-rank order (``dcase``: any
-    case with ``case.receiver`` and ``delivery``, expert-only or whole-model)."""
-    out = []
+    """``[(sender description, engine rank, stream)]``, one per engine rank (of every colocated
+    replica), in engine order (``dcase``: any case with ``case.receiver``, ``delivery`` and
+    ``world``, expert-only or whole-model). What several trainer ranks sent one engine rank is
+    joined in trainer-rank order: the pipeline stages' source ranks each broadcasting their
+    stage, a colocated replica's gather source serializing for every engine rank of it. An
+    engine rank nobody sent anything gets an empty stream (judged: never written)."""
+    tp = dcase.case.receiver.tp
+    colocated = dcase.delivery == "colocated"
+    replicas = dcase.world // tp if colocated else 1
+    joined = {(k, e): [] for k in range(replicas) for e in range(tp)}
     for result in rank_results:
+        replica = result.trainer_rank // tp if colocated else 0
         for engine_rank, stream in sorted(result.streams.items()):
-            who = (f"trainer rank {result.trainer_rank} -> colocated engine replica "
-                   f"{result.trainer_rank // dcase.case.receiver.tp} rank {engine_rank}"
-                   if dcase.delivery == "colocated"
-                   else f"trainer rank {result.trainer_rank} (sender) -> engine rank {engine_rank}")
-            if result.transports:  # the wire formats it travelled on, where not plain tensors
-                who += f", sent as {' + '.join(sorted(result.transports))}"
-            out.append((who, engine_rank, stream))
+            joined.setdefault((replica, engine_rank), []).append((result, stream))
+    out = []
+    for (replica, engine_rank), parts in sorted(joined.items()):
+        sent = [(r, s) for r, s in parts if s]
+        senders = sent or parts[:1]
+        if colocated:
+            own = replica * tp + engine_rank
+            if not sent:
+                who = f"trainer rank {own} (nothing from this rank)"
+            elif len(senders) == 1:
+                who = f"trainer rank {senders[0][0].trainer_rank}"
+            else:
+                who = "trainer ranks " + " + ".join(str(r.trainer_rank) for r, _ in senders)
+            who += f" -> colocated engine replica {replica} rank {engine_rank}"
+        elif len(senders) > 1:
+            who = ("trainer ranks " + " + ".join(str(r.trainer_rank) for r, _ in senders) +
+                   f" (senders, joined) -> engine rank {engine_rank}")
+        elif senders:
+            who = f"trainer rank {senders[0][0].trainer_rank} (sender) -> engine rank {engine_rank}"
+        else:
+            who = f"no trainer rank (sender) -> engine rank {engine_rank}"
+        transports = set().union(*(r.transports for r, _ in senders)) if senders else set()
+        if transports:  # the wire formats it travelled on, where not plain tensors
+            who += f", sent as {' + '.join(sorted(transports))}"
+        out.append((who, engine_rank, [bucket for _, s in senders for bucket in s]))
     return out
 
 
@@ -345,7 +383,7 @@ def run_and_judge(pool, exporter, dcase: DistCase, formats) -> DistResult:
         result.checked[i + 1, version, fmt] = judge_streams(dcase, fmt, rank_results, version,
                                                             previous)
         for r in rank_results:
-            if r.streams:  # a rank that sent something: plain pairs unless it said otherwise
+            if any(r.streams.values()):  # a rank that sent something: pairs unless it said otherwise
                 result.transports |= r.transports or {"tensors"}
         result.bucket_findings += [
             line for who, _, stream in engine_streams(dcase, rank_results)
