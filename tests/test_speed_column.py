@@ -53,3 +53,34 @@ def test_the_plot_is_an_svg_bar_per_implementation_format_and_device(tmp_path):
     # nothing timed: no plot
     assert speed_column.write_plot({"x": {"compat": {"ops": 1}}}, str(tmp_path / "b.json")) is None
     assert not (tmp_path / "b.speed.svg").exists()
+
+
+def test_the_gpu_column_times_the_loaders_own_calls_in_stream_order():
+    from pytest_weightsync.suites.conformance import test_speed
+
+    calls = []
+
+    class Loader:
+        name = "fake"
+
+        def begin_update(self, params, **kw):
+            calls.append(("begin", sorted(kw)))
+
+        def load_weights(self, params, payload, **kw):
+            calls.append(("load", [n for n, _ in payload]))
+
+        def end_update(self, params, **kw):
+            calls.append(("end", sorted(kw)))
+
+    class NoHooks:
+        def load_weights(self, params, payload, **kw):
+            calls.append(("load", len(payload)))
+
+    case = test_speed.PROFILE_CASE
+    stream = [[("a", None)], [("b", None), ("c", None)]]
+    test_speed.unguarded_update(Loader(), {}, stream, "packed", case, 0)()
+    keys = ["format", "rank", "spec", "topology"]
+    assert calls == [("begin", keys), ("load", ["a"]), ("load", ["b", "c"]), ("end", keys)]
+    calls.clear()
+    test_speed.unguarded_update(NoHooks(), {}, stream, "packed", case, 0)()
+    assert calls == [("load", 1), ("load", 2)]

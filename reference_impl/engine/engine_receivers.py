@@ -80,10 +80,10 @@ class PostLoadReceiver(ReferenceReceiver):
         finally:  # SGLang post-processes at end_weight_update whatever the update carried
             self.post_load()
 
-    def load(self, payload, load_format: Optional[str] = None):
+    def load(self, payload, load_format: Optional[str] = None, **checks):
         if not self.in_update:
             self.restore()
-        return super().load(payload, load_format)
+        return super().load(payload, load_format, **checks)
 
 
 class TransposedReceiver(ReferenceReceiver):

@@ -63,6 +63,7 @@ class CachedBucket:
     params: tuple  # (name, address, shape, strides) of every parameter the bucket writes
     hits: int = 0
     signature: Any = None  # a plain list's signature (see _list_signature), once validated
+    check_tag: Any = None  # the caller's check the bucket passed (see LoadCache.load)
 
 
 @dataclass
@@ -78,7 +79,7 @@ def _param_signature(params: dict, names) -> tuple:
     out = []
     for name in sorted(names):
         t = params[name]
-        out.append((name, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device)))
+        out.append((name, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device))
     return tuple(out)
 
 
@@ -137,17 +138,29 @@ class LoadCache:
     def entry(self, slot) -> Optional[CachedBucket]:
         return self._slots.get(slot)
 
-    def load(self, receiver, payload, load_format, seen: dict, bucket: int):
-        """Validate (or recognise) and write one bucket; returns the receiver's LoadPlan."""
+    def load(self, receiver, payload, load_format, seen: dict, bucket: int, *, check=None,
+             check_tag=None):
+        """Validate (or recognise) and write one bucket; returns the receiver's LoadPlan.
+
+        ``check(payload)`` is a caller's own check, run before planning a bucket that is not
+        recognised; a recognised one skips it only when its entry passed the check under the
+        same ``check_tag``. A caller's check that reads only what the signature covers (the
+        registered loader's format check reads each entry's type and name) then comes out as
+        it did when the entry was stored, which was only after it passed."""
         key_of = getattr(payload, "cache_key", None)
         if callable(key_of):
             table, addresses = key_of()
             slot = ("shared", load_format, table)
             entry = self._slots.get(slot)
-            if entry is not None and entry.addresses == addresses and self._usable(receiver, entry):
+            if (entry is not None and entry.addresses == addresses
+                    and entry.check_tag == check_tag and self._usable(receiver, entry)):
                 if not seen or seen.keys().isdisjoint(entry.plan.units):
                     return self._hit(slot, entry, bucket)
-            return self._store(receiver, slot, addresses, receiver.plan(payload.items(), load_format))
+            if check is not None:
+                check(payload)
+            self._store(receiver, slot, addresses, receiver.plan(payload.items(), load_format))
+            self._slots[slot].check_tag = check_tag
+            return self._slots[slot].plan
         if isinstance(payload, Iterator):
             payload = list(payload)
         signature = _list_signature(receiver, payload) if _sized(payload) else None
@@ -155,19 +168,23 @@ class LoadCache:
             slot = ("pairs", load_format, tuple(row[0] for row in signature[-1]))
             entry = self._slots.get(slot)
             if (entry is not None and entry.signature == signature
+                    and entry.check_tag == check_tag
                     and self._usable(receiver, entry)
                     and (not seen or seen.keys().isdisjoint(entry.plan.units))):
                 return self._hit(slot, entry, bucket)
+        if check is not None:
+            check(payload)
         plan = receiver.plan(payload, load_format)  # every check
         slot = ("pairs", load_format, tuple(item[0] for item in payload))
         addresses = _pairs_key(plan)
         entry = self._slots.get(slot)
         if entry is not None and entry.addresses == addresses:
             self._hit(slot, entry, bucket)
-            entry.signature = signature
+            entry.signature, entry.check_tag = signature, check_tag
             return plan
         self._store(receiver, slot, addresses, plan)
         self._slots[slot].signature = signature
+        self._slots[slot].check_tag = check_tag
         return plan
 
     def _usable(self, receiver, entry: CachedBucket) -> bool:

@@ -394,15 +394,24 @@ class ReferenceReceiver:
                 f"{len(missing)} expert projection(s) this rank owns were never loaded: "
                 f"{listed}{more}; they still hold the previous version")
 
-    def load(self, payload, load_format: Optional[str] = None) -> LoadPlan:
-        """Validate the whole bucket, then write it in place. Returns the executed plan."""
+    def load(self, payload, load_format: Optional[str] = None, *, check=None,
+             check_tag=None) -> LoadPlan:
+        """Validate the whole bucket, then write it in place. Returns the executed plan.
+
+        ``check(payload)``, when given, is a caller's own check of the bucket (the registered
+        loader's format check), run before planning; with a plan cache, a bucket recognised by
+        its signature under the same ``check_tag`` skips it as it skips planning (see
+        :meth:`~pytest_weightsync.reference_impl.engine.plan_cache.LoadCache.load`)."""
         update = self._update
         try:
             if self.plan_cache is not None:
                 plan = self.plan_cache.load(self, payload, load_format,
                                             update.seen if update is not None else {},
-                                            update.offered if update is not None else 0)
+                                            update.offered if update is not None else 0,
+                                            check=check, check_tag=check_tag)
             else:
+                if check is not None:
+                    check(payload)
                 plan = self.plan(payload, load_format)
         except BaseException:
             self.refuse_bucket()
@@ -646,7 +655,7 @@ def checked_params(params: Mapping[str, torch.Tensor], wants: Mapping[str, tuple
     """``params`` restricted to the names of ``wants`` (``{name: (shape, dtype)}``), each a
     dense, readable tensor of its shape and dtype, all on one device (``needs`` words what asks
     for them). Raises :class:`ReceiverParamsError` naming the first misfit."""
-    if not isinstance(params, Mapping):
+    if type(params) is not dict and not isinstance(params, Mapping):
         raise ReceiverParamsError(f"receiver rank {rank} params is a {type(params).__name__}, "
                                   f"not a mapping of name -> tensor")
     checked = {}
@@ -660,7 +669,7 @@ def checked_params(params: Mapping[str, torch.Tensor], wants: Mapping[str, tuple
         problem = tensor_checks.kind_problem(tensor)
         if problem is None and tensor.layout != torch.strided:
             problem = (None, f"a {tensor.layout} tensor; parameters must be dense (strided)")
-        if problem is None and tensor.device.type != "meta":
+        if problem is None and not tensor.is_meta:
             problem = tensor_checks.storage_problem(tensor)
         if problem is not None:
             raise ReceiverParamsError(f"receiver rank {rank} parameter {name!r}: {problem[1]}")
@@ -669,7 +678,7 @@ def checked_params(params: Mapping[str, torch.Tensor], wants: Mapping[str, tuple
                 f"receiver rank {rank} parameter {name!r} is {tuple(tensor.shape)} "
                 f"{tensor.dtype}; {needs} needs {tuple(shape)} {dtype}")
         checked[name] = tensor
-    devices = {t.device for t in checked.values()}
+    devices = {t.device for t in checked.values()} if len(checked) > 1 else ()
     if len(devices) > 1:
         raise ReceiverParamsError(f"receiver rank {rank} parameters are spread over devices "
                                   f"{sorted(map(str, devices))}; they must share one")

@@ -119,6 +119,9 @@ def kind_problem(tensor: torch.Tensor) -> Problem:
 
 def view_bytes(tensor: torch.Tensor) -> int:
     """Bytes of storage the view needs: up to one past its furthest element (0 when empty)."""
+    if tensor.is_contiguous():  # its furthest element is numel - 1 past its offset
+        return (tensor.storage_offset() * tensor.element_size() + tensor.nbytes
+                if tensor.numel() else 0)
     if tensor.numel() == 0:
         return 0
     span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1

@@ -1,0 +1,87 @@
+"""The plan cache skips a caller's own check only for a bucket it recognises as one that
+passed that check (the registered loader's format check on a cache hit), and the contiguous
+shortcut of ``tensor_checks.view_bytes`` equals the general formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_weightsync.reference_impl import impl as reference
+from pytest_weightsync.reference_impl.engine import tensor_checks
+from pytest_weightsync.reference_impl.engine.plan_cache import LoadCache
+from pytest_weightsync.reference_impl.engine.receiver import ReferenceReceiver
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology, TrainerTopology
+from pytest_weightsync.reference_impl.senders.formats import PayloadFormatError
+from pytest_weightsync.suites.harness import inputs, judge, loader
+from pytest_weightsync.suites.harness.cases import Case
+
+CASE = Case(MoESpec(num_layers=1, num_experts=4, hidden=16, intermediate=8),
+            TrainerTopology(tp=2, ep=1), ReceiverTopology(tp=2))
+RANK = 1
+
+
+def _bucket(fmt="packed"):
+    (bucket,) = inputs.stream(fmt, CASE, RANK, 1, bucket="whole")
+    return list(bucket)
+
+
+def test_a_callers_check_runs_on_a_miss_and_is_skipped_only_on_a_hit_under_its_tag():
+    receiver = ReferenceReceiver(CASE.spec, CASE.receiver, RANK,
+                                 params=inputs.receiver_params(CASE, RANK), plan_cache=True)
+    bucket, checked = _bucket(), []
+
+    def check(items):
+        checked.append(len(items))
+
+    for tag, runs in (("a", 1), ("a", 1), ("b", 2), ("b", 2), ("a", 3)):
+        receiver.load(bucket, check=check, check_tag=tag)
+        assert len(checked) == runs, (tag, checked)
+    assert receiver.plan_cache.stats.hits == 4  # the last three also replayed the copy plan
+    other = ReferenceReceiver(CASE.spec, CASE.receiver, RANK,
+                              params=inputs.receiver_params(CASE, RANK), plan_cache=True)
+    before = {n: t.clone() for n, t in other.params.items()}
+
+    def refuse(items):
+        raise PayloadFormatError("refused by the caller's check")
+
+    with pytest.raises(PayloadFormatError):
+        other.load(bucket, check=refuse, check_tag="a")
+    assert len(other.plan_cache) == 0  # nothing stored, nothing written
+    assert all(torch.equal(before[n], t) for n, t in other.params.items())
+
+
+def test_the_reference_checks_the_format_of_a_bucket_it_cached_under_another():
+    """packed and hf_fused share a load format, so the same bucket lands in the same cache slot
+    under either; a hit under the other format must still be refused by the format check."""
+    impl = reference.ReferenceImplementation()
+    caches = {}
+    impl._plan_cache_for = lambda receiver, spec, topology: caches.setdefault(0, LoadCache())
+    params = inputs.receiver_params(CASE, RANK)
+    bucket = _bucket("packed")
+    for _ in range(2):
+        loader.load_stream(impl, params, [bucket], "packed", CASE, RANK)
+    assert caches[0].stats.hits == 1
+    judge.check_rank(params, CASE, RANK, 1)
+    kwargs = dict(format="hf_fused", spec=CASE.spec, topology=CASE.receiver, rank=RANK)
+    with pytest.raises(PayloadFormatError, match="hf_fused"):
+        impl.load_weights(params, list(bucket), **kwargs)
+    assert caches[0].stats.hits == 1
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.empty(6, 5),
+    lambda: torch.empty(40)[3:33].view(6, 5),
+    lambda: torch.empty(6, 5)[:, :3],
+    lambda: torch.empty(6, 5).t(),
+    lambda: torch.empty(0, 5),
+    lambda: torch.empty(2, 5).as_strided((1, 5), (99, 1), 2),
+    lambda: torch.empty(8, dtype=torch.bfloat16)[2:],
+    lambda: torch.empty(()),
+])
+def test_view_bytes_of_a_contiguous_tensor_equals_the_general_formula(make):
+    tensor = make()
+    span = (sum((s - 1) * st for s, st in zip(tensor.shape, tensor.stride())) + 1
+            if tensor.numel() else 0)
+    want = (tensor.storage_offset() + span) * tensor.element_size() if span else 0
+    assert tensor_checks.view_bytes(tensor) == want
