@@ -219,6 +219,49 @@ def decoded_stream(result, *, engine_rank: int, engine_tp: int, source: str,
     return out
 
 
+def _colocated_streams(result, *, own: int, engine_tp: int, source: str,
+                       transports: set) -> dict:
+    """``{engine rank: stream}`` of one colocated trainer rank's ``result``: its pairs and
+    flattened buckets (and vLLM's calls) reach ``own``, its colocated engine rank; a serialized
+    update reaches every engine TP rank of its replica, each reading its own entry, as
+    SGLang's TP workers do (slime's gather source serializes the whole replica's tensors and
+    the other ranks send nothing). ``None`` or an empty result is nothing from this rank: an
+    empty stream for ``own``, judged with what the other ranks sent it."""
+    if result is None or (isinstance(result, (list, tuple)) and not result):
+        return {own: []}
+    items = [result] if isinstance(result, (str, bytes)) or transport_of(result) != "tensors" \
+        else (list(result) if hasattr(result, "__iter__") else result)
+    serialized = isinstance(items, list) and bool(items) and \
+        any(transport_of(bucket) == "serialized" for bucket in items)
+    if not serialized:
+        result = decoded_stream(result, engine_rank=own, engine_tp=engine_tp, source=source,
+                                transports=transports)
+        try:
+            return {own: as_stream(result, source=source)}
+        except TypeError as error:
+            raise DistributedExportError(
+                f"{error} (colocated delivery: a trainer rank returns the stream of its "
+                f"colocated engine rank, serialized updates for its replica's engine ranks, or "
+                f"nothing)") from None
+    streams = {}
+    for engine_rank in range(engine_tp):
+        decoded = decoded_stream(items, engine_rank=engine_rank, engine_tp=engine_tp,
+                                 source=source, transports=transports)
+        kept = []
+        for index, bucket in enumerate(items):
+            if transport_of(bucket) == "serialized":
+                if decoded[index] or engine_rank == own:
+                    kept.append(decoded[index])
+            elif engine_rank == own:  # pairs and flattened buckets reach the own engine rank
+                kept.append(decoded[index])
+        if kept or engine_rank == own:
+            try:
+                streams[engine_rank] = as_stream(kept, source=source)
+            except TypeError as error:
+                raise DistributedExportError(str(error)) from None
+    return streams
+
+
 def normalize_result(result, *, delivery: str, rank: int, receiver, source: str,
                      transports: set = None) -> dict:
     """The exporter's ``result`` in trainer rank ``rank`` as ``{engine_rank: stream}``
@@ -228,20 +271,15 @@ def normalize_result(result, *, delivery: str, rank: int, receiver, source: str,
     if delivery not in DELIVERIES:
         raise ValueError(f"delivery must be one of {DELIVERIES}, got {delivery!r}")
     if delivery == "colocated":
-        engine_rank = colocated_engine_rank(rank, receiver.tp)
-        result = decoded_stream(result, engine_rank=engine_rank, engine_tp=receiver.tp,
-                                source=source, transports=transports)
-        try:
-            stream = as_stream(result, source=source)
-        except TypeError as error:
-            raise DistributedExportError(f"{error} (colocated delivery: every trainer rank "
-                                         f"returns the stream of its colocated engine rank)") from None
-        streams = {engine_rank: stream}
+        streams = _colocated_streams(result, own=colocated_engine_rank(rank, receiver.tp),
+                                     engine_tp=receiver.tp, source=source,
+                                     transports=transports)
     elif rank != 0:
         if result:
-            raise DistributedExportError(f"{source}: distributed delivery sends from trainer "
-                                         f"rank 0 only; rank {rank} returned "
-                                         f"{type(result).__name__} (expected None)")
+            raise DistributedExportError(f"{source}: distributed delivery returns streams from "
+                                         f"trainer rank 0 only (the other ranks broadcast over "
+                                         f"their engine channel, or send nothing); rank {rank} "
+                                         f"returned {type(result).__name__} (expected None)")
         return {}
     else:
         if not isinstance(result, Mapping):
@@ -281,11 +319,12 @@ def _broadcast_streams(engine, result, *, source: str) -> dict:
 
 def call_exporter(exporter, model_state: Mapping, *, config, format: str, spec, trainer,
                   receiver, delivery: str, bucket_bytes: Optional[int], rank: int,
-                  update: int, model=None) -> RankExport:
+                  update: int, model=None, source_rank: Optional[bool] = None) -> RankExport:
     """One update: call ``exporter.export_weights_distributed`` in this rank (``model``, the
     list of model chunks, reaches exporters that take the optional keyword; so does
-    ``engine``, a :class:`pytest_weightsync.broadcast.BroadcastEngine` in the sending rank of
-    distributed delivery and ``None`` elsewhere), check that it left ``model_state`` alone -
+    ``engine``, a :class:`pytest_weightsync.broadcast.BroadcastEngine` in every source rank of
+    distributed delivery - ``source_rank``: the first rank of a pipeline stage, default
+    trainer rank 0 only - and ``None`` elsewhere), check that it left ``model_state`` alone -
     values and storage - and return its streams. Collective (every rank calls it)."""
     from pytest_weightsync.broadcast import BroadcastEngine
     from pytest_weightsync.protocols import SIGNATURES, accepts_keyword
@@ -304,8 +343,8 @@ def call_exporter(exporter, model_state: Mapping, *, config, format: str, spec, 
         kwargs["model"] = model
     engine = None
     if accepts_keyword(method, "engine"):
-        engine = BroadcastEngine(receiver.tp) if delivery == "distributed" and rank == 0 \
-            else None
+        sends = rank == 0 if source_rank is None else source_rank
+        engine = BroadcastEngine(receiver.tp) if delivery == "distributed" and sends else None
         kwargs["engine"] = engine
     transports: set = set()
     try:

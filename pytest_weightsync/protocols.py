@@ -83,8 +83,11 @@ bucket_bytes[, model][, engine]) -> streams``
     * ``delivery="colocated"``: every trainer rank returns one stream, for the engine rank
       colocated with it, :func:`colocated_engine_rank` (``trainer_rank % receiver.tp``; a
       trainer world larger than the engine means several engine replicas, each fed whole);
+      or serialized updates for every engine rank of its replica (a gather source); or
+      ``None``, nothing from this rank (its engine rank then gets only what others sent it);
     * ``delivery="distributed"``: trainer rank 0 returns ``{engine_rank: stream}`` for every
-      engine rank of ``receiver``; every other rank returns ``None``.
+      engine rank of ``receiver``, or each pipeline stage's source rank broadcasts its stage
+      over its ``engine``; every other rank returns ``None``.
 
     A bucket may travel on any wire format of :data:`TRANSPORTS`
     (:mod:`pytest_weightsync.wire`): a list of ``(name, tensor)`` pairs, a flattened bucket
@@ -92,7 +95,8 @@ bucket_bytes[, model][, engine]) -> streams``
     serialized update (``serialized_named_tensors``: one ``MultiprocessingSerializer`` entry
     per engine TP rank, as ``update_weights_from_tensor`` takes it); the harness decodes each
     with its own decoder into what the engine rank reads. ``engine`` (optional keyword) is,
-    in trainer rank 0 under distributed delivery, a
+    in each pipeline stage's source rank under distributed delivery (TP rank 0 of DP rank 0;
+    trainer rank 0 without PP), a
     :class:`pytest_weightsync.broadcast.BroadcastEngine` (``None`` elsewhere): an exporter
     that calls its ``update_weights_from_distributed(names, dtypes, shapes[, load_format])``
     and then ``torch.distributed.broadcast(tensor, src=0, group=engine.group)`` for each tensor
@@ -157,6 +161,7 @@ from pytest_weightsync.vocabulary import (  # noqa: F401 - re-exported for imple
     EXPERT_IMPLS,
     EXPERT_MODULES,
     FORMATS,
+    LAYER_SPECS,
     LIFECYCLE,
     MODEL_PARTS,
     ORDERS,
@@ -259,6 +264,11 @@ class Capabilities:
         Distributed exporters: which of :data:`DELIVERIES` it implements.
     ``trainer_topology``
         Optional predicate ``trainer_topology(spec, trainer) -> bool`` for anything finer.
+    ``layer_specs``
+        Whole-model distributed exporters: the Megatron-Core layer specs whose parameter names
+        it reads (subset of :data:`LAYER_SPECS`: ``te``, the Transformer Engine spec real jobs
+        build, input norms fused as ``self_attention.linear_qkv.layer_norm_weight``; ``local``,
+        ``input_layernorm.weight``). Default both.
 
     Whole-model claims (``suites/conformance/test_model.py``; the default claims none, so an
     expert-only implementation is not run on whole-model cases):
@@ -308,6 +318,7 @@ class Capabilities:
     max_trainer_pp: Optional[int] = None
     deliveries: frozenset = frozenset(DELIVERIES)
     trainer_topology: Optional[Callable[[Any, Any], bool]] = field(default=None, compare=False)
+    layer_specs: frozenset = frozenset(LAYER_SPECS)
     model_parts: frozenset = frozenset()
     targets: frozenset = frozenset({"target"})
     transports: frozenset = frozenset({"tensors"})
@@ -317,6 +328,7 @@ class Capabilities:
     def __post_init__(self) -> None:
         for name, allowed in (("formats", FORMATS), ("orders", ORDERS),
                               ("expert_impls", EXPERT_IMPLS), ("deliveries", DELIVERIES),
+                              ("layer_specs", LAYER_SPECS),
                               ("model_parts", MODEL_PARTS), ("targets", TARGETS),
                               ("engine_layouts", ENGINE_LAYOUTS),
                               ("weight_quants", WEIGHT_QUANTS), ("quantizers", QUANTIZERS),
@@ -452,6 +464,14 @@ class Capabilities:
         if transport not in self.transports:
             return (f"does not claim the {transport} transport (claims "
                     f"{sorted(self.transports)})")
+        return None
+
+    def layer_spec_refusal(self, layer_spec: str) -> Optional[str]:
+        """Why a whole-model exporter is not run on a trainer built from ``layer_spec``;
+        ``None`` when it claims it."""
+        if layer_spec not in self.layer_specs:
+            return (f"claims Megatron layer specs {sorted(self.layer_specs)}, the trainer is "
+                    f"built from the {layer_spec!r} spec")
         return None
 
     def delivery_refusal(self, delivery: str) -> Optional[str]:

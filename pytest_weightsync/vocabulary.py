@@ -60,6 +60,11 @@ QUANTIZERS = ("sender", "loader")
 EXPERT_IMPLS = ("sequential", "te_grouped")
 #: Megatron-Core class name of each expert module.
 EXPERT_MODULES = {"sequential": "SequentialMLP", "te_grouped": "TEGroupedMLP"}
+#: Megatron-Core layer specs a whole-model trainer is built from (parameter spellings):
+#: ``te`` = ``get_gpt_layer_with_transformer_engine_spec`` (input norms fused:
+#: ``self_attention.linear_qkv.layer_norm_weight``), what real jobs build; ``local`` =
+#: ``get_gpt_layer_local_spec`` (``input_layernorm.weight``).
+LAYER_SPECS = ("te", "local")
 #: Trainer parallel sizes an exporter can bound (``TrainerTopology`` fields).
 TRAINER_AXES = ("tp", "ep", "etp", "pp")
 #: Receiver parallel sizes a loader can bound (``ReceiverTopology`` properties).

@@ -36,45 +36,61 @@ DISTRIBUTED = _case("T.tp1ep2etp1pp2seq-R.tp2ep2dp1ug-distributed")
 
 
 class OnTheWire(ReferenceImplementation):
-    """The reference, its distributed exporter sending on ``transport``."""
+    """The reference, its distributed exporter sending each call on the next transport of
+    ``rotation`` (the reference's own encoders; ``weight_transfer``: its pairs as vLLM's
+    calls)."""
 
-    def __init__(self, transport: str):
+    def __init__(self, rotation):
         super().__init__()
-        self.transport = transport
-        self.name = f"reference-{transport}"
+        self.rotation = tuple(rotation)
+        self.calls = 0
+        self.name = "reference-" + "-".join(self.rotation)
+
+    def export_weights_distributed(self, model_state, **kwargs):
+        import torch.distributed as dist
+
+        from pytest_weightsync import weight_transfer as wt
+
+        transport = self.rotation[self.calls % len(self.rotation)]
+        self.calls += 1
+        self.transport = "tensors" if transport == "weight_transfer" else transport
+        result = super().export_weights_distributed(model_state, **kwargs)
+        if transport != "weight_transfer" or result is None:
+            return result
+        tp = kwargs["receiver"].tp
+        if kwargs["delivery"] == "colocated":
+            return wt.transfer_stream(result, backend="ipc", engine_ranks=[dist.get_rank() % tp])
+        return {r: wt.transfer_stream(s, backend="ipc", engine_ranks=[r])
+                for r, s in result.items()}
 
 
-_on = OnTheWire
-
-
-def _formats(dcase, transport):
-    # A broadcast reaches every engine rank with the same tensors: no per-rank direct payload.
-    return ("compat", "hf_fused") if transport.startswith("broadcast") else ("direct", "compat")
-
-
-#: Each wire transport once (``tensors`` runs on these cases in the conformance suite), on the
-#: delivery where it is sent: colocated ranks serialize or flatten for their own engine rank;
-#: the distributed sender serializes flattened buckets for every engine rank, or broadcasts.
-TRANSPORT_CASES = [pytest.param(dcase, transport, id=f"{dcase.delivery}-{transport}")
-                   for dcase, transport in (
-                       (COLOCATED, "flattened_bucket"), (COLOCATED, "serialized"),
-                       (DISTRIBUTED, "serialized_flattened"), (DISTRIBUTED, "broadcast"),
-                       (DISTRIBUTED, "broadcast_flattened"))]
+#: Each wire transport (``tensors`` runs on these cases in the conformance suite) on the
+#: delivery where it is sent, rotating over the three updates of one run per delivery (each
+#: update judged): colocated ranks flatten, serialize or call vLLM's protocol for their own
+#: engine rank; the distributed sender serializes flattened buckets for every engine rank, or
+#: broadcasts (per tensor, then one flattened buffer per bucket). A broadcast reaches every
+#: engine rank with the same tensors: no per-rank direct payload there.
+TRANSPORT_CASES = [
+    pytest.param(COLOCATED, ("direct", "compat"),
+                 ("flattened_bucket", "serialized", "weight_transfer"), id="colocated"),
+    pytest.param(DISTRIBUTED, ("compat", "hf_fused"),
+                 ("serialized_flattened", "broadcast", "broadcast_flattened"), id="distributed"),
+]
 
 
 def test_every_reference_transport_is_run():
-    ran = {p.values[1] for p in TRANSPORT_CASES}
-    assert ran == set(REFERENCE_TRANSPORTS) - {"tensors"}, ran
+    ran = {t for p in TRANSPORT_CASES for t in p.values[2]}
+    assert ran >= set(REFERENCE_TRANSPORTS) - {"tensors"}, ran
 
 
-@pytest.mark.parametrize("wire_case, transport", TRANSPORT_CASES)
-def test_the_reference_lands_bit_exact_on_every_transport(rank_pool, wire_case, transport):
+@pytest.mark.parametrize("wire_case, formats, rotation", TRANSPORT_CASES)
+def test_the_reference_lands_bit_exact_on_every_transport(rank_pool, wire_case, formats,
+                                                          rotation):
     dh.require_megatron()
-    result = dh.run_and_judge(rank_pool, _on(transport), wire_case,
-                              _formats(wire_case, transport))
-    wanted = {"broadcast_flattened": "broadcast", "serialized_flattened": "serialized"}.get(
-        transport, transport)
-    assert result.transports == {wanted}
+    result = dh.run_and_judge(rank_pool, OnTheWire(rotation), wire_case, formats)
+    assert len(result.checked) == len(rotation)
+    families = {"broadcast_flattened": "broadcast", "serialized_flattened": "serialized"}
+    assert result.transports == {families.get(t, t) for t in rotation}
 
 
 class _Encoder(ReferenceImplementation):

@@ -1,0 +1,154 @@
+"""One transport contract for every suite: a correct exporter on each transport that
+``docs/transports.md`` allows passes the expert-only and the whole-model suites, single-process
+and distributed alike, because every suite decodes through one step
+(:func:`pytest_weightsync.distributed.decoded_stream`).
+
+The exporter is the reference with its pairs re-encoded on the wire: flattened buckets (every
+offset aligned, fp32 router and ``e_score_correction_bias`` packed beside bf16), serialized
+updates (of pairs and of flattened buckets), vLLM's weight-transfer calls (IPC handles,
+packed), and - distributed delivery only - broadcasts to the engine ranks (one flattened buffer
+per bucket). Whole-model streams are cut at the suites' realistic limits, so each update
+travels in many buckets. To keep the CPU run short the transports rotate over the updates of
+one run (each update of a run is judged: a new version written in place before it), not one
+run per transport.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_weightsync.reference_impl.impl import ReferenceImplementation
+from pytest_weightsync.vocabulary import TRANSPORTS
+
+from ..conformance import test_exporter as expert_suite
+from ..conformance import test_model as model_suite
+from ..harness import distributed as dh
+from ..harness import inputs
+from ..harness import model_distributed as md
+from ..harness.cases import ANCHORS
+from ..harness.model_cases import MODEL_CASES
+
+pytestmark = pytest.mark.weightsync_property("mutation_detected")
+
+#: What each single-process run sends (``serialized`` twice: pairs and flattened buckets).
+SINGLE = ("tensors", "flattened_bucket", "serialized", "serialized_flattened", "weight_transfer")
+#: The float32 router and expert bias beside bf16 (tied, engine TP 2 x MoE-EP 2, trainer PP 2).
+MIXED = next(c for c in MODEL_CASES if c.spec.expert_bias and not c.frozen)
+#: Whole-model distributed cases with the float32 router and bias: colocated and distributed.
+DIST_MIXED = [c for c in md.MODEL_DIST_CASES if c.case.spec.expert_bias][:2]
+#: The transports of each distributed run's updates, in order (compat, direct, compat).
+ROTATIONS = {"colocated": ("serialized", "weight_transfer", "flattened_bucket"),
+             "distributed": ("broadcast", "serialized_flattened", "weight_transfer")}
+RAN: dict = {}
+
+
+def encode(transport: str, stream: list, engine_rank: int, engine_tp: int):
+    """``stream`` (buckets of pairs) for ``engine_rank`` on ``transport``."""
+    from pytest_weightsync import weight_transfer as wt
+    from pytest_weightsync import wire
+
+    if transport == "tensors":
+        return stream
+    if transport == "flattened_bucket":
+        return [wire.flattened_bucket(bucket) for bucket in stream]
+    if transport in ("serialized", "serialized_flattened"):
+        # copies: pickling a CPU tensor for another process moves its storage to shared
+        # memory, the trainer's own parameter storage included (the suite names it rebound)
+        stream = [[(name, tensor.clone()) for name, tensor in bucket] for bucket in stream]
+        return [wire.serialized_update([bucket if r == engine_rank else []
+                                        for r in range(engine_tp)],
+                                       flattened=transport == "serialized_flattened")
+                for bucket in stream]
+    if transport == "weight_transfer":
+        return wt.transfer_stream(stream, backend="ipc", engine_ranks=[engine_rank],
+                                  packed=True, buffer_bytes=256)
+    raise ValueError(transport)
+
+
+def _family(transport: str) -> str:
+    return transport.replace("serialized_flattened", "serialized")
+
+
+class OnEveryWire(ReferenceImplementation):
+    """The reference, its pairs sent on :attr:`carrier` (single process) or on the next
+    transport of :attr:`rotation` at each distributed call."""
+
+    name = "reference-on-every-wire"
+    carrier = "tensors"
+    rotation = ("tensors",)
+    calls = 0
+
+    def export_weights(self, trainer_states, *, format, spec, trainer, receiver, rank):
+        from pytest_weightsync.reference_impl.senders.buckets import split_buckets
+
+        payload = super().export_weights(trainer_states, format=format, spec=spec,
+                                         trainer=trainer, receiver=receiver, rank=rank)
+        experts = getattr(spec, "experts", spec)
+        stream = split_buckets(list(payload), inputs.bucket_bytes("split_layer", experts))
+        return encode(self.carrier, stream, rank, receiver.tp)
+
+    def export_weights_distributed(self, model_state, *, config, format, spec, trainer,
+                                   receiver, delivery, bucket_bytes, model=None, engine=None):
+        import torch.distributed as dist
+
+        from pytest_weightsync.reference_impl.senders import distributed_export as de
+
+        transport = self.rotation[self.calls % len(self.rotation)]
+        self.calls += 1
+        result = super().export_weights_distributed(
+            model_state, config=config, format=format, spec=spec, trainer=trainer,
+            receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes, model=model)
+        if result is None:
+            return None
+        if delivery == "colocated":
+            return encode(transport, result, dist.get_rank() % receiver.tp, receiver.tp)
+        if transport == "broadcast":  # every engine rank gets engine rank 0's compat stream
+            de.broadcast(engine, result[0], flattened=True)
+            return None
+        return {r: encode(transport, s, r, receiver.tp) for r, s in result.items()}
+
+
+@pytest.mark.parametrize("carrier", SINGLE)
+def test_a_single_process_exporter_passes_both_suites_on_every_transport(carrier):
+    """Expert-only (ETP 2, MoE-TP 2) and whole model (fp32 router and bias beside bf16, many
+    buckets), every engine rank, one format each in rotation."""
+    impl = OnEveryWire()
+    impl.carrier = carrier
+    fmt = ("compat", "direct")[SINGLE.index(carrier) % 2]
+    expert_suite.test_exporter_payload_lands_bit_exact(impl, ANCHORS[1], fmt)
+    model_suite.test_exporter_stream_carries_every_parameter_once(impl, MIXED, fmt)
+    RAN.setdefault(_family(carrier), set()).update({"expert single-process",
+                                                    "whole-model single-process"})
+
+
+@pytest.mark.parametrize("mcase", DIST_MIXED, ids=[c.delivery for c in DIST_MIXED])
+def test_a_distributed_exporter_passes_the_whole_model_suite_on_every_transport(rank_pool,
+                                                                               mcase):
+    dh.require_megatron()
+    impl = OnEveryWire()
+    impl.rotation = ROTATIONS[mcase.delivery]
+    result = md.run(rank_pool, impl, mcase, ["compat", "direct"])
+    for index in range(len(result.updates)):
+        assert md.judge_update(result, index)
+    for transport in impl.rotation:
+        RAN.setdefault(_family(transport), set()).add("whole-model distributed")
+
+
+def test_every_transport_ran_through_every_suite():
+    """The expert-only distributed suite's transports run in ``test_wire_distributed.py``."""
+    from .test_wire_distributed import TRANSPORT_CASES
+
+    for param in TRANSPORT_CASES:
+        for transport in param.values[2]:
+            RAN.setdefault(_family(transport).replace("broadcast_flattened", "broadcast"),
+                           set()).add("expert distributed")
+    if len(RAN) < len(TRANSPORTS):
+        pytest.skip("run with the tests above")
+    scopes = {"expert single-process", "whole-model single-process", "whole-model distributed",
+              "expert distributed"}
+    # pairs: the distributed suites' own default, run by every conformance case
+    RAN["tensors"] |= {"whole-model distributed", "expert distributed"}
+    single = {t: s for t, s in RAN.items() if t != "broadcast"}
+    assert set(RAN) == set(TRANSPORTS), RAN
+    assert all(s == scopes for s in single.values()), single
+    assert RAN["broadcast"] == {"whole-model distributed", "expert distributed"}, RAN
