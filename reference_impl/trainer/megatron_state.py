@@ -161,10 +161,11 @@ def build_model(spec: MoESpec, topo: TrainerTopology, config) -> list:
     return [wrapped(chunk, config)]
 
 
-def wrapped(chunk, config, before_ddp=None):
+def wrapped(chunk, config, before_ddp=None, ddp_options=None):
     """``chunk`` (a ``GPTModel`` of this stage) wrapped as ``get_model`` wraps it: partition
     attribute defaults, ``Float16Module``, then DDP. ``before_ddp(chunk)`` runs between the
-    last two (what a trainer keeps in float32 must be float32 before DDP groups the buffers)."""
+    last two (what a trainer keeps in float32 must be float32 before DDP groups the buffers);
+    ``ddp_options``: more of ``DistributedDataParallelConfig`` (e.g. ``overlap_param_gather``)."""
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
@@ -177,7 +178,8 @@ def wrapped(chunk, config, before_ddp=None):
         before_ddp(chunk)
     with _ddp_buffers_on_cpu():
         chunk = DistributedDataParallel(
-            config=config, ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True),
+            config=config, ddp_config=DistributedDataParallelConfig(
+                use_distributed_optimizer=True, **(ddp_options or {})),
             module=chunk)
     return chunk
 

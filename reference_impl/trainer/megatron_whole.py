@@ -45,7 +45,7 @@ from pytest_weightsync.reference_impl.trainer.megatron_state import (
     MegatronPlacementError,
     _ddp_buffers_on_cpu,
     fill_in_place,
-    layer_spec,
+    layer_spec as layer_spec_of,
     name_prefix,
     unwrapped,
     wrapped,
@@ -109,21 +109,37 @@ def modelled_gated_delta_net(spec, tp: int):
     return ModuleSpec(module=ModelledGatedDeltaNet)
 
 
-def block_spec(spec, topo, config):
-    """This stage's ``TransformerBlockSubmodules``: megatron-core's local layer spec for each
-    attention layer; for each GDN layer the same with :func:`modelled_gated_delta_net` as its
-    mixer (its input norm fused into ``in_proj``, as in the Transformer Engine spec)."""
+def _attention_layer_spec(spec, topo, layer_spec: str):
+    """The attention ``TransformerLayer`` spec of ``layer_spec`` (``"te"``: megatron-core's
+    Transformer Engine spec over the modelled TE, what real jobs build; ``"local"``: its local
+    spec) and the final norm's module."""
+    if layer_spec == "te":
+        from pytest_weightsync.reference_impl.trainer.te_spec import megatron_te_linears, te_layer_spec
+
+        return (te_layer_spec(spec.num_experts, grouped=topo.expert_impl == "te_grouped",
+                              qk_layernorm=True), megatron_te_linears()["TENorm"])
+    if layer_spec != "local":
+        raise MegatronPlacementError(f"layer spec {layer_spec!r}: expected 'te' or 'local'")
+    from megatron.core.transformer.transformer_block import LayerNormImpl
+
+    return (layer_spec_of(spec.experts, topo, qk_layernorm=True, normalization="RMSNorm"),
+            LayerNormImpl)
+
+
+def block_spec(spec, topo, config, layer_spec: str = "te"):
+    """This stage's ``TransformerBlockSubmodules``: megatron-core's layer spec (``layer_spec``)
+    for each attention layer; for each GDN layer the same with :func:`modelled_gated_delta_net`
+    as its mixer (its input norm fused into ``in_proj``, as in the Transformer Engine spec)."""
     import dataclasses
 
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_block import (
-        LayerNormImpl,
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    attention = layer_spec(spec.experts, topo, qk_layernorm=True, normalization="RMSNorm")
+    attention, final_norm = _attention_layer_spec(spec, topo, layer_spec)
     gdn = dataclasses.replace(attention, submodules=dataclasses.replace(
         attention.submodules, input_layernorm=IdentityOp,
         self_attention=modelled_gated_delta_net(spec, topo.tp)))
@@ -131,19 +147,23 @@ def block_spec(spec, topo, config):
     layers = range(offset, offset + get_num_layers_to_build(config))
     return TransformerBlockSubmodules(
         layer_specs=[attention if spec.layer_kind(layer) == "attention" else gdn
-                     for layer in layers], layer_norm=LayerNormImpl)
+                     for layer in layers], layer_norm=final_norm)
 
 
-def mtp_block_spec(spec, topo, config):
+def mtp_block_spec(spec, topo, config, layer_spec: str = "te"):
     """The MTP block's spec on the stage that builds it (the last: megatron-core's
-    ``get_gpt_mtp_block_spec`` over the local spec - ``enorm``, ``hnorm``, ``eh_proj``, one
+    ``get_gpt_mtp_block_spec`` over ``layer_spec`` - ``enorm``, ``hnorm``, ``eh_proj``, one
     attention ``TransformerLayer`` with its own MoE block, ``final_layernorm``), else
     ``None``."""
     if not spec.mtp_layers:
         return None
+    attention, _ = _attention_layer_spec(spec, topo, layer_spec)
+    if layer_spec == "te":
+        from pytest_weightsync.reference_impl.trainer.te_spec import te_mtp_block_spec
+
+        return te_mtp_block_spec(config, attention)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    attention = layer_spec(spec.experts, topo, qk_layernorm=True, normalization="RMSNorm")
     return get_gpt_mtp_block_spec(config, attention, use_transformer_engine=False)
 
 
@@ -207,8 +227,9 @@ def _on_cpu():
         torch.Tensor.cuda = original
 
 
-def build_model(spec, topo, config) -> list:
-    """This rank's model chunks (one DDP-wrapped ``GPTModel`` of its stage). Needs
+def build_model(spec, topo, config, layer_spec: str = "te", ddp_options=None) -> list:
+    """This rank's model chunks (one DDP-wrapped ``GPTModel`` of its stage, built from
+    ``layer_spec``; ``ddp_options``: more of ``DistributedDataParallelConfig``). Needs
     :func:`~pytest_weightsync.reference_impl.trainer.megatron_state.megatron_parallel_state`."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -217,14 +238,14 @@ def build_model(spec, topo, config) -> list:
 
     with _on_cpu():
         chunk = GPTModel(config=config,
-                         transformer_layer_spec=block_spec(spec, topo, config),
+                         transformer_layer_spec=block_spec(spec, topo, config, layer_spec),
                          vocab_size=padded_vocab(spec.vocab, topo.tp), max_sequence_length=8,
                          pre_process=ps.is_pipeline_first_stage(),
                          post_process=ps.is_pipeline_last_stage(),
                          share_embeddings_and_output_weights=spec.tied,
                          position_embedding_type="rope",
-                         mtp_block_spec=mtp_block_spec(spec, topo, config))
-    return [wrapped(chunk, config, before_ddp=_keep_float32(spec))]
+                         mtp_block_spec=mtp_block_spec(spec, topo, config, layer_spec))
+    return [wrapped(chunk, config, before_ddp=_keep_float32(spec), ddp_options=ddp_options)]
 
 
 def model_state(model) -> dict:
@@ -275,12 +296,14 @@ def check_stage(spec, topo, rank: int, model) -> None:
                                      f"reference layout gives this stage {want} (1-based)")
 
 
-def whole_model_state(spec, topo, rank: int, weights, config) -> tuple[list, dict]:
-    """``(model chunks, model_state)`` of trainer rank ``rank``: the real model, its stage
-    checked, every tensor set to the oracle's shard of ``weights`` (a ``ModelWeights``)."""
+def whole_model_state(spec, topo, rank: int, weights, config, layer_spec: str = "te",
+                      ddp_options=None) -> tuple[list, dict]:
+    """``(model chunks, model_state)`` of trainer rank ``rank``: the real model of
+    ``layer_spec``, its stage checked, every tensor set to the oracle's shard of ``weights``
+    (a ``ModelWeights``)."""
     from pytest_weightsync.reference_impl.trainer.megatron_model import trainer_model_state
 
-    model = build_model(spec, topo, config)
+    model = build_model(spec, topo, config, layer_spec, ddp_options)
     check_stage(spec, topo, rank, model)
     state = model_state(model)
     write_model(state, trainer_model_state(spec, topo, rank, weights), rank)

@@ -127,41 +127,51 @@ class MegatronSourceError(WeightSyncError):
     """The installed megatron-core no longer defines what this module compiles from it."""
 
 
+def compile_megatron_source(module, names, namespace_updates: dict) -> dict:
+    """``{name: object}`` of the classes and functions ``names`` of the installed megatron-core
+    ``module``, compiled from its source text in a copy of its namespace updated with
+    ``namespace_updates`` (the modelled Transformer Engine, version probes answering
+    :data:`MODELLED_TE_VERSION`), in the order given. Tracebacks point at the installed file's
+    own line numbers."""
+    import ast
+    import inspect
+    import textwrap
+
+    from packaging.version import Version
+
+    source = inspect.getsource(module)
+    found = {node.name: node for node in ast.walk(ast.parse(source))
+             if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in names}
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise MegatronSourceError(f"megatron-core's {module.__file__} no longer defines "
+                                  f"{missing}; reference_impl/trainer/ compiles them from it")
+    namespace = dict(vars(module))
+    namespace["is_te_min_version"] = (
+        lambda version, check_equality=True: Version(MODELLED_TE_VERSION) >= Version(version))
+    namespace["get_te_version"] = lambda: Version(MODELLED_TE_VERSION)
+    namespace.update(namespace_updates)
+    for name in names:
+        node = found[name]
+        code = "\n" * (node.lineno - 1) + textwrap.dedent(ast.get_source_segment(source, node))
+        exec(compile(code, module.__file__, "exec"), namespace)  # noqa: S102 - installed source
+        namespace[name].__module__ = module.__name__
+    return {name: namespace[name] for name in names}
+
+
 @functools.lru_cache(maxsize=1)
 def megatron_te_grouped_linears() -> dict:
     """``{class name: class}`` of megatron-core's TE grouped linears, compiled from the installed
     ``megatron/core/extensions/transformer_engine.py`` over :class:`GroupedLinear` (TE's own
     class is absent on CPU; megatron-core only defines these where TE imports)."""
-    import ast
-    import inspect
-    import textwrap
     import types
-
-    from packaging.version import Version
 
     from megatron.core.extensions import transformer_engine as te_ext
 
-    source = inspect.getsource(te_ext)
-    wanted = MEGATRON_TE_HELPERS + MEGATRON_TE_CLASSES
-    found = {node.name: node for node in ast.walk(ast.parse(source))
-             if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in wanted}
-    missing = [name for name in wanted if name not in found]
-    if missing:
-        raise MegatronSourceError(f"megatron-core's {te_ext.__file__} no longer defines "
-                                  f"{missing}; reference_impl/trainer/te_grouped.py compiles them")
-    namespace = dict(vars(te_ext))
-    base = _grouped_linear_base()
-    namespace["te"] = types.SimpleNamespace(pytorch=types.SimpleNamespace(GroupedLinear=base))
-    namespace["is_te_min_version"] = (
-        lambda version, check_equality=True: Version(MODELLED_TE_VERSION) >= Version(version))
-    namespace["get_te_version"] = lambda: Version(MODELLED_TE_VERSION)
-    for name in wanted:
-        node = found[name]
-        # blank lines first, so tracebacks point at the installed file's own line numbers
-        code = "\n" * (node.lineno - 1) + textwrap.dedent(ast.get_source_segment(source, node))
-        exec(compile(code, te_ext.__file__, "exec"), namespace)  # noqa: S102 - installed source
-        namespace[name].__module__ = te_ext.__name__
-    return {name: namespace[name] for name in MEGATRON_TE_CLASSES}
+    te = types.SimpleNamespace(pytorch=types.SimpleNamespace(GroupedLinear=_grouped_linear_base()))
+    compiled = compile_megatron_source(te_ext, MEGATRON_TE_HELPERS + MEGATRON_TE_CLASSES,
+                                       {"te": te})
+    return {name: compiled[name] for name in MEGATRON_TE_CLASSES}
 
 
 def te_grouped_mlp_spec(num_experts: int):

@@ -40,12 +40,15 @@ WORLD = 4
 
 @dataclass(frozen=True)
 class ModelDistCase(DeliveredCase):
-    """A whole-model case exported from real trainer ranks: ``delivery`` and the named bucket
-    limit (``vocabulary.BUCKET_LIMITS``) the exporter is given."""
+    """A whole-model case exported from real trainer ranks: ``delivery``, the named bucket
+    limit (``vocabulary.BUCKET_LIMITS``) the exporter is given, and the Megatron-Core layer
+    spec the trainer is built from (``vocabulary.LAYER_SPECS``: ``te``, what real jobs build,
+    unless a case says otherwise)."""
 
     case: ModelCase
     delivery: str
     bucket: str = "whole"
+    layer_spec: str = "te"
 
     @property
     def bucket_bytes(self) -> Optional[int]:
@@ -57,11 +60,13 @@ class ModelDistCase(DeliveredCase):
     def id(self) -> str:
         first = self.case.trainer.first_stage_layers
         uneven = f"-first{first}" if first else ""
-        return f"{self.case.id}{uneven}-{self.delivery}-{self.bucket}"
+        spec = "" if self.layer_spec == "te" else f"-{self.layer_spec}spec"
+        return f"{self.case.id}{uneven}-{self.delivery}-{self.bucket}{spec}"
 
 
-def _dcase(spec, receiver, trainer, delivery, bucket="whole") -> ModelDistCase:
-    return ModelDistCase(ModelCase(spec, receiver, trainer, spec.targets), delivery, bucket)
+def _dcase(spec, receiver, trainer, delivery, bucket="whole", layer_spec="te") -> ModelDistCase:
+    return ModelDistCase(ModelCase(spec, receiver, trainer, spec.targets), delivery, bucket,
+                         layer_spec)
 
 
 #: The built-in cases, each in :data:`WORLD` ranks, over the topologies where whole-model
@@ -110,9 +115,11 @@ MODEL_DIST_CASES = (
     _dcase(qwen3_moe(tied=True, num_kv_heads=2, router_dtype=torch.float32, expert_bias=True),
            ReceiverTopology(tp=2, moe_ep=2), TrainerTopology(tp=2, ep=2, pp=2),
            "colocated", "multi_layer"),
+    # megatron-core's local spec (``input_layernorm.weight``, separate norms), kept for the
+    # trainers that still build it
     _dcase(qwen3_moe(num_layers=4),
            ReceiverTopology(tp=2), TrainerTopology(etp=2, pp=2, expert_impl="te_grouped"),
-           "colocated"),
+           "colocated", layer_spec="local"),
 )
 
 
@@ -130,6 +137,9 @@ def require_claim(impl, mcase: ModelDistCase, fmt=None) -> None:
 
     claims.require_model_claim(impl, "distributed_exporter", mcase.case, fmt)
     claims.require_claim(impl, "distributed_exporter", mcase.case, fmt, mcase.delivery)
+    reason = impl.capabilities.layer_spec_refusal(mcase.layer_spec)
+    if reason is not None:
+        claims.skip_unclaimed(reason)
 
 
 def export_model_in_rank(exporter, mcase: ModelDistCase, updates):
@@ -149,7 +159,8 @@ def export_model_in_rank(exporter, mcase: ModelDistCase, updates):
         exporter, mcase, updates, case.spec.experts,
         configure=lambda: megatron_whole.transformer_config(case.spec, case.trainer),
         build=lambda rank, config, version: megatron_whole.whole_model_state(
-            case.spec, case.trainer, rank, model_synth.full_model(case.spec, version), config),
+            case.spec, case.trainer, rank, model_synth.full_model(case.spec, version), config,
+            mcase.layer_spec),
         write=lambda state, rank, version: megatron_whole.write_model(
             state, modelled(version, rank), rank))
 

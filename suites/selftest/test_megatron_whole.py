@@ -98,3 +98,24 @@ def test_the_built_in_cases_hold_every_trainer_topology_of_the_distributed_matri
     assert {(c.case.trainer.pp > 1, c.case.spec.tied, bool(c.case.spec.mtp_layers))
             for c in MODEL_DIST_CASES if c.case.trainer.pp > 1} >= {
         (True, True, True), (True, False, True), (True, True, False), (True, False, False)}
+
+
+def test_the_built_in_cases_build_the_te_spec_and_keep_the_local_one():
+    from pytest_weightsync.vocabulary import LAYER_SPECS
+
+    from ..harness.model_distributed import MODEL_DIST_CASES
+
+    specs = [c.layer_spec for c in MODEL_DIST_CASES]
+    assert set(specs) == set(LAYER_SPECS)
+    assert specs.count("te") > len(specs) // 2  # what real jobs build is the default
+    assert all(c.id.endswith("-localspec") == (c.layer_spec == "local") for c in MODEL_DIST_CASES)
+
+
+def test_an_exporter_that_reads_only_te_names_is_not_run_on_a_local_spec_case():
+    from pytest_weightsync.protocols import Capabilities
+
+    caps = Capabilities(layer_specs=frozenset({"te"}))
+    assert caps.layer_spec_refusal("te") is None
+    assert "built from the 'local' spec" in caps.layer_spec_refusal("local")
+    with pytest.raises(ValueError):
+        Capabilities(layer_specs=frozenset({"transformer_engine"}))

@@ -39,7 +39,6 @@ DIST_MIXED = [c for c in md.MODEL_DIST_CASES if c.case.spec.expert_bias][:2]
 #: The transports of each distributed run's updates, in order (compat, direct, compat).
 ROTATIONS = {"colocated": ("serialized", "weight_transfer", "flattened_bucket"),
              "distributed": ("broadcast", "serialized_flattened", "weight_transfer")}
-RAN: dict = {}
 
 
 def encode(transport: str, stream: list, engine_rank: int, engine_tp: int):
@@ -117,8 +116,6 @@ def test_a_single_process_exporter_passes_both_suites_on_every_transport(carrier
     fmt = ("compat", "direct")[SINGLE.index(carrier) % 2]
     expert_suite.test_exporter_payload_lands_bit_exact(impl, ANCHORS[1], fmt)
     model_suite.test_exporter_stream_carries_every_parameter_once(impl, MIXED, fmt)
-    RAN.setdefault(_family(carrier), set()).update({"expert single-process",
-                                                    "whole-model single-process"})
 
 
 @pytest.mark.parametrize("mcase", DIST_MIXED, ids=[c.delivery for c in DIST_MIXED])
@@ -130,25 +127,32 @@ def test_a_distributed_exporter_passes_the_whole_model_suite_on_every_transport(
     result = md.run(rank_pool, impl, mcase, ["compat", "direct"])
     for index in range(len(result.updates)):
         assert md.judge_update(result, index)
-    for transport in impl.rotation:
-        RAN.setdefault(_family(transport), set()).add("whole-model distributed")
 
 
-def test_every_transport_ran_through_every_suite():
-    """The expert-only distributed suite's transports run in ``test_wire_distributed.py``."""
+def test_every_transport_runs_through_every_suite():
+    """Read off the parametrizations above (and the expert-only distributed suite's transport
+    cases, ``test_wire_distributed.py``), not off what ran: under xdist the cases run apart.
+    Every transport reaches the four suites it may be sent to; ``broadcast`` only the
+    distributed ones (a single-process exporter has no engine to broadcast to)."""
     from .test_wire_distributed import TRANSPORT_CASES
 
+    scopes: dict = {}
+    for carrier in SINGLE:
+        scopes.setdefault(_family(carrier), set()).update(
+            {"expert single-process", "whole-model single-process"})
+    for mcase in DIST_MIXED:
+        for transport in ROTATIONS[mcase.delivery]:
+            scopes.setdefault(_family(transport), set()).add("whole-model distributed")
     for param in TRANSPORT_CASES:
         for transport in param.values[2]:
-            RAN.setdefault(_family(transport).replace("broadcast_flattened", "broadcast"),
-                           set()).add("expert distributed")
-    if len(RAN) < len(TRANSPORTS):
-        pytest.skip("run with the tests above")
-    scopes = {"expert single-process", "whole-model single-process", "whole-model distributed",
-              "expert distributed"}
+            scopes.setdefault(_family(transport).replace("broadcast_flattened", "broadcast"),
+                              set()).add("expert distributed")
     # pairs: the distributed suites' own default, run by every conformance case
-    RAN["tensors"] |= {"whole-model distributed", "expert distributed"}
-    single = {t: s for t, s in RAN.items() if t != "broadcast"}
-    assert set(RAN) == set(TRANSPORTS), RAN
-    assert all(s == scopes for s in single.values()), single
-    assert RAN["broadcast"] == {"whole-model distributed", "expert distributed"}, RAN
+    scopes["tensors"] |= {"whole-model distributed", "expert distributed"}
+    assert set(scopes) == set(TRANSPORTS), scopes
+    every = {"expert single-process", "whole-model single-process", "whole-model distributed",
+             "expert distributed"}
+    assert {t: s for t, s in scopes.items() if t != "broadcast"} == \
+        {t: every for t in TRANSPORTS if t != "broadcast"}
+    assert scopes["broadcast"] == {"whole-model distributed", "expert distributed"}
+    assert {m.delivery for m in DIST_MIXED} == {"colocated", "distributed"}
