@@ -146,9 +146,14 @@ def gather_model(spec, trainer, model_state: Mapping, *, config, model=None):
 
 def export_weights_distributed(model_state, *, config, format, spec, trainer, receiver,
                                delivery, bucket_bytes: Optional[int], model=None):
-    """See the module docstring. Collective over every rank of the trainer world."""
+    """See the module docstring. Collective over every rank of the trainer world. A model
+    whose DDP defers its param all-gather (distributed optimizer, ``overlap_param_gather``)
+    completes it first: between the optimizer step and the next forward every rank's
+    parameters hold stale copies of the other DP ranks' shards (NeMo-RL#4086)."""
     from pytest_weightsync.reference_impl.senders import model_senders
+    from pytest_weightsync.reference_impl.trainer.param_sync import sync_params_before_refit
 
+    sync_params_before_refit(model)
     return engine_streams(gather_model(spec, trainer, model_state, config=config, model=model),
                           format=format, spec=spec, receiver=receiver, delivery=delivery,
                           bucket_bytes=bucket_bytes, export=model_senders.export)

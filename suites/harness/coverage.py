@@ -9,6 +9,10 @@ and where (parameter, layer, row, col):
 
 ``never written``       it still holds (some of) its pre-update bits;
 ``stale``               it holds the previous version;
+``stale trainer shard`` part of it holds the previous version, the rest the new one: the
+                        exporter read a trainer whose DP shards were not all gathered yet
+                        (distributed optimizer with ``overlap_param_gather``, read between
+                        the optimizer step and the param all-gather);
 ``from another source`` it holds another parameter's values (another layer's: a pipeline
                         stage's local layer numbering; the other target's);
 ``cast through bf16``   a float32 parameter holds its values rounded to bfloat16;
@@ -189,7 +193,8 @@ def _shared_as_routed(case, rank, name, actual, version) -> Optional[str]:
     return None
 
 
-def state_findings(params, case, rank, version, before, previous_version=None) -> list[Finding]:
+def state_findings(params, case, rank, version, before, previous_version=None,
+                   deferred_gather: bool = False) -> list[Finding]:
     """Every engine parameter of ``rank`` that is not what an update of ``case.targets`` to
     ``version`` leaves (``before``: the :func:`compare.snapshot` taken before the update)."""
     expected = model_inputs.expected(case, rank, version)
@@ -227,8 +232,23 @@ def state_findings(params, case, rank, version, before, previous_version=None) -
             findings.append(Finding(name, "never written", what, locate(name, _first(untouched))))
             continue
         if previous is not None and _same(actual, previous[name]):
+            if deferred_gather:  # the harness left other DP ranks' shards at that version
+                findings.append(Finding(name, "stale trainer shard", f"it holds version "
+                                        f"{previous_version}'s values: it lies in another DP "
+                                        f"rank's shard of the trainer's parameter buffer",
+                                        locate(name, _first(wrong))))
+                continue
             findings.append(Finding(name, "stale", "it holds the previous version's values"))
             continue
+        if previous is not None:
+            held = wrong & (_bits(actual) == _bits(previous[name]))
+            if bool(held.any()) and torch.equal(held, wrong):
+                findings.append(Finding(
+                    name, "stale trainer shard",
+                    f"{int(wrong.sum())} of {wrong.numel()} elements hold version "
+                    f"{previous_version}'s values, the rest the new version's",
+                    locate(name, _first(wrong))))
+                continue
         other = next((o for o, t in expected.items()
                       if o != name and t.shape == actual.shape and _same(actual, t)), None)
         if other is not None:
@@ -287,6 +307,11 @@ def _pattern(case, findings) -> Optional[str]:
             "from another source" in kinds and kinds <= {"from another source", "never written"}):
         return ("parameters written from another layer or target (e.g. a pipeline stage's local "
                 "layer numbering: each stage names its layers from 0)")
+    if "stale trainer shard" in kinds:
+        return ("stale trainer shard: parameters read from a trainer whose other DP ranks' "
+                "shards still held the previous version (distributed optimizer with "
+                "overlap_param_gather: complete the param all-gather - megatron-core's "
+                "start_param_sync(force_sync=True) - before reading, NeMo-RL#4086)")
     if "cast through bf16" in kinds:
         return "float32 parameters cast through bfloat16"
     if "even TP split" in kinds:
@@ -313,13 +338,14 @@ def report(case, rank, findings, head: str = "", prop: str = "coverage") -> str:
 
 
 def check_model_rank(params, case, rank, version, before, previous_version=None, head="",
-                     prop: str = "coverage") -> None:
+                     prop: str = "coverage", deferred_gather: bool = False) -> None:
     """Engine ``rank`` after an update of ``case.targets`` to ``version``: every parameter at
     its old address, every parameter of the updated targets bit-exact, every parameter of a
     frozen target bit-identical; raise :class:`judge.ConformanceError` with the report, headed
     by the property ``prop`` the calling test judges."""
     compare.assert_same_storage(before, params, rank=rank)
-    findings = state_findings(params, case, rank, version, before, previous_version)
+    findings = state_findings(params, case, rank, version, before, previous_version,
+                              deferred_gather)
     if findings:
         raise judge.ConformanceError(report(case, rank, findings, head, prop))
 
@@ -506,11 +532,12 @@ def draft_stream_problem(case, rank, stream, fmt, version=1) -> Optional[str]:
 
 
 def judge_model_stream(case, rank, stream, fmt, version, head: str, previous_version=None,
-                       prop: str = "coverage"):
+                       prop: str = "coverage", deferred_gather: bool = False):
     """An exporter's ``stream`` for engine ``rank``: its coverage, then a fresh poisoned
     reference receiver's state after loading it (``previous_version``: a value of that
-    version is named stale), reported under the property ``prop``. Raises
-    :class:`judge.ConformanceError`."""
+    version is named stale; ``deferred_gather``: the trainer's other DP shards held that
+    version when the exporter was called, so such a value is a stale trainer shard),
+    reported under the property ``prop``. Raises :class:`judge.ConformanceError`."""
     from pytest_weightsync.reference_impl.oracle import synth
     from pytest_weightsync.reference_impl.model.layout import WeightSyncError
     from pytest_weightsync.reference_impl.engine.model_receiver import ModelReceiver
@@ -533,5 +560,6 @@ def judge_model_stream(case, rank, stream, fmt, version, head: str, previous_ver
         raise judge.ConformanceError(f"{head}: the reference receiver refused the stream: "
                                      f"{judge.quoted(error)}") from None
     check_model_rank(receiver.params, case, rank, version, before,
-                     previous_version=previous_version, head=f"{head}: ", prop=prop)
+                     previous_version=previous_version, head=f"{head}: ", prop=prop,
+                     deferred_gather=deferred_gather)
     return receiver

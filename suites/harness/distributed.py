@@ -139,19 +139,21 @@ def export_from_trainer_rank(exporter, dcase, updates, parallel_spec, *, configu
 def call_each_update(exporter, state, updates, write_version, **call) -> list:
     """Rank body part: one exporter call per ``(version, format)`` of ``updates`` on the
     rank's real tensors ``state`` (already holding the first version), each later version
-    written in place first (``write_version(version)``: an optimizer step). Returns one
+    written in place first (``write_version(version)``: an optimizer step; what it returns,
+    a snapshot of the state once the step's deferred work completes or ``None``, is
+    ``call_exporter``'s ``settled``). Returns one
     ``RankExport`` per call, or the error string of a broken contract (reported by the pytest
     process, at that call)."""
     from pytest_weightsync import distributed
 
-    out, current = [], updates[0][0]
+    out, current, settled = [], updates[0][0], None
     for update, (version, fmt) in enumerate(updates, start=1):
         if version != current:
-            write_version(version)
+            settled = write_version(version)
             current = version
         try:
             out.append(distributed.call_exporter(exporter, state, format=fmt, update=update,
-                                                 **call))
+                                                 settled=settled, **call))
         except distributed.DistributedExportError as error:
             out.append(str(error))
     return out

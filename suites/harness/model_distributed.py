@@ -49,6 +49,11 @@ class ModelDistCase(DeliveredCase):
     delivery: str
     bucket: str = "whole"
     layer_spec: str = "te"
+    #: ``synced``: every version written whole before the exporter's call; ``after_step``: as a
+    #: distributed-optimizer step leaves it with ``overlap_param_gather`` (each DP rank's own
+    #: shard fresh, the others stale until the param all-gather; ``reference_impl/trainer/
+    #: param_sync.py``) - an exporter must complete that gather before it reads.
+    trainer_state: str = "synced"
 
     @property
     def bucket_bytes(self) -> Optional[int]:
@@ -61,12 +66,14 @@ class ModelDistCase(DeliveredCase):
         first = self.case.trainer.first_stage_layers
         uneven = f"-first{first}" if first else ""
         spec = "" if self.layer_spec == "te" else f"-{self.layer_spec}spec"
-        return f"{self.case.id}{uneven}-{self.delivery}-{self.bucket}{spec}"
+        state = "" if self.trainer_state == "synced" else "-afterstep"
+        return f"{self.case.id}{uneven}-{self.delivery}-{self.bucket}{spec}{state}"
 
 
-def _dcase(spec, receiver, trainer, delivery, bucket="whole", layer_spec="te") -> ModelDistCase:
+def _dcase(spec, receiver, trainer, delivery, bucket="whole", layer_spec="te",
+           trainer_state="synced") -> ModelDistCase:
     return ModelDistCase(ModelCase(spec, receiver, trainer, spec.targets), delivery, bucket,
-                         layer_spec)
+                         layer_spec, trainer_state)
 
 
 #: The built-in cases, each in :data:`WORLD` ranks, over the topologies where whole-model
@@ -120,6 +127,11 @@ MODEL_DIST_CASES = (
     _dcase(qwen3_moe(num_layers=4),
            ReceiverTopology(tp=2), TrainerTopology(etp=2, pp=2, expert_impl="te_grouped"),
            "colocated", layer_spec="local"),
+    # the refit between the optimizer step and the deferred param all-gather (distributed
+    # optimizer, overlap_param_gather; NeMo-RL#4086): dense parameters over DP 4
+    _dcase(qwen3_moe(num_kv_heads=2),
+           ReceiverTopology(tp=2), TrainerTopology(ep=2, etp=2, expert_impl="te_grouped"),
+           "colocated", "split_layer", trainer_state="after_step"),
 )
 
 
@@ -147,22 +159,46 @@ def export_model_in_rank(exporter, mcase: ModelDistCase, updates):
     format)`` of ``updates``, each version written in place before its call. Returns one
     ``RankExport`` (or the error string of a broken contract) per update."""
     from pytest_weightsync.reference_impl.oracle import model_synth
-    from pytest_weightsync.reference_impl.trainer import megatron_model, megatron_whole
+    from pytest_weightsync.reference_impl.trainer import megatron_model, megatron_whole, param_sync
 
     case = mcase.case
+    after_step = mcase.trainer_state == "after_step"
+    built = []
 
     def modelled(version, rank):  # this rank's shard only: the checkpoint is dropped after it
         return megatron_model.trainer_model_state(case.spec, case.trainer, rank,
                                                   model_synth.full_model(case.spec, version))
 
-    return dh.export_from_trainer_rank(
-        exporter, mcase, updates, case.spec.experts,
-        configure=lambda: megatron_whole.transformer_config(case.spec, case.trainer),
-        build=lambda rank, config, version: megatron_whole.whole_model_state(
+    def build(rank, config, version):
+        model, state = megatron_whole.whole_model_state(
             case.spec, case.trainer, rank, model_synth.full_model(case.spec, version), config,
-            mcase.layer_spec),
-        write=lambda state, rank, version: megatron_whole.write_model(
-            state, modelled(version, rank), rank))
+            mcase.layer_spec, {"overlap_param_gather": True} if after_step else None)
+        built[:] = [model]
+        return model, state
+
+    def write(state, rank, version):
+        """The optimizer step; returns the state its deferred param gather would leave."""
+        from pytest_weightsync.distributed import snapshot
+
+        settled = []
+
+        def step():
+            megatron_whole.write_model(state, modelled(version, rank), rank)
+            if after_step:
+                settled.append(snapshot(state))
+        if after_step:
+            param_sync.step_with_deferred_gather(built[0], step)
+            return settled[0]
+        step()
+        return None
+
+    try:
+        return dh.export_from_trainer_rank(
+            exporter, mcase, updates, case.spec.experts,
+            configure=lambda: megatron_whole.transformer_config(case.spec, case.trainer),
+            build=build, write=write)
+    finally:
+        built.clear()
 
 
 @dataclass
@@ -208,7 +244,8 @@ def judge_update(result: ModelDistRun, index: int) -> int:
                 f"{result.mcase.delivery} delivery, {who}")
         coverage.judge_model_stream(result.mcase.case, engine_rank, stream, fmt, version, head,
                                     previous_version=previous,
-                                    prop="coverage" if index == 0 else "model_bit_exact")
+                                    prop="coverage" if index == 0 else "model_bit_exact",
+                                    deferred_gather=result.mcase.trainer_state == "after_step")
         if index == 0:  # real engines load the first update; later ones are the reference's
             judge_with_engines(result.mcase.case, fmt, engine_rank, stream, version, head)
     return len(streams)

@@ -159,6 +159,17 @@ class ExampleModelExporter(ExampleDistributedExporter):
             return None, None
         return self.gather_stage(_local_experts(state))
 
+    @staticmethod
+    def sync_params_before_refit(model) -> None:
+        """Between the optimizer step and the next forward, a DDP model with the distributed
+        optimizer and ``overlap_param_gather`` holds only its own DP shard fresh: complete
+        the deferred param all-gather before reading (megatron-core's
+        ``start_param_sync(force_sync=True)``; NeMo-RL#4086)."""
+        for chunk in model or ():
+            ddp = getattr(chunk, "ddp_config", None)
+            if ddp is not None and ddp.use_distributed_optimizer and ddp.overlap_param_gather:
+                chunk.start_param_sync(force_sync=True)
+
     def gather_model(self, model_state, spec, *, config, model=None) -> list:
         """Every stage's :class:`Stage`, in pipeline order, on every rank. Collective over the
         world: TP, ETP and EP within the stage, then the PP group (as Python objects, stages
@@ -166,6 +177,7 @@ class ExampleModelExporter(ExampleDistributedExporter):
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
 
+        self.sync_params_before_refit(model)
         offset = self.layer_offset(config, model)
         dense = self.gather_dense(model_state, spec, offset)
         fc1, fc2 = self.gather_experts(model_state)

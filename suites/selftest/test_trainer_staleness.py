@@ -1,0 +1,63 @@
+"""A refit taken between the optimizer step and the deferred param all-gather.
+
+With Megatron's distributed optimizer and ``overlap_param_gather=True`` each DP rank's
+optimizer step refreshes only its own shard of every parameter buffer; the all-gather that
+brings the others runs in the next training forward. An exporter that reads the parameters
+then exports its own fresh shard beside stale copies of the others (NVIDIA-NeMo/RL#4086).
+The ``-afterstep`` whole-model case builds real megatron-core DDP with both settings and
+leaves every version that way (``reference_impl/trainer/param_sync.py``); a correct exporter
+completes the gather first (megatron-core's ``start_param_sync(force_sync=True)``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pytest_weightsync.reference_impl.impl import ReferenceImplementation
+
+from ..harness import judge
+from ..harness import model_distributed as md
+
+pytestmark = pytest.mark.weightsync_property("mutation_detected")
+
+AFTER_STEP = next(c for c in md.MODEL_DIST_CASES if c.trainer_state == "after_step")
+
+
+class ReadsBeforeTheGather(ReferenceImplementation):
+    """The reference whole-model exporter without its param sync: it reads the parameters as
+    the optimizer step left them."""
+
+    name = "mutant-reads-before-the-param-gather"
+
+    def export_weights_distributed(self, model_state, *, config, format, spec, trainer,
+                                   receiver, delivery, bucket_bytes, model=None, engine=None):
+        from pytest_weightsync.reference_impl.senders import distributed_model_export as dme
+        from pytest_weightsync.reference_impl.senders import model_senders
+
+        return dme.engine_streams(
+            dme.gather_model(spec, trainer, model_state, config=config, model=model),
+            format=format, spec=spec, receiver=receiver, delivery=delivery,
+            bucket_bytes=bucket_bytes, export=model_senders.export)
+
+
+def test_the_case_leaves_other_dp_shards_stale_and_the_reference_syncs_them(rank_pool):
+    result = md.run(rank_pool, ReferenceImplementation(), AFTER_STEP, ["compat", "direct"])
+    for index in range(len(result.updates)):
+        assert md.judge_update(result, index)
+
+
+def test_an_exporter_that_reads_before_the_gather_is_named_stale_trainer_shard(rank_pool):
+    result = md.run(rank_pool, ReadsBeforeTheGather(), AFTER_STEP, ["compat", "direct"])
+    assert md.judge_update(result, 0)  # the first version is written whole: nothing stale yet
+    with pytest.raises(judge.ConformanceError) as info:
+        md.judge_update(result, 1)
+    message = str(info.value)
+    assert "stale trainer shard: parameters read from a trainer whose other DP ranks'" in \
+        message, message[:3000]
+    # each parameter located: its first stale element, in a parameter of the previous version
+    # whole (another DP rank's shard) or in part (a parameter across two shards)
+    assert re.search(r"- stale trainer shard: model\.\S+: (it holds version 1's values|\d+ "
+                     r"of \d+ elements hold version 1's values).*\(first at .*row=\d+ col=\d+",
+                     message), message[:3000]
