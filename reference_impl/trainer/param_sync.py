@@ -14,7 +14,8 @@ distributed optimizer and ``overlap_param_gather``) in exactly that state, witho
 optimizer: the new version is written, then every shard but this rank's own is put back to
 what it held, in every bucket of every bucket group (dense and expert). What a correct
 exporter does about it is :func:`sync_params_before_refit`, megatron-core's own
-``start_param_sync(force_sync=True)``.
+``start_param_sync(force_sync=True)``. :func:`relocate` is the other way a trainer leaves
+stale copies behind: parameters moved to new storage between refits.
 """
 
 from __future__ import annotations
@@ -67,3 +68,18 @@ def sync_params_before_refit(model) -> None:
     for chunk in model or ():
         if defers_param_gather(chunk):
             chunk.start_param_sync(force_sync=True)
+
+
+def relocate(state) -> None:
+    """Move every tensor of ``state`` (a model's parameters and buffers, by name) to new
+    storage holding the same values, the objects kept: what a trainer that offloads and
+    reloads its weights, or packs them for inference, does between refits (Megatron-LM#7448:
+    the packing relocated the storage a refit kept reading, and generation ran on stale
+    weights). The next step then writes the new storage: a reader of the tensors it is given
+    sees the new version; a copy or view kept from an earlier call still sees the old."""
+    import torch
+
+    with torch.no_grad():
+        for tensor in state.values():
+            tensor.data = tensor.data.clone()
+

@@ -194,7 +194,7 @@ def _shared_as_routed(case, rank, name, actual, version) -> Optional[str]:
 
 
 def state_findings(params, case, rank, version, before, previous_version=None,
-                   deferred_gather: bool = False) -> list[Finding]:
+                   stale_copies: Optional[str] = None) -> list[Finding]:
     """Every engine parameter of ``rank`` that is not what an update of ``case.targets`` to
     ``version`` leaves (``before``: the :func:`compare.snapshot` taken before the update)."""
     expected = model_inputs.expected(case, rank, version)
@@ -232,10 +232,9 @@ def state_findings(params, case, rank, version, before, previous_version=None,
             findings.append(Finding(name, "never written", what, locate(name, _first(untouched))))
             continue
         if previous is not None and _same(actual, previous[name]):
-            if deferred_gather:  # the harness left other DP ranks' shards at that version
+            if stale_copies:  # the harness left trainer memory at that version: say where
                 findings.append(Finding(name, "stale trainer shard", f"it holds version "
-                                        f"{previous_version}'s values: it lies in another DP "
-                                        f"rank's shard of the trainer's parameter buffer",
+                                        f"{previous_version}'s values: {stale_copies}",
                                         locate(name, _first(wrong))))
                 continue
             findings.append(Finding(name, "stale", "it holds the previous version's values"))
@@ -308,10 +307,8 @@ def _pattern(case, findings) -> Optional[str]:
         return ("parameters written from another layer or target (e.g. a pipeline stage's local "
                 "layer numbering: each stage names its layers from 0)")
     if "stale trainer shard" in kinds:
-        return ("stale trainer shard: parameters read from a trainer whose other DP ranks' "
-                "shards still held the previous version (distributed optimizer with "
-                "overlap_param_gather: complete the param all-gather - megatron-core's "
-                "start_param_sync(force_sync=True) - before reading, NeMo-RL#4086)")
+        return ("stale trainer shard: parameters read where the trainer still held the "
+                "previous version (each finding says where, and what reads it fresh)")
     if "cast through bf16" in kinds:
         return "float32 parameters cast through bfloat16"
     if "even TP split" in kinds:
@@ -338,14 +335,14 @@ def report(case, rank, findings, head: str = "", prop: str = "coverage") -> str:
 
 
 def check_model_rank(params, case, rank, version, before, previous_version=None, head="",
-                     prop: str = "coverage", deferred_gather: bool = False) -> None:
+                     prop: str = "coverage", stale_copies: Optional[str] = None) -> None:
     """Engine ``rank`` after an update of ``case.targets`` to ``version``: every parameter at
     its old address, every parameter of the updated targets bit-exact, every parameter of a
     frozen target bit-identical; raise :class:`judge.ConformanceError` with the report, headed
     by the property ``prop`` the calling test judges."""
     compare.assert_same_storage(before, params, rank=rank)
     findings = state_findings(params, case, rank, version, before, previous_version,
-                              deferred_gather)
+                              stale_copies)
     if findings:
         raise judge.ConformanceError(report(case, rank, findings, head, prop))
 
@@ -532,12 +529,12 @@ def draft_stream_problem(case, rank, stream, fmt, version=1) -> Optional[str]:
 
 
 def judge_model_stream(case, rank, stream, fmt, version, head: str, previous_version=None,
-                       prop: str = "coverage", deferred_gather: bool = False):
+                       prop: str = "coverage", stale_copies: Optional[str] = None):
     """An exporter's ``stream`` for engine ``rank``: its coverage, then a fresh poisoned
     reference receiver's state after loading it (``previous_version``: a value of that
-    version is named stale; ``deferred_gather``: the trainer's other DP shards held that
-    version when the exporter was called, so such a value is a stale trainer shard),
-    reported under the property ``prop``. Raises :class:`judge.ConformanceError`."""
+    version is named stale; ``stale_copies``: where the trainer still held that version when
+    the exporter was called - such a value is then a stale trainer shard, said to lie
+    there), reported under the property ``prop``. Raises :class:`judge.ConformanceError`."""
     from pytest_weightsync.reference_impl.oracle import synth
     from pytest_weightsync.reference_impl.model.layout import WeightSyncError
     from pytest_weightsync.reference_impl.engine.model_receiver import ModelReceiver
@@ -561,5 +558,5 @@ def judge_model_stream(case, rank, stream, fmt, version, head: str, previous_ver
                                      f"{judge.quoted(error)}") from None
     check_model_rank(receiver.params, case, rank, version, before,
                      previous_version=previous_version, head=f"{head}: ", prop=prop,
-                     deferred_gather=deferred_gather)
+                     stale_copies=stale_copies)
     return receiver

@@ -49,10 +49,13 @@ class ModelDistCase(DeliveredCase):
     delivery: str
     bucket: str = "whole"
     layer_spec: str = "te"
-    #: ``synced``: every version written whole before the exporter's call; ``after_step``: as a
-    #: distributed-optimizer step leaves it with ``overlap_param_gather`` (each DP rank's own
-    #: shard fresh, the others stale until the param all-gather; ``reference_impl/trainer/
-    #: param_sync.py``) - an exporter must complete that gather before it reads.
+    #: ``synced``: every version written whole, in place, before the exporter's call;
+    #: ``after_step``: as a distributed-optimizer step leaves it with ``overlap_param_gather``
+    #: (each DP rank's own shard fresh, the others stale until the param all-gather;
+    #: ``reference_impl/trainer/param_sync.py``) - an exporter must complete that gather
+    #: before it reads; ``relocated``: written, then every parameter moved to new storage (a
+    #: trainer that offloads and reloads, or packs, its weights between refits) - an
+    #: exporter must read the parameters it is given, not copies or views it kept.
     trainer_state: str = "synced"
 
     @property
@@ -66,7 +69,8 @@ class ModelDistCase(DeliveredCase):
         first = self.case.trainer.first_stage_layers
         uneven = f"-first{first}" if first else ""
         spec = "" if self.layer_spec == "te" else f"-{self.layer_spec}spec"
-        state = "" if self.trainer_state == "synced" else "-afterstep"
+        state = {"synced": "", "after_step": "-afterstep"}.get(self.trainer_state,
+                                                              f"-{self.trainer_state}")
         return f"{self.case.id}{uneven}-{self.delivery}-{self.bucket}{spec}{state}"
 
 
@@ -132,7 +136,24 @@ MODEL_DIST_CASES = (
     _dcase(qwen3_moe(num_kv_heads=2),
            ReceiverTopology(tp=2), TrainerTopology(ep=2, etp=2, expert_impl="te_grouped"),
            "colocated", "split_layer", trainer_state="after_step"),
+    # parameters moved to new storage after each step (Megatron-LM#7448: inference packing
+    # relocated the storage a refit kept reading)
+    _dcase(qwen3_moe(num_kv_heads=2),
+           ReceiverTopology(tp=2), TrainerTopology(tp=2, ep=4, expert_impl="te_grouped"),
+           "distributed", "tensor", trainer_state="relocated"),
 )
+
+#: Where each trainer state leaves the previous version, and what reads the new one (the
+#: detail of a ``stale trainer shard`` finding).
+STALE_COPIES = {
+    "after_step": ("it lies in another DP rank's shard of the trainer's parameter buffer, not "
+                   "gathered yet (distributed optimizer with overlap_param_gather: "
+                   "start_param_sync(force_sync=True) on each model chunk before reading, "
+                   "NeMo-RL#4086)"),
+    "relocated": ("it was read from storage the parameter left after the step (the trainer "
+                  "moved its parameters; read the tensors of model_state at each call, never "
+                  "copies or views kept from an earlier one, Megatron-LM#7448)"),
+}
 
 
 def model_dist_params(cases=MODEL_DIST_CASES, where=None) -> list:
@@ -189,6 +210,8 @@ def export_model_in_rank(exporter, mcase: ModelDistCase, updates):
         if after_step:
             param_sync.step_with_deferred_gather(built[0], step)
             return settled[0]
+        if mcase.trainer_state == "relocated":  # moved, then the step writes the new storage
+            param_sync.relocate(state)
         step()
         return None
 
@@ -245,7 +268,7 @@ def judge_update(result: ModelDistRun, index: int) -> int:
         coverage.judge_model_stream(result.mcase.case, engine_rank, stream, fmt, version, head,
                                     previous_version=previous,
                                     prop="coverage" if index == 0 else "model_bit_exact",
-                                    deferred_gather=result.mcase.trainer_state == "after_step")
+                                    stale_copies=STALE_COPIES.get(result.mcase.trainer_state))
         if index == 0:  # real engines load the first update; later ones are the reference's
             judge_with_engines(result.mcase.case, fmt, engine_rank, stream, version, head)
     return len(streams)
