@@ -416,6 +416,19 @@ def _shared_sent_as_routed(missing: list, seen: dict) -> Optional[str]:
     return None
 
 
+def _even_split_numbering(case, stages) -> Optional[tuple]:
+    """``(layers sent twice, layers never sent)`` by an exporter that numbers stage s's local
+    layer i as ``s * (num_layers // pp) + i`` on an uneven pipeline, where that differs from
+    the true numbering; ``None`` on even stages (the assumption then holds)."""
+    per_stage = case.spec.num_layers // case.trainer.pp
+    if case.trainer.pp < 2 or all(len(r) == per_stage for r in stages):
+        return None
+    named = [s * per_stage + i for s, r in enumerate(stages) for i in range(len(r))]
+    twice = sorted({n for n in named if named.count(n) > 1})
+    never = sorted(set(range(case.spec.num_layers)) - set(named))
+    return (twice, never) if twice and never else None
+
+
 def stream_findings(case, rank, stream, fmt, version) -> list[str]:
     """What an exporter's ``stream`` for engine ``rank`` gets wrong against the whole-model
     payload it owes: tensors carried twice, never carried, unknown, or in another dtype /
@@ -454,7 +467,17 @@ def stream_findings(case, rank, stream, fmt, version) -> list[str]:
             dup_layers = sorted({_layer_of(v[0][2]) for v in twice.values()} - {None})
             stages = stage_layers(case.spec.num_layers, case.trainer)
             longest = max(len(r) for r in stages)
-            if case.trainer.pp > 1 and dup_layers and max(dup_layers) < longest and \
+            even = _even_split_numbering(case, stages)
+            if even is not None and (dup_layers, sorted(set(layers))) == even:
+                problems.append(f"the pattern of an even pipeline split assumed: the "
+                                f"{case.trainer.pp} stages hold {[len(r) for r in stages]} "
+                                f"layers, but each stage numbered its layers from stage x "
+                                f"{case.spec.num_layers // case.trainer.pp} (num_layers // pp), "
+                                f"so layers {dup_layers} arrive more than once and layers "
+                                f"{sorted(set(layers))} never (take each layer's "
+                                f"layer_number, or megatron-core's "
+                                f"get_transformer_layer_offset)")
+            elif case.trainer.pp > 1 and dup_layers and max(dup_layers) < longest and \
                     set(layers) >= set(range(longest, case.spec.num_layers)):
                 problems.append(f"the pattern of pipeline-stage-local layer numbering: each of "
                                 f"the {case.trainer.pp} stages named its layers from 0, so layers "

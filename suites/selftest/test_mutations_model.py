@@ -19,7 +19,11 @@ layers):
 * GDN ``in_proj_ba`` split evenly across TP (vllm#36242, Megatron-LM#1989);
 * the shared expert written as routed expert 0 (sglang#26015);
 * a loader that replays the previous update's tensors: named stale, not never written;
-* with fewer KV heads than TP ranks, the wrong KV head replica taken (rank % heads).
+* with fewer KV heads than TP ranks, the wrong KV head replica taken (rank % heads);
+* an even pipeline split assumed on uneven stages (layer = stage x num_layers // pp + i);
+* mixed dtypes flattened densely, offsets not aligned to each item size (verl#7318): refused
+  by the decoder every suite shares, naming the entry and its byte offset;
+* a bucket packed in one dtype, the float32 router and bias cut to bf16 on the way.
 """
 
 from __future__ import annotations
@@ -205,6 +209,52 @@ class StageLocalLayerNames(Exporter):
                 if n.startswith("model.layers.") else (n, t) for n, t in payload]
 
 
+class EvenStageLayerNames(Exporter):
+    """Numbers stage s's local layer i as ``s * (num_layers // pp) + i``: right on even
+    pipelines, wrong on uneven ones (Megatron's ``num_layers_in_first_pipeline_stage``)."""
+
+    def rewrite(self, payload, spec, trainer):
+        from pytest_weightsync.reference_impl.model.layout import stage_layers
+
+        per_stage = spec.num_layers // trainer.pp
+        renumber = {layer: s * per_stage + i
+                    for s, r in enumerate(stage_layers(spec.num_layers, trainer))
+                    for i, layer in enumerate(r)}
+        return [(re.sub(r"(?<=layers\.)(\d+)", lambda m: str(renumber[int(m.group(1))]), n), t)
+                if n.startswith("model.layers.") else (n, t) for n, t in payload]
+
+
+class MixedDtypesPackedUnaligned(Exporter):
+    """Sends each update as one flattened bucket packed densely: a 3-byte int8 version stamp
+    first, so the bf16 and float32 tensors after it start at odd byte offsets (verl#7318)."""
+
+    def export_weights(self, trainer_states, **kwargs):
+        from pytest_weightsync import wire
+
+        payload = super().export_weights(trainer_states, **kwargs)
+        stamped = [("weight_version", torch.ones(3, dtype=torch.int8)), *payload]
+        pieces, metadata, offset = [], [], 0
+        for name, tensor in stamped:
+            data = wire.tensor_bytes(tensor)
+            metadata.append(wire.FlattenedEntry(name, tuple(tensor.shape), tensor.dtype,
+                                                offset, offset + data.numel(), data.numel()))
+            pieces.append(data)
+            offset += data.numel()
+        return [{"flattened_tensor": torch.cat(pieces), "metadata": metadata}]
+
+
+class OneDtypeBucket(Exporter):
+    """Packs a bucket into one flattened buffer of one dtype: the float32 router and expert
+    bias go in as bfloat16 beside the bf16 weights (a packer that groups by the first
+    tensor's dtype)."""
+
+    def export_weights(self, trainer_states, **kwargs):
+        from pytest_weightsync import wire
+
+        payload = super().export_weights(trainer_states, **kwargs)
+        return [wire.flattened_bucket([(n, t.to(torch.bfloat16)) for n, t in payload])]
+
+
 class RouterCutToBf16(Exporter):
     def rewrite(self, payload, spec, trainer):
         return [(n, t.to(torch.bfloat16) if n.endswith("mlp.gate.weight") else t)
@@ -309,3 +359,25 @@ def test_shared_expert_written_as_routed_expert_zero():
     _fails(suite.test_loader_writes_every_parameter_from_its_source, SharedAsRoutedZero(),
            Q35_FROZEN, "compat", "shared as routed", "routed expert 0 holds the shared expert",
            "never written: model.layers.0.mlp.shared_expert.gate_up_proj.weight")
+
+
+def test_an_even_pipeline_split_assumed_on_uneven_stages_is_named():
+    """3 layers on 2 stages (2 + 1): numbering stage 1's layer as 1 x (3 // 2) + 0 sends
+    layer 1 twice and layer 2 never."""
+    _fails(suite.test_exporter_stream_carries_every_parameter_once, EvenStageLayerNames(),
+           Q3_KV2_TP4_UNEVEN, "compat", "the pattern of an even pipeline split assumed",
+           "layers [1] arrive more than once and layers [2] never")
+
+
+def test_mixed_dtypes_flattened_at_unaligned_offsets_are_refused_and_named():
+    with pytest.raises(judge.ConformanceError) as info:
+        suite.test_exporter_stream_carries_every_parameter_once(
+            MixedDtypesPackedUnaligned(), Q3_FP32_BIAS, "compat")
+    message = str(info.value)
+    assert "verl#7318" in message and "entry 1" in message, message[:2000]
+
+
+def test_a_bucket_packed_in_one_dtype_is_named():
+    _fails(suite.test_exporter_stream_carries_every_parameter_once, OneDtypeBucket(),
+           Q3_FP32_BIAS, "compat", "arrives as torch.bfloat16", "a float32 tensor cut to bf16")
+
