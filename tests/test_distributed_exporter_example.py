@@ -277,3 +277,31 @@ def test_single_process_export_modifying_a_shard_fails_at_that_call():
     assert message.startswith("export call for receiver rank 2 (compat) modified trainer rank "
                               "1's shard decoder.layers.0.mlp.experts."), message
     assert message.endswith("linear_fc1.weight at row 3 col 0"), message
+
+
+#: Whole-model cases with the float32 router and expert bias beside bf16, one per delivery,
+#: each cut into several buckets.
+MIXED_DTYPE_CASES = [next(c for c in md.MODEL_DIST_CASES
+                          if c.case.spec.expert_bias and c.delivery == delivery)
+                     for delivery in ("colocated", "distributed")]
+
+
+@pytest.mark.parametrize("mcase", MIXED_DTYPE_CASES, ids=[c.delivery for c in MIXED_DTYPE_CASES])
+def test_example_flattened_whole_model_exporter_passes_with_mixed_dtypes(example_model,
+                                                                        rank_pool, mcase):
+    """The example's whole-model exporter sending flattened buckets: float32 and bf16 in one
+    buffer, every offset aligned; two versions judged bit for bit, each bucket decoded by the
+    harness as SGLang decodes it."""
+    impl = example_model.FlattenedModelExporter()
+    md.require_claim(impl, mcase)
+    result = md.run(rank_pool, impl, mcase, ["compat"])
+    for update in range(len(result.updates)):
+        assert md.judge_update(result, update)
+    sent = [r for r in result.per_update[0] if not isinstance(r, str) and any(r.streams.values())]
+    assert sent and all(r.transports == {"flattened_bucket"} for r in sent)
+    buckets = [len(s) for r in sent for s in r.streams.values()]
+    assert max(buckets) > 1, buckets  # many buckets: offsets restart in every one
+    import torch
+
+    mixed = {t.dtype for r in sent for s in r.streams.values() for b in s for _, t in b}
+    assert {torch.float32, torch.bfloat16} <= mixed, mixed

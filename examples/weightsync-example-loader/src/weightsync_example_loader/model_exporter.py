@@ -255,3 +255,47 @@ class EmbeddingCopySentExporter(ExampleModelExporter):
     @staticmethod
     def is_embedding_copy(spec, own: str, first_stage: bool) -> bool:
         return spec.tied and own == "output_layer.weight"
+
+
+class FlattenedMetadata(NamedTuple):
+    """SGLang's ``FlattenedTensorMetadata`` fields (``start_idx``, ``end_idx`` and ``numel``
+    counted in bytes of the flattened buffer)."""
+
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def flattened_bucket(named) -> dict:
+    """``named`` (``[(name, tensor)]``, any mixture of dtypes) as SGLang's flattened bucket
+    (``load_format="flattened_bucket"``): every tensor's bytes in one ``uint8`` buffer, each
+    starting at an offset that is a multiple of its item size - the engine views each slice
+    as its dtype, so a float32 router after an odd number of bf16 elements would not
+    reconstruct (verl#7318)."""
+    pieces, metadata, offset = [], [], 0
+    for name, tensor in named:
+        size = tensor.element_size()
+        start = -(-offset // size) * size
+        if start > offset:
+            pieces.append(torch.zeros(start - offset, dtype=torch.uint8, device=tensor.device))
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        pieces.append(data)
+        metadata.append(FlattenedMetadata(name, tuple(tensor.shape), tensor.dtype, start,
+                                          start + data.numel(), data.numel()))
+        offset = start + data.numel()
+    flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+    return {"flattened_tensor": flat, "metadata": metadata}
+
+
+class FlattenedModelExporter(ExampleModelExporter):
+    """The same whole-model exporter sending each bucket as SGLang's flattened bucket, as
+    slime's colocated path does: the float32 router and expert bias travel beside the bf16
+    weights in one buffer (:func:`flattened_bucket`)."""
+
+    name = "example-model-flattened"
+
+    def buckets(self, named, bucket_bytes):
+        return [flattened_bucket(bucket) for bucket in super().buckets(named, bucket_bytes)]
