@@ -109,6 +109,45 @@ def modelled_gated_delta_net(spec, tp: int):
     return ModuleSpec(module=ModelledGatedDeltaNet)
 
 
+def megatron_gated_delta_net(config):
+    """megatron-core's own Gated DeltaNet mixer (``megatron/core/ssm/gated_delta_net.py``)
+    with the Transformer Engine spec's linears (``get_gated_delta_net_module_spec``): the
+    names and shapes are its source's. Its constructor refuses to run without the ``fla``
+    kernels, which only its forward uses: :class:`_ConstructedWithoutFla` builds it with that
+    check answered (no forward runs here)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_gated_delta_net_module_spec,
+    )
+
+    from pytest_weightsync.reference_impl.trainer.te_spec import te_spec_provider
+
+    real = get_gated_delta_net_module_spec(config, backend=te_spec_provider()())
+    return dataclasses.replace(real, module=_constructed_without_fla(real.module))
+
+
+def _constructed_without_fla(cls):
+    """``cls`` (megatron-core's ``GatedDeltaNet``) built with its module's ``HAVE_FLA``
+    answering True for the constructor's duration."""
+    import sys
+
+    module = sys.modules[cls.__module__]
+
+    class GatedDeltaNet(cls):
+        def __init__(self, *args, **kwargs):
+            before = module.HAVE_FLA
+            module.HAVE_FLA = True
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                module.HAVE_FLA = before
+
+    GatedDeltaNet.__qualname__ = cls.__qualname__
+    GatedDeltaNet.__module__ = cls.__module__
+    return GatedDeltaNet
+
+
 def _attention_layer_spec(spec, topo, layer_spec: str):
     """The attention ``TransformerLayer`` spec of ``layer_spec`` (``"te"``: megatron-core's
     Transformer Engine spec over the modelled TE, what real jobs build; ``"local"``: its local
@@ -128,8 +167,9 @@ def _attention_layer_spec(spec, topo, layer_spec: str):
 
 def block_spec(spec, topo, config, layer_spec: str = "te"):
     """This stage's ``TransformerBlockSubmodules``: megatron-core's layer spec (``layer_spec``)
-    for each attention layer; for each GDN layer the same with :func:`modelled_gated_delta_net`
-    as its mixer (its input norm fused into ``in_proj``, as in the Transformer Engine spec)."""
+    for each attention layer; for each GDN layer the same with its Gated DeltaNet mixer (its
+    input norm fused into ``in_proj``): megatron-core's own on the Transformer Engine spec
+    (:func:`megatron_gated_delta_net`), :func:`modelled_gated_delta_net` on the local one."""
     import dataclasses
 
     from megatron.core.transformer.identity_op import IdentityOp
@@ -140,9 +180,10 @@ def block_spec(spec, topo, config, layer_spec: str = "te"):
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     attention, final_norm = _attention_layer_spec(spec, topo, layer_spec)
+    mixer = (megatron_gated_delta_net(config) if layer_spec == "te" and spec.linear_k_heads
+             else modelled_gated_delta_net(spec, topo.tp))
     gdn = dataclasses.replace(attention, submodules=dataclasses.replace(
-        attention.submodules, input_layernorm=IdentityOp,
-        self_attention=modelled_gated_delta_net(spec, topo.tp)))
+        attention.submodules, input_layernorm=IdentityOp, self_attention=mixer))
     offset = get_transformer_layer_offset(config)
     layers = range(offset, offset + get_num_layers_to_build(config))
     return TransformerBlockSubmodules(
@@ -189,6 +230,13 @@ def transformer_config(spec, topo):
         pipeline_model_parallel_size=topo.pp,
         num_layers_in_first_pipeline_stage=topo.first_stage_layers,
         pipeline_dtype=spec.dtype, mtp_num_layers=spec.mtp_layers or None,
+        # the Gated DeltaNet sizes megatron-core's GatedDeltaNet reads; its initialisation
+        # draws from the CUDA RNG tracker, and every value is the oracle's anyway
+        **({"linear_conv_kernel_dim": spec.conv_kernel, "linear_key_head_dim": spec.linear_k_dim,
+            "linear_value_head_dim": spec.linear_v_dim,
+            "linear_num_key_heads": spec.linear_k_heads,
+            "linear_num_value_heads": spec.linear_v_heads, "perform_initialization": False}
+           if spec.linear_k_heads else {}),
     )
 
 
@@ -199,7 +247,7 @@ def _keep_float32(spec):
     def restore(chunk):
         for module in chunk.modules():
             kind = type(module).__name__
-            if kind == "ModelledGatedDeltaNet":
+            if kind in ("ModelledGatedDeltaNet", "GatedDeltaNet"):
                 module.A_log.data = module.A_log.data.to(torch.float32)
             if kind != "TopKRouter":
                 continue

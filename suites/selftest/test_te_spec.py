@@ -17,13 +17,15 @@ import pytest
 import torch
 
 from pytest_weightsync.reference_impl.model.layout import TrainerTopology
-from pytest_weightsync.reference_impl.model.model_spec import qwen3_moe
+from pytest_weightsync.reference_impl.model.model_spec import qwen3_5_moe, qwen3_moe
 
 from ..harness import distributed as dh
 
 pytestmark = pytest.mark.weightsync_property("mutation_detected")
 
 SPEC = qwen3_moe(num_layers=2, num_kv_heads=2)
+#: Qwen3.5: a Gated DeltaNet layer, then attention.
+SPEC_GDN = qwen3_5_moe(linear_k_heads=4, linear_v_heads=8, num_kv_heads=2, mtp_layers=0)
 TOPO = TrainerTopology(tp=2, ep=2, etp=2, expert_impl="te_grouped")
 
 
@@ -58,30 +60,42 @@ def both_specs_in_rank(spec, topo):
     return built
 
 
-def test_the_te_spec_fuses_the_input_norm_as_megatron_core_builds_it(rank_pool):
+@pytest.mark.parametrize("spec", [SPEC, SPEC_GDN], ids=["qwen3-moe", "qwen3.5-moe-gdn"])
+def test_the_te_spec_fuses_the_input_norm_as_megatron_core_builds_it(rank_pool, spec):
     dh.require_megatron()
     from pytest_weightsync.reference_impl.trainer import megatron_whole
 
-    per_rank = rank_pool.run(both_specs_in_rank, TOPO.world_size, SPEC, TOPO)
+    per_rank = rank_pool.run(both_specs_in_rank, TOPO.world_size, spec, TOPO)
+    first = next(l for l in range(spec.num_layers) if spec.layer_kind(l) == "attention")
     for rank, built in enumerate(per_rank):
         te, local = built["te"], built["local"]
-        qkv = "decoder.layers.0.self_attention.linear_qkv"
+        qkv = f"decoder.layers.{first}.self_attention.linear_qkv"
         # megatron-core's own classes, compiled from its installed source
         assert te[f"{qkv}.weight"][2:4] == ("TELayerNormColumnParallelLinear",
                                              "megatron.core.extensions.transformer_engine")
-        assert te["decoder.layers.0.self_attention.linear_proj.weight"][2] == "TERowParallelLinear"
+        assert te[f"decoder.layers.{first}.self_attention.linear_proj.weight"][2] == \
+            "TERowParallelLinear"
         # the input norm lives in linear_qkv: replicated, beside the column-sharded weight
         shape, dtype, _, _, tp_sharded, dim = te[f"{qkv}.layer_norm_weight"]
-        assert shape == (SPEC.hidden,) and not tp_sharded, (rank, te[f"{qkv}.layer_norm_weight"])
+        assert shape == (spec.hidden,) and not tp_sharded, (rank, te[f"{qkv}.layer_norm_weight"])
         assert te[f"{qkv}.weight"][4:] == (True, 0)
-        assert te["decoder.layers.0.self_attention.linear_proj.weight"][4:] == (True, 1)
+        assert te[f"decoder.layers.{first}.self_attention.linear_proj.weight"][4:] == (True, 1)
         assert not [n for n in te if "input_layernorm" in n], rank
         # the local spec: separate norms, the same tensors under their own names
         assert f"{qkv}.layer_norm_weight" not in local
-        assert "decoder.layers.0.input_layernorm.weight" in local
+        assert f"decoder.layers.{first}.input_layernorm.weight" in local
+        # the local spec's GDN is the modelled one (Megatron-Bridge's names); the TE spec's is
+        # megatron-core's own GatedDeltaNet: the same names, shapes and dtypes
         renamed = {megatron_whole.modelled_name(n): v[:2] for n, v in local.items()}
         assert renamed == {n: v[:2] for n, v in te.items()}, (
             sorted(set(renamed) ^ set(te)))
+        for layer in range(spec.num_layers):
+            if spec.layer_kind(layer) != "attention":
+                mixer = f"decoder.layers.{layer}.self_attention"
+                assert te[f"{mixer}.A_log"][2:4] == ("GatedDeltaNet",
+                                                     "megatron.core.ssm.gated_delta_net")
+                assert local[f"{mixer}.A_log"][2].endswith("ModelledGatedDeltaNet")
+                assert te[f"{mixer}.in_proj.layer_norm_weight"][0] == (spec.hidden,)
     # what was built is what the installed source says the TE spec is: linear_qkv from the
     # backend's fused norm + linear, no separate input norm
     source = per_rank[0]["source"]
