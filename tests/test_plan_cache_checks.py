@@ -1,6 +1,8 @@
 """The plan cache skips a caller's own check only for a bucket it recognises as one that
-passed that check (the registered loader's format check on a cache hit), and the contiguous
-shortcut of ``tensor_checks.view_bytes`` equals the general formula."""
+passed that check (the registered loader's format check on a cache hit); it recognises a list
+of the very tensor objects it validated without building the signature, and never one whose
+objects changed in place; the contiguous shortcut of ``tensor_checks.view_bytes`` equals the
+general formula."""
 
 from __future__ import annotations
 
@@ -85,3 +87,65 @@ def test_view_bytes_of_a_contiguous_tensor_equals_the_general_formula(make):
             if tensor.numel() else 0)
     want = (tensor.storage_offset() + span) * tensor.element_size() if span else 0
     assert tensor_checks.view_bytes(tensor) == want
+
+
+def _same_objects_receiver():
+    receiver = ReferenceReceiver(CASE.spec, CASE.receiver, RANK,
+                                 params=inputs.receiver_params(CASE, RANK), plan_cache=True)
+    return receiver, _bucket("compat")
+
+
+def test_a_list_of_the_same_tensor_objects_is_recognised_without_its_signature(monkeypatch):
+    from pytest_weightsync.reference_impl.engine import plan_cache
+
+    receiver, bucket = _same_objects_receiver()
+    receiver.load(list(bucket))  # validated, planned, signature and objects kept
+    receiver.load(list(bucket))
+    computed = []
+    real = plan_cache._list_signature
+    monkeypatch.setattr(plan_cache, "_list_signature",
+                        lambda *a: computed.append(1) or real(*a))
+    for _ in range(3):
+        receiver.load([(n, t) for n, t in bucket])  # new list, new tuples, the same objects
+    assert computed == [] and receiver.plan_cache.stats.hits == 4
+
+
+def _mutations():
+    """In-place changes of one tensor object that keep it the same object."""
+    def resized(t):
+        t.resize_(t.numel() + 64)  # a new, larger storage: new address
+        t.resize_(t.shape[0] - 64)
+        return t
+
+    return {
+        "set_ to another storage": lambda t: t.set_(t.detach().clone()),
+        ".data rebound": lambda t: (setattr(t, "data", t.detach().clone()), t)[1],
+        "resized in place": resized,
+        "transposed in place": lambda t: t.t_() if t.dim() == 2 else t.unsqueeze_(0),
+        "storage moved to another dtype view": lambda t: t.set_(
+            t.detach().clone().view(torch.int16).view(t.dtype)),
+    }
+
+
+@pytest.mark.parametrize("what", list(_mutations()))
+def test_a_tensor_object_changed_in_place_is_not_recognised_by_identity(what):
+    """The same objects, one changed in place: the identity check must not pass it; the
+    signature (or the full path) decides, and what lands is the new tensor's values."""
+    receiver, bucket = _same_objects_receiver()
+    receiver.load(list(bucket))
+    receiver.load(list(bucket))
+    name, tensor = max(bucket, key=lambda item: item[1].numel())
+    before = plan_cache_same(receiver)
+    changed = _mutations()[what](tensor)
+    assert changed is tensor
+    assert not before.holds([t for _, t in bucket]), what
+    try:
+        receiver.load(list(bucket))
+    except Exception:  # refused by the full path (e.g. a transposed shape): nothing replayed
+        return
+    judge.check_rank(receiver.params, CASE, RANK, 1)
+
+
+def plan_cache_same(receiver):
+    (entry,) = [e for e in receiver.plan_cache._slots.values()]
+    return entry.same
