@@ -43,8 +43,9 @@ def test_gloo_ranks_are_forked_from_the_server_with_the_callers_environment(tmp_
     assert all(f"rank {pid} says hello" in out for pid in pids), out
 
 
-def test_nccl_ranks_are_still_spawned():
+def test_nccl_ranks_and_ranks_given_gpus_are_still_spawned():
     assert launch.context("nccl").get_start_method() == "spawn"
+    assert launch.context("gloo", devices=("0",)).get_start_method() == "spawn"
     assert launch.context("gloo").get_start_method() == "forkserver"
 
 

@@ -5,8 +5,8 @@ Megatron suites, megatron-core (about 5 s more) before it can join its group - f
 of every pool start, which on a 2-core machine was most of what a pool start cost. gloo ranks
 are therefore forked from multiprocessing's *forkserver*, a single-threaded server process
 that imported those modules once (:data:`PRELOAD`, plus what the harness declared with
-:func:`want_preloaded` before the server started). NCCL ranks keep ``spawn``: CUDA must not be
-initialised in a forked server, and GPU pools are few.
+:func:`want_preloaded` before the server started). NCCL ranks, and gloo ranks given GPUs, keep
+``spawn``: CUDA must not be initialised in a forked server, and GPU pools are few.
 
 A forked rank is the server's child, not the pytest process's, so what ``spawn`` gave it for
 free is handed over explicitly (:func:`start_state`, then :func:`adopt` in the rank): the
@@ -40,9 +40,12 @@ def want_preloaded(*modules: str) -> None:
                 _wanted.append(name)
 
 
-def context(backend: str):
-    """The ``multiprocessing`` context that starts ranks of ``backend``."""
-    if backend != "gloo" or "forkserver" not in multiprocessing.get_all_start_methods():
+def context(backend: str, devices=None):
+    """The ``multiprocessing`` context that starts ranks of ``backend``: the fork server for
+    CPU gloo ranks; ``spawn`` for NCCL ranks and for ranks given GPUs (``devices``), which may
+    initialise CUDA - safe only in a process that was never forked from one that touched it."""
+    if (backend != "gloo" or devices is not None
+            or "forkserver" not in multiprocessing.get_all_start_methods()):
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     with _lock:

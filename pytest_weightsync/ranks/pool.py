@@ -230,7 +230,7 @@ class RankPool:
         self._tmpdir = tempfile.mkdtemp(prefix=_leftovers.PREFIX)
         self._lock_fd = _leftovers.claim(self._tmpdir)
         store_path = os.path.join(self._tmpdir, "store")
-        ctx = _launch.context(self.backend)
+        ctx = _launch.context(self.backend, self.devices)
         forked = ctx.get_start_method() == "forkserver"
         server_pid = _launch.server_pid() if forked else None
         env = self._rank_env()
