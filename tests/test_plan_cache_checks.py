@@ -95,10 +95,24 @@ def _same_objects_receiver():
     return receiver, _bucket("compat")
 
 
-def test_a_list_of_the_same_tensor_objects_is_recognised_without_its_signature(monkeypatch):
+def _as_views_of_one_buffer(bucket):
+    """The same (name, values) as views at growing offsets of one flat buffer."""
+    flat = torch.cat([t.reshape(-1) for _, t in bucket])
+    out, offset = [], 0
+    for name, tensor in bucket:
+        out.append((name, flat[offset:offset + tensor.numel()].view(tensor.shape)))
+        offset += tensor.numel()
+    return out
+
+
+@pytest.mark.parametrize("layout", ["separate tensors", "views of one buffer"])
+def test_a_list_of_the_same_tensor_objects_is_recognised_without_its_signature(monkeypatch,
+                                                                              layout):
     from pytest_weightsync.reference_impl.engine import plan_cache
 
     receiver, bucket = _same_objects_receiver()
+    if layout == "views of one buffer":
+        bucket = _as_views_of_one_buffer(bucket)
     receiver.load(list(bucket))  # validated, planned, signature and objects kept
     receiver.load(list(bucket))
     computed = []

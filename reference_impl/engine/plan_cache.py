@@ -29,7 +29,8 @@ Two kinds of payload:
   still has the type, address, shape, strides, storage offset, dtype and device it had can
   only have changed what the signature covers through private APIs (its storage cannot
   shrink in place without moving), so its row of the signature is what it was. That check is
-  a handful of C-level passes over the list (about a third of the signature's time).
+  a handful of C-level passes over the list (about a third of the signature's time), against
+  the signature's own rows; a list of new objects costs nothing more than its signature.
 
 What does not change: a bucket is validated before its first byte is written (a key is stored
 only after its bucket passed every check); duplicates across the open update are checked
@@ -70,7 +71,8 @@ class CachedBucket:
     params: tuple  # (name, address, shape, strides) of every parameter the bucket writes
     hits: int = 0
     signature: Any = None  # a plain list's signature (see _list_signature), once validated
-    same: Any = None  # the tensor objects of that list (see _SameTensors)
+    objects: Any = None  # the tensor objects of that list
+    same: Any = None  # their _SameTensors, made when those objects first come back
     check_tag: Any = None  # the caller's check the bucket passed (see LoadCache.load)
 
 
@@ -92,19 +94,18 @@ def _param_signature(params: dict, names) -> tuple:
 
 
 _NAME, _TENSOR = itemgetter(0), itemgetter(1)
-_SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
-_STRIDE, _OFFSET, _DEVICE = (torch.Tensor.stride, torch.Tensor.storage_offset,
-                             torch.Tensor.get_device)
+_SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
+_PLAIN = frozenset(PLAIN_TYPES)
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
 @dataclass
 class _SameTensors:
-    """The tensor objects of a validated list and what of each the signature covers that an
-    object can change in place (see the module docstring)."""
+    """The tensor objects of a validated list, with what its signature recorded of each that
+    an object can change in place (see the module docstring), read off the signature's rows
+    rather than off the tensors again."""
 
     tensors: list
-    types: list
     ptrs: list
     shapes: list
     strides: list
@@ -114,11 +115,13 @@ class _SameTensors:
     indices: list
 
     @classmethod
-    def of(cls, tensors: list) -> "_SameTensors":
-        return cls(tensors, list(map(type, tensors)), list(map(torch.Tensor.data_ptr, tensors)),
-                   list(map(_SHAPE, tensors)), list(map(_STRIDE, tensors)),
-                   list(map(_OFFSET, tensors)), list(map(_DTYPE, tensors)),
-                   list(map(_DEVICE, tensors)), list(range(len(tensors))))
+    def of(cls, tensors: list, rows: tuple) -> "_SameTensors":
+        """``rows``: the signature's rows of ``tensors`` (name, dtype, device, shape, strides,
+        storage offset, storage address, storage bytes)."""
+        return cls(tensors, [row[6] + row[5] * row[1].itemsize for row in rows],
+                   [row[3] for row in rows], [row[4] for row in rows],
+                   [row[5] for row in rows], [row[1] for row in rows],
+                   [row[2] for row in rows], list(range(len(rows))))
 
     def holds(self, tensors: list) -> bool:
         """Whether ``tensors`` are these objects, each as it was."""
@@ -128,10 +131,10 @@ class _SameTensors:
             same_ptrs = _PTRS_EQUAL(tensors, self.ptrs, self.indices)
         else:
             same_ptrs = list(map(torch.Tensor.data_ptr, tensors)) == self.ptrs
-        return (same_ptrs and list(map(type, tensors)) == self.types
+        return (same_ptrs and set(map(type, tensors)) <= _PLAIN
                 and list(map(_SHAPE, tensors)) == self.shapes
-                and list(map(_STRIDE, tensors)) == self.strides
-                and list(map(_OFFSET, tensors)) == self.offsets
+                and list(map(torch.Tensor.stride, tensors)) == self.strides
+                and list(map(torch.Tensor.storage_offset, tensors)) == self.offsets
                 and list(map(_DTYPE, tensors)) == self.dtypes
                 and list(map(_DEVICE, tensors)) == self.devices)
 
@@ -221,43 +224,56 @@ class LoadCache:
             return self._slots[slot].plan
         if isinstance(payload, Iterator):
             payload = list(payload)
-        tensors = None
+        names = tensors = None
         if _sized(payload) and _pairs(payload):
-            slot = ("pairs", load_format, tuple(map(_NAME, payload)))
+            names, tensors = tuple(map(_NAME, payload)), list(map(_TENSOR, payload))
+            slot = ("pairs", load_format, names)
             entry = self._slots.get(slot)
-            tensors = list(map(_TENSOR, payload))
-            if (entry is not None and entry.same is not None and entry.check_tag == check_tag
-                    and type(receiver) is entry.signature[0]
-                    and entry.signature[1:4] == (receiver.spec, receiver.topo, receiver.rank)
-                    and entry.same.holds(tensors) and self._usable(receiver, entry)
+            if (entry is not None and entry.check_tag == check_tag
+                    and self._same_objects(receiver, entry, tensors)
+                    and self._usable(receiver, entry)
                     and (not seen or seen.keys().isdisjoint(entry.plan.units))):
                 return self._hit(slot, entry, bucket)
-        signature = _list_signature(receiver, payload) if _sized(payload) else None
+        signature = _list_signature(receiver, payload) if names is not None else None
         if signature is not None:
-            slot = ("pairs", load_format, tuple(row[0] for row in signature[-1]))
+            slot = ("pairs", load_format, names)
             entry = self._slots.get(slot)
             if (entry is not None and entry.signature == signature
                     and entry.check_tag == check_tag
                     and self._usable(receiver, entry)
                     and (not seen or seen.keys().isdisjoint(entry.plan.units))):
-                entry.same = _SameTensors.of(tensors)
+                entry.objects, entry.same = tensors, None
                 return self._hit(slot, entry, bucket)
         if check is not None:
             check(payload)
         plan = receiver.plan(payload, load_format)  # every check
-        slot = ("pairs", load_format, tuple(item[0] for item in payload))
+        slot = ("pairs", load_format, names if names is not None
+                else tuple(item[0] for item in payload))
         addresses = _pairs_key(plan)
         entry = self._slots.get(slot)
-        same = _SameTensors.of(tensors) if signature is not None else None
+        objects = tensors if signature is not None else None
         if entry is not None and entry.addresses == addresses:
             self._hit(slot, entry, bucket)
-            entry.signature, entry.check_tag, entry.same = signature, check_tag, same
-            return plan
-        self._store(receiver, slot, addresses, plan)
-        self._slots[slot].signature = signature
-        self._slots[slot].check_tag = check_tag
-        self._slots[slot].same = same
+        else:
+            self._store(receiver, slot, addresses, plan)
+            entry = self._slots[slot]
+        entry.signature, entry.check_tag = signature, check_tag
+        entry.objects, entry.same = objects, None
         return plan
+
+    @staticmethod
+    def _same_objects(receiver, entry: CachedBucket, tensors: list) -> bool:
+        """Whether ``tensors`` are the very objects of the list ``entry`` validated, each as it
+        was then, offered to a receiver like that one (see :class:`_SameTensors`)."""
+        if entry.objects is None or not (
+                type(receiver) is entry.signature[0]
+                and entry.signature[1:4] == (receiver.spec, receiver.topo, receiver.rank)):
+            return False
+        if entry.same is None:
+            if len(tensors) != len(entry.objects) or not all(map(is_, tensors, entry.objects)):
+                return False
+            entry.same = _SameTensors.of(entry.objects, entry.signature[-1])
+        return entry.same.holds(tensors)
 
     def _usable(self, receiver, entry: CachedBucket) -> bool:
         return entry.params == _param_signature(receiver.params, entry.plan.touched)
