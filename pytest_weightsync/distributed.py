@@ -355,9 +355,7 @@ def call_exporter(exporter, model_state: Mapping, *, config, format: str, spec, 
     try:
         result = method(model_state, **kwargs)
         check_storage_unchanged(placed, model_state, model, call=call, owner=owner)
-        if settled is None or first_modification(before, model_state) is None:
-            check_inputs_unchanged(before, model_state, call=call, owner=owner)
-        elif first_modification(settled, model_state) is not None:
+        if settled is None or first_modification(settled, model_state) is not None:
             check_inputs_unchanged(before, model_state, call=call, owner=owner)
         if engine is not None and engine.used:
             streams = _broadcast_streams(engine, result, source=source)

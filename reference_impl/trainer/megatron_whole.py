@@ -113,7 +113,7 @@ def megatron_gated_delta_net(config):
     """megatron-core's own Gated DeltaNet mixer (``megatron/core/ssm/gated_delta_net.py``)
     with the Transformer Engine spec's linears (``get_gated_delta_net_module_spec``): the
     names and shapes are its source's. Its constructor refuses to run without the ``fla``
-    kernels, which only its forward uses: :class:`_ConstructedWithoutFla` builds it with that
+    kernels, which only its forward uses: :func:`_constructed_without_fla` builds it with that
     check answered (no forward runs here)."""
     import dataclasses
 
