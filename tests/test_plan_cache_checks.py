@@ -124,6 +124,29 @@ def test_a_list_of_the_same_tensor_objects_is_recognised_without_its_signature(m
     assert computed == [] and receiver.plan_cache.stats.hits == 4
 
 
+def test_a_list_of_the_same_tuples_is_recognised_without_reading_its_entries(monkeypatch):
+    """A sender that offers the very ``(name, tensor)`` tuples again: neither the pairs check,
+    the names nor the signature are computed; one tuple replaced (even by an equal one) and
+    the list is read again."""
+    from pytest_weightsync.reference_impl.engine import plan_cache
+
+    receiver, bucket = _same_objects_receiver()
+    receiver.load(bucket)
+    receiver.load(bucket)
+    read = []
+    for fn in ("_pairs", "_list_signature"):
+        real = getattr(plan_cache, fn)
+        monkeypatch.setattr(plan_cache, fn,
+                            lambda *a, _real=real, _fn=fn: read.append(_fn) or _real(*a))
+    receiver.load(bucket)
+    receiver.load(tuple(bucket))
+    assert read == [] and receiver.plan_cache.stats.counts == {"miss": 1, "hit": 3}
+    bucket[3] = (bucket[3][0], bucket[3][1])  # a new tuple of the same name and tensor
+    receiver.load(bucket)
+    assert read == ["_pairs"] and receiver.plan_cache.stats.last == "hit"
+    judge.check_rank(receiver.params, CASE, RANK, 1)
+
+
 def _mutations():
     """In-place changes of one tensor object that keep it the same object."""
     def resized(t):
@@ -138,26 +161,55 @@ def _mutations():
         "transposed in place": lambda t: t.t_() if t.dim() == 2 else t.unsqueeze_(0),
         "storage moved to another dtype view": lambda t: t.set_(
             t.detach().clone().view(torch.int16).view(t.dtype)),
+        # the same address, other metadata: only the shape, stride or dtype comparison sees it
+        "shrunk in place": lambda t: t.resize_(t.shape[0] - 1, *t.shape[1:]),
+        "reinterpreted as another dtype": lambda t: (
+            setattr(t, "data", t.detach().view(torch.int16)), t)[1],
+        "column-major in place": lambda t: t.as_strided_(t.shape, (1, t.shape[0])),
     }
 
 
+@pytest.fixture(params=["native guard", "python comparison"])
+def metadata_check(request, monkeypatch):
+    """Each way :class:`_SameTensors` compares metadata: the native guard where this torch
+    has one (the pinned torch has: the fast path must not vanish unnoticed), and the Python
+    comparison that stands in elsewhere."""
+    from pytest_weightsync.reference_impl.engine import plan_cache
+
+    if request.param == "native guard":
+        assert plan_cache._native_metadata_guard([torch.zeros(2)]) is not None
+    else:
+        monkeypatch.setattr(plan_cache, "_native_metadata_guard", lambda tensors: None)
+    return request.param
+
+
 @pytest.mark.parametrize("what", list(_mutations()))
-def test_a_tensor_object_changed_in_place_is_not_recognised_by_identity(what):
+def test_a_tensor_object_changed_in_place_is_not_recognised_by_identity(what, metadata_check):
     """The same objects, one changed in place: the identity check must not pass it; the
-    signature (or the full path) decides, and what lands is the new tensor's values."""
+    signature (or the full path) decides: what lands is what a receiver without a cache
+    makes of the changed bucket (its values, or its refusal)."""
     receiver, bucket = _same_objects_receiver()
     receiver.load(list(bucket))
     receiver.load(list(bucket))
+    receiver.load(list(bucket))  # the first identity check made the native guard, if any
     name, tensor = max(bucket, key=lambda item: item[1].numel())
     before = plan_cache_same(receiver)
+    assert (before.guard is not None) == (metadata_check == "native guard")
     changed = _mutations()[what](tensor)
     assert changed is tensor
     assert not before.holds([t for _, t in bucket]), what
-    try:
-        receiver.load(list(bucket))
-    except Exception:  # refused by the full path (e.g. a transposed shape): nothing replayed
+    fresh = ReferenceReceiver(CASE.spec, CASE.receiver, RANK,
+                              params=inputs.receiver_params(CASE, RANK))
+    try:  # what a receiver that never saw the bucket makes of it now
+        fresh.load(list(bucket))
+    except Exception as refused:
+        with pytest.raises(type(refused)):  # the cached receiver refuses it as well
+            receiver.load(list(bucket))
         return
-    judge.check_rank(receiver.params, CASE, RANK, 1)
+    receiver.load(list(bucket))
+    for name, param in fresh.params.items():
+        assert torch.equal(receiver.params[name].view(torch.int16),
+                           param.view(torch.int16)), name
 
 
 def plan_cache_same(receiver):

@@ -164,8 +164,7 @@ class Fp8BlockReceiver:
             half._apply(plan)
             update = half.update_state
             if update is not None:
-                update.seen.update(plan.units)
-                update.offered += 1
+                update.carry(plan)
         return plans
 
     # -- the block scales a sender sent ------------------------------------------------------

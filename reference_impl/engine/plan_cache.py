@@ -72,6 +72,7 @@ class CachedBucket:
     hits: int = 0
     signature: Any = None  # a plain list's signature (see _list_signature), once validated
     objects: Any = None  # the tensor objects of that list
+    items: Any = None  # the (name, tensor) tuples of the last list recognised, objects' order
     same: Any = None  # their _SameTensors, made when those objects first come back
     check_tag: Any = None  # the caller's check the bucket passed (see LoadCache.load)
 
@@ -99,11 +100,56 @@ _PLAIN = frozenset(PLAIN_TYPES)
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
+def _native_metadata_guard(tensors: list):
+    """A native check of ``tensors``' dtype, device, sizes, strides and dispatch keys as they
+    are now (one C++ pass, no Python objects made per tensor), or ``None`` where this torch
+    has none that behaves as probed.
+
+    It is TorchDynamo's ``TensorGuards``: what a compiled graph checks of its inputs on every
+    call, so it is kept fast by torch itself. It is private API, so it is probed on first use
+    (it must pass the tensors it was made from and fail a transposed, a cast and a resized
+    one) and every caller keeps the Python comparison it stands in for."""
+    global _GUARD_OK
+    guards = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None),
+                     "TensorGuards", None)
+    if guards is None:
+        return None
+    if _GUARD_OK is None:
+        try:
+            probe = [torch.zeros(2, 3), torch.zeros(4)]
+            made = guards(*probe, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+            _GUARD_OK = (made.check(*probe) is True
+                         and made.check(probe[0].t(), probe[1]) is False
+                         and made.check(probe[0], probe[1].double()) is False
+                         and made.check(probe[0], torch.zeros(5)) is False)
+        except Exception:  # a torch whose private API differs: the Python comparison stays
+            _GUARD_OK = False
+    if not _GUARD_OK:
+        return None
+    try:
+        return guards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    except Exception:
+        return None
+
+
+#: Whether the native guard behaved as probed (``None``: not probed yet).
+_GUARD_OK: Optional[bool] = None
+
+
 @dataclass
 class _SameTensors:
     """The tensor objects of a validated list, with what its signature recorded of each that
     an object can change in place (see the module docstring), read off the signature's rows
-    rather than off the tensors again."""
+    rather than off the tensors again.
+
+    The first :meth:`holds` compares every object with those rows in Python; once the objects
+    matched them, a native guard made from the objects as they are then
+    (:func:`_native_metadata_guard`) stands in for the dtype, device, shape and stride
+    comparisons, a quarter of the Python comparison's time, and the storage offsets are not
+    compared again: the objects' addresses and types still are, and an address is where the
+    cached copy reads (an object moved to another storage at the same address reads the
+    validated bytes: the entry keeps the validated storage alive, so no other allocation can
+    take its address)."""
 
     tensors: list
     ptrs: list
@@ -113,6 +159,7 @@ class _SameTensors:
     dtypes: list
     devices: list
     indices: list
+    guard: Any = None
 
     @classmethod
     def of(cls, tensors: list, rows: tuple) -> "_SameTensors":
@@ -125,18 +172,25 @@ class _SameTensors:
 
     def holds(self, tensors: list) -> bool:
         """Whether ``tensors`` are these objects, each as it was."""
-        if len(tensors) != len(self.tensors) or not all(map(is_, tensors, self.tensors)):
+        if tensors is not self.tensors and (len(tensors) != len(self.tensors)
+                                            or not all(map(is_, tensors, self.tensors))):
             return False
         if _PTRS_EQUAL is not None:
             same_ptrs = _PTRS_EQUAL(tensors, self.ptrs, self.indices)
         else:
             same_ptrs = list(map(torch.Tensor.data_ptr, tensors)) == self.ptrs
-        return (same_ptrs and set(map(type, tensors)) <= _PLAIN
+        if not (same_ptrs and set(map(type, tensors)) <= _PLAIN):
+            return False
+        if self.guard is not None:
+            return self.guard.check(*tensors)
+        same = (list(map(torch.Tensor.storage_offset, tensors)) == self.offsets
                 and list(map(_SHAPE, tensors)) == self.shapes
                 and list(map(torch.Tensor.stride, tensors)) == self.strides
-                and list(map(torch.Tensor.storage_offset, tensors)) == self.offsets
                 and list(map(_DTYPE, tensors)) == self.dtypes
                 and list(map(_DEVICE, tensors)) == self.devices)
+        if same:
+            self.guard = _native_metadata_guard(tensors)
+        return same
 
 
 def _pairs(payload) -> bool:
@@ -187,6 +241,7 @@ class LoadCache:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         self.max_slots = max_slots
         self._slots: OrderedDict = OrderedDict()
+        self._by_first: dict = {}  # id of a slot's first kept (name, tensor) tuple -> slot
         self.stats = CacheStats()
 
     def __len__(self) -> int:
@@ -195,6 +250,7 @@ class LoadCache:
     def clear(self) -> None:
         """Forget every bucket (releases the sources they kept alive)."""
         self._slots.clear()
+        self._by_first.clear()
 
     def entry(self, slot) -> Optional[CachedBucket]:
         return self._slots.get(slot)
@@ -224,6 +280,14 @@ class LoadCache:
             return self._slots[slot].plan
         if isinstance(payload, Iterator):
             payload = list(payload)
+        found = self._same_pairs(payload)
+        if found is not None:  # the very tuples of a list recognised before
+            slot, entry = found
+            if (entry.check_tag == check_tag
+                    and self._same_objects(receiver, entry, entry.objects)
+                    and self._usable(receiver, entry)
+                    and (not seen or seen.keys().isdisjoint(entry.plan.units))):
+                return self._hit(slot, entry, bucket)
         names = tensors = None
         if _sized(payload) and _pairs(payload):
             names, tensors = tuple(map(_NAME, payload)), list(map(_TENSOR, payload))
@@ -233,6 +297,7 @@ class LoadCache:
                     and self._same_objects(receiver, entry, tensors)
                     and self._usable(receiver, entry)
                     and (not seen or seen.keys().isdisjoint(entry.plan.units))):
+                self._keep_items(slot, entry, payload)
                 return self._hit(slot, entry, bucket)
         signature = _list_signature(receiver, payload) if names is not None else None
         if signature is not None:
@@ -243,6 +308,7 @@ class LoadCache:
                     and self._usable(receiver, entry)
                     and (not seen or seen.keys().isdisjoint(entry.plan.units))):
                 entry.objects, entry.same = tensors, None
+                self._keep_items(slot, entry, payload)
                 return self._hit(slot, entry, bucket)
         if check is not None:
             check(payload)
@@ -259,7 +325,32 @@ class LoadCache:
             entry = self._slots[slot]
         entry.signature, entry.check_tag = signature, check_tag
         entry.objects, entry.same = objects, None
+        self._keep_items(slot, entry, payload if objects is not None else None)
         return plan
+
+    def _same_pairs(self, payload):
+        """``(slot, entry)`` when ``payload`` (a plain list or tuple) holds the very
+        ``(name, tensor)`` tuples, in order, of the list an entry last recognised: a tuple
+        cannot change, so its names and tensor objects are the ones recognised, and only what
+        a tensor object can change in place is left to compare (:meth:`_same_objects`). The
+        entry keeps those tuples alive, so an id found here is not one reused by another."""
+        if (type(payload) is not list and type(payload) is not tuple) or not payload:
+            return None
+        slot = self._by_first.get(id(payload[0]))
+        entry = self._slots.get(slot) if slot is not None else None
+        if (entry is None or entry.items is None or len(entry.items) != len(payload)
+                or not all(map(is_, payload, entry.items))):
+            return None
+        return slot, entry
+
+    def _keep_items(self, slot, entry: CachedBucket, payload) -> None:
+        """Remember the tuples of ``payload``, the list ``entry.objects`` were read from (a
+        list of plain ``(name, tensor)`` tuples), or forget them (``None``)."""
+        entry.items = list(payload) if payload else None
+        if entry.items:
+            self._by_first[id(entry.items[0])] = slot
+            if len(self._by_first) > 2 * self.max_slots:  # drop ids of replaced tuples
+                self._by_first = {id(e.items[0]): s for s, e in self._slots.items() if e.items}
 
     @staticmethod
     def _same_objects(receiver, entry: CachedBucket, tensors: list) -> bool:

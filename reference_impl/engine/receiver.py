@@ -242,6 +242,17 @@ class LoadPlan:
     touched: set = field(default_factory=set)
     ignored: int = 0
     units: dict = field(default_factory=dict)
+    #: ``(owed, whether units cover it)`` for the last ``owed`` asked (see :meth:`covers`).
+    covering: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
+
+    def covers(self, owed: frozenset) -> bool:
+        """Whether this bucket alone carried every piece of ``owed``; answered once per
+        ``owed`` set, so a cached bucket replayed every update (the same plan object) closes
+        its update without comparing every piece again."""
+        memo = self.covering
+        if memo is None or memo[0] is not owed:
+            memo = self.covering = (owed, owed <= self.units.keys())
+        return memo[1]
 
 
 @dataclass
@@ -253,6 +264,15 @@ class UpdateState:
     seen: dict = field(default_factory=dict)  # (layer, expert, projection) -> (bucket, entry, name)
     offered: int = 0  # buckets offered so far; the next one is bucket number `offered`
     refused: int = 0
+    #: The plans whose pieces ``seen`` took, in order (``end_update`` asks each whether it
+    #: alone covered the update; ``seen`` decides when none did).
+    carried: list = field(default_factory=list)
+
+    def carry(self, plan: "LoadPlan") -> None:
+        """One more bucket offered, written: its pieces are seen."""
+        self.seen.update(plan.units)
+        self.carried.append(plan)
+        self.offered += 1
 
     def count_refused(self) -> None:
         """One more bucket offered, and refused."""
@@ -381,7 +401,8 @@ class ReferenceReceiver:
         update, self._update = self._update, None
         if update is None:
             raise IncompleteUpdateError("end_update() without begin_update()")
-        if self._owed_set() <= update.seen.keys():
+        owed = self._owed_set()
+        if any(plan.covers(owed) for plan in update.carried) or owed <= update.seen.keys():
             return
         missing = [unit for unit in self._owed_units() if unit not in update.seen]
         if missing:
@@ -419,8 +440,7 @@ class ReferenceReceiver:
         if self.plan_cache is None:
             self.commit(plan)
         elif update is not None:  # the cache wrote it
-            update.seen.update(plan.units)
-            update.offered += 1
+            update.carry(plan)
         return plan
 
     def commit(self, plan: LoadPlan) -> None:
@@ -430,8 +450,7 @@ class ReferenceReceiver:
         only once every part was validated."""
         self._apply(plan)
         if self._update is not None:
-            self._update.seen.update(plan.units)
-            self._update.offered += 1
+            self._update.carry(plan)
 
     # -- validation and planning ---------------------------------------------------------------
 
