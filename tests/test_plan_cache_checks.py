@@ -166,7 +166,12 @@ def _mutations():
         "reinterpreted as another dtype": lambda t: (
             setattr(t, "data", t.detach().view(torch.int16)), t)[1],
         "column-major in place": lambda t: t.as_strided_(t.shape, (1, t.shape[0])),
+        "class reassigned": lambda t: (setattr(t, "__class__", _Subclass), t)[1],
     }
+
+
+class _Subclass(torch.Tensor):
+    """A tensor subclass an object can be turned into in place (``__class__`` assigned)."""
 
 
 @pytest.fixture(params=["native guard", "python comparison"])

@@ -29,8 +29,11 @@ Two kinds of payload:
   still has the type, address, shape, strides, storage offset, dtype and device it had can
   only have changed what the signature covers through private APIs (its storage cannot
   shrink in place without moving), so its row of the signature is what it was. That check is
-  a handful of C-level passes over the list (about a third of the signature's time), against
-  the signature's own rows; a list of new objects costs nothing more than its signature.
+  a handful of C-level passes over the list, against the signature's own rows the first time
+  and then with one native guard (about a tenth of the signature's time); a list of new
+  objects costs nothing more than its signature. A list of the very ``(name, tensor)``
+  tuples a slot last recognised is found by the tuples' identity alone (a tuple cannot
+  change), so neither its names nor its slot key are read again.
 
 What does not change: a bucket is validated before its first byte is written (a key is stored
 only after its bucket passed every check); duplicates across the open update are checked
@@ -101,14 +104,14 @@ _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
 def _native_metadata_guard(tensors: list):
-    """A native check of ``tensors``' dtype, device, sizes, strides and dispatch keys as they
-    are now (one C++ pass, no Python objects made per tensor), or ``None`` where this torch
-    has none that behaves as probed.
+    """A native check of ``tensors``' exact types, dtype, device, sizes, strides and dispatch
+    keys as they are now (one C++ pass, no Python objects made per tensor), or ``None`` where
+    this torch has none that behaves as probed.
 
     It is TorchDynamo's ``TensorGuards``: what a compiled graph checks of its inputs on every
     call, so it is kept fast by torch itself. It is private API, so it is probed on first use
-    (it must pass the tensors it was made from and fail a transposed, a cast and a resized
-    one) and every caller keeps the Python comparison it stands in for."""
+    (it must pass the tensors it was made from and fail a transposed, a cast, a resized one
+    and one of another type) and every caller keeps the Python comparison it stands in for."""
     global _GUARD_OK
     guards = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None),
                      "TensorGuards", None)
@@ -120,6 +123,7 @@ def _native_metadata_guard(tensors: list):
             made = guards(*probe, dynamic_dims_sizes=None, dynamic_dims_strides=None)
             _GUARD_OK = (made.check(*probe) is True
                          and made.check(probe[0].t(), probe[1]) is False
+                         and made.check(probe[0], torch.nn.Parameter(probe[1])) is False
                          and made.check(probe[0], probe[1].double()) is False
                          and made.check(probe[0], torch.zeros(5)) is False)
         except Exception:  # a torch whose private API differs: the Python comparison stays
@@ -144,9 +148,9 @@ class _SameTensors:
 
     The first :meth:`holds` compares every object with those rows in Python; once the objects
     matched them, a native guard made from the objects as they are then
-    (:func:`_native_metadata_guard`) stands in for the dtype, device, shape and stride
+    (:func:`_native_metadata_guard`) stands in for the type, dtype, device, shape and stride
     comparisons, a quarter of the Python comparison's time, and the storage offsets are not
-    compared again: the objects' addresses and types still are, and an address is where the
+    compared again: the objects' addresses still are, and an address is where the
     cached copy reads (an object moved to another storage at the same address reads the
     validated bytes: the entry keeps the validated storage alive, so no other allocation can
     take its address)."""
@@ -179,11 +183,12 @@ class _SameTensors:
             same_ptrs = _PTRS_EQUAL(tensors, self.ptrs, self.indices)
         else:
             same_ptrs = list(map(torch.Tensor.data_ptr, tensors)) == self.ptrs
-        if not (same_ptrs and set(map(type, tensors)) <= _PLAIN):
+        if not same_ptrs:
             return False
         if self.guard is not None:
             return self.guard.check(*tensors)
-        same = (list(map(torch.Tensor.storage_offset, tensors)) == self.offsets
+        same = (set(map(type, tensors)) <= _PLAIN
+                and list(map(torch.Tensor.storage_offset, tensors)) == self.offsets
                 and list(map(_SHAPE, tensors)) == self.shapes
                 and list(map(torch.Tensor.stride, tensors)) == self.strides
                 and list(map(_DTYPE, tensors)) == self.dtypes
