@@ -242,10 +242,11 @@ def state_findings(params, case, rank, version, before, previous_version=None,
         if previous is not None:
             held = wrong & (_bits(actual) == _bits(previous[name]))
             if bool(held.any()) and torch.equal(held, wrong):
+                where = f": {stale_copies}" if stale_copies else ""
                 findings.append(Finding(
                     name, "stale trainer shard",
                     f"{int(wrong.sum())} of {wrong.numel()} elements hold version "
-                    f"{previous_version}'s values, the rest the new version's",
+                    f"{previous_version}'s values, the rest the new version's{where}",
                     locate(name, _first(wrong))))
                 continue
         other = next((o for o, t in expected.items()
