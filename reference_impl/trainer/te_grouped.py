@@ -164,14 +164,21 @@ def megatron_te_grouped_linears() -> dict:
     """``{class name: class}`` of megatron-core's TE grouped linears, compiled from the installed
     ``megatron/core/extensions/transformer_engine.py`` over :class:`GroupedLinear` (TE's own
     class is absent on CPU; megatron-core only defines these where TE imports)."""
-    import types
-
     from megatron.core.extensions import transformer_engine as te_ext
 
-    te = types.SimpleNamespace(pytorch=types.SimpleNamespace(GroupedLinear=_grouped_linear_base()))
     compiled = compile_megatron_source(te_ext, MEGATRON_TE_HELPERS + MEGATRON_TE_CLASSES,
-                                       {"te": te})
+                                       {"te": modelled_te()})
     return {name: compiled[name] for name in MEGATRON_TE_CLASSES}
+
+
+def modelled_te(**classes):
+    """The ``te`` module megatron-core's TE extension source is compiled against on CPU: a
+    namespace whose ``te.pytorch`` holds :class:`GroupedLinear`'s modelled base and
+    ``classes`` (the TE base linears, for the sources that subclass them)."""
+    import types
+
+    return types.SimpleNamespace(pytorch=types.SimpleNamespace(
+        GroupedLinear=_grouped_linear_base(), **classes))
 
 
 def te_grouped_mlp_spec(num_experts: int):

@@ -164,15 +164,6 @@ def te_base_classes() -> dict:
             "LayerNorm": norm(True)}
 
 
-def _modelled_te():
-    import types
-
-    from pytest_weightsync.reference_impl.trainer.te_grouped import _grouped_linear_base
-
-    return types.SimpleNamespace(pytorch=types.SimpleNamespace(
-        GroupedLinear=_grouped_linear_base(), **te_base_classes()))
-
-
 @functools.lru_cache(maxsize=1)
 def megatron_te_linears() -> dict:
     """``{class name: class}`` of megatron-core's TE linears (:data:`MEGATRON_TE_LINEARS`),
@@ -180,10 +171,13 @@ def megatron_te_linears() -> dict:
     :func:`te_base_classes`."""
     from megatron.core.extensions import transformer_engine as te_ext
 
-    from pytest_weightsync.reference_impl.trainer.te_grouped import compile_megatron_source
+    from pytest_weightsync.reference_impl.trainer.te_grouped import (
+        compile_megatron_source,
+        modelled_te,
+    )
 
     compiled = compile_megatron_source(te_ext, MEGATRON_TE_LINEAR_HELPERS + MEGATRON_TE_LINEARS,
-                                       {"te": _modelled_te(), "HAVE_TE": True})
+                                       {"te": modelled_te(**te_base_classes()), "HAVE_TE": True})
     return {name: compiled[name] for name in MEGATRON_TE_LINEARS}
 
 
