@@ -20,6 +20,9 @@ and where (parameter, layer, row, col):
                         concatenation (GDN ``in_proj_ba`` / ``in_proj_qkvz``, ``conv1d``, the
                         shared expert's ``gate_up_proj``);
 ``shared as routed``    a routed expert slot holds the shared expert;
+``vocab padded to 64 only`` an embedding or ``lm_head`` holds its rows cut as if the vocabulary
+                        were padded to a multiple of 64 alone, where that does not divide by TP
+                        (SGLang's ``VocabParallelEmbedding`` then pads to 64 x TP);
 ``wrong KV replica``    a ``qkv_proj`` holds another KV head's K and V rows (fewer KV heads
                         than TP ranks: rank r serves head r // (TP / KV heads));
 ``frozen written``      a parameter of a target the update does not reach changed;
@@ -53,6 +56,7 @@ from pytest_weightsync.reference_impl.model.layout import (
 from pytest_weightsync.reference_impl.model.locate import locate_receiver_element
 from pytest_weightsync.reference_impl.model.model_layout import (
     DRAFT_PREFIX,
+    VOCAB_PADDING,
     engine_params,
     locate_engine_element,
     split_engine_name,
@@ -134,6 +138,27 @@ def _even_split(case, rank, p, version) -> Optional[torch.Tensor]:
     full = torch.cat(blocks, dim=0)
     n = p.shape[0]
     return full[rank * n:(rank + 1) * n].reshape(p.shape)
+
+
+def _vocab_padded_alone(case, rank, p, version) -> Optional[tuple]:
+    """``(tensor, rows per rank, padded rows)``: what a vocabulary parameter of engine
+    ``rank`` holds when its rows are cut as if the vocabulary were padded to a multiple of
+    :data:`VOCAB_PADDING` alone (rank r from row r x padded / TP, the rest of its shard zeros)
+    where that multiple does not divide by TP; ``None`` elsewhere (there it is SGLang's rule)."""
+    tp, vocab = case.receiver.tp, case.spec.vocab
+    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+    if p.part != "embeddings" or not p.segments or p.segments[0].source is None or padded % tp == 0:
+        return None
+    source, rows = p.segments[0].source, padded // tp
+    start = min(rank * rows, vocab)
+    real = min(vocab, start + rows, start + p.shape[0]) - start
+    out = torch.zeros(p.shape, dtype=p.dtype)
+    if real > 0:
+        cols = torch.arange(math.prod(p.shape[1:]))
+        out[:real] = model_synth.values_at(source, p.dtype, version,
+                                           torch.arange(start, start + real),
+                                           cols).reshape(real, *p.shape[1:])
+    return out, rows, padded
 
 
 def _kv_replica(case, rank, p, actual, version) -> Optional[str]:
@@ -264,6 +289,19 @@ def state_findings(params, case, rank, version, before, previous_version=None,
         if replica is not None:
             findings.append(Finding(name, "wrong KV replica", replica, locate(name, _first(wrong))))
             continue
+        alone = _vocab_padded_alone(case, rank, p, version)
+        if alone is not None and _same(actual, alone[0]):
+            tp, vocab, (rows, padded) = case.receiver.tp, case.spec.vocab, alone[1:]
+            held = min(rank * rows, vocab), min(vocab, (rank + 1) * rows, rank * rows + p.shape[0])
+            owed = min(rank * p.shape[0], vocab), min(vocab, (rank + 1) * p.shape[0])
+            findings.append(Finding(
+                name, "vocab padded to 64 only",
+                f"it holds vocabulary rows [{held[0]}, {max(held)}) then zeros: the vocabulary "
+                f"padded to {padded} rows, {rows} per rank; {padded} does not divide by TP {tp}, "
+                f"so SGLang pads to a multiple of {VOCAB_PADDING} x {tp} ({p.shape[0] * tp} rows, "
+                f"{p.shape[0]} per rank: rank {rank} holds rows [{owed[0]}, {max(owed)}))",
+                locate(name, _first(wrong))))
+            continue
         naive = _even_split(case, rank, p, version)
         if naive is not None and _same(actual, naive):
             parts = list(dict.fromkeys(s.source.rsplit(".", 2)[-2] for s in p.segments))
@@ -312,6 +350,10 @@ def _pattern(case, findings) -> Optional[str]:
                 "previous version (each finding says where, and what reads it fresh)")
     if "cast through bf16" in kinds:
         return "float32 parameters cast through bfloat16"
+    if "vocab padded to 64 only" in kinds:
+        return (f"the vocabulary padded to a multiple of {VOCAB_PADDING} alone: on TP "
+                f"{case.receiver.tp} SGLang pads it to a multiple of {VOCAB_PADDING} x TP "
+                f"(VocabParallelEmbedding, when {VOCAB_PADDING}'s multiple does not divide by TP)")
     if "even TP split" in kinds:
         return "fused components split evenly across TP ranks (components mixed)"
     if "shared as routed" in kinds:

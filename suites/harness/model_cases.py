@@ -69,6 +69,10 @@ MODEL_CASES = (
     # trainer stages (2 + 1) under TP 2.
     _case(qwen3_moe(num_layers=3, num_kv_heads=2), ReceiverTopology(tp=4),
           TrainerTopology(tp=2, pp=2, first_stage_layers=2)),
+    # engine TP 3: 64 padded vocabulary rows do not divide by 3, so SGLang pads to 64 x 3
+    # (192 rows, 64 per rank: ranks 1 and 2 hold padding only; the trainer pads to 128), the
+    # one KV head is replicated on all 3 ranks, and the experts are split in thirds (MoE-TP 3).
+    _case(qwen3_moe(num_heads=6, intermediate=6), ReceiverTopology(tp=3), TrainerTopology(ep=4)),
 )
 
 

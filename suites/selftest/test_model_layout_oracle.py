@@ -9,13 +9,15 @@ loaders (``QKVParallelLinear.weight_loader``: ``shard_id = tp_rank // num_kv_hea
 ``RowParallelLinear``: columns; ``mamba_v2_sharded_weight_loader``; ``VocabParallelEmbedding``:
 ``pad_vocab_size`` to 64, times ``tp`` when not divisible, zero tail), slices the full
 checkpoint tensors with them, and requires the expected state and the reference receiver
-after a compat update to equal that, bit for bit, on engines of TP 1, 2 and 4.
+after a compat update to equal that, bit for bit, on engines of TP 1, 2, 3 and 4.
 
 The trainer-side oracle (``megatron_model``) is held to a round trip here (every rank's
 Megatron shards gather back to the checkpoint) and to the per-kind slicing stated again.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -127,10 +129,19 @@ def oracle(spec, full, tp, r) -> dict:
     return out
 
 
-@pytest.mark.parametrize("engine", ENGINES, ids=lambda t: f"tp{t.tp}ep{t.moe_ep}")
-@pytest.mark.parametrize("name", sorted(SPECS))
-def test_expected_state_and_receiver_match_sglang_slicing_rules(name, engine):
-    spec = SPECS[name]
+#: Engine TP 3, Qwen3-MoE with heads and FFN sizes that split in thirds: vocab 37 (64 padded
+#: rows do not divide by 3: padded to 64 x 3) and 130 (192 rows divide by 3: padded to 64).
+TP3 = [pytest.param("q3-kv1", ReceiverTopology(tp=3), dict(num_heads=6, intermediate=6),
+                    id="q3-kv1-tp3"),
+       pytest.param("q3-kv4-tied-fp32", ReceiverTopology(tp=3),
+                    dict(num_heads=6, num_kv_heads=3, intermediate=6), id="q3-kv3-tied-fp32-tp3")]
+
+
+@pytest.mark.parametrize("name, engine, resized",
+                         [pytest.param(name, engine, {}, id=f"{name}-tp{engine.tp}ep{engine.moe_ep}")
+                          for engine in ENGINES for name in sorted(SPECS)] + TP3)
+def test_expected_state_and_receiver_match_sglang_slicing_rules(name, engine, resized):
+    spec = dataclasses.replace(SPECS[name], **resized)
     weights = model_synth.full_model(spec, VERSION)
     for r in range(engine.tp):
         want = oracle(spec, weights.dense, engine.tp, r)

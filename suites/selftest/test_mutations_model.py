@@ -44,7 +44,8 @@ from ..harness.model_cases import MODEL_CASES
 
 pytestmark = pytest.mark.weightsync_property("mutation")
 
-Q3_PP2, Q35_TIED_PP2, Q35_TP4, Q3_FP32_BIAS, Q35_FROZEN, Q3_KV2_TP4_UNEVEN = MODEL_CASES
+(Q3_PP2, Q35_TIED_PP2, Q35_TP4, Q3_FP32_BIAS, Q35_FROZEN, Q3_KV2_TP4_UNEVEN,
+ Q3_TP3) = MODEL_CASES
 #: A located element: (layer, for per-layer tensors), parameter, row, col.
 LOCATED = re.compile(r"(layer=\d+ )?(expert=\d+ )?parameter=\S+ row=\d+ col=\d+")
 
@@ -96,6 +97,27 @@ class WrongKvReplica(LenientLoader):
                 tensor[right * d:(right + 1) * d] = tensor[wrong * d:(wrong + 1) * d].clone()
             out.append((name, tensor))
         return out
+
+
+class VocabPaddedAlone(LenientLoader):
+    """Cuts the embedding and ``lm_head`` rows as if the vocabulary were padded to a multiple of
+    64 alone (rank r takes ``padded / tp`` rows from row r x that), the rest of its shard zeros:
+    SGLang's rule wherever that multiple divides by TP, wrong on TP 3."""
+
+    VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+    def load_weights(self, params, payload, *, format, spec, topology, rank, targets=None):
+        payload = list(payload)
+        super().load_weights(params, payload, format=format, spec=spec, topology=topology,
+                             rank=rank, targets=targets)
+        rows = -(-spec.vocab // 64) * 64 // topology.tp
+        for name, full in payload:
+            if name in self.VOCAB:
+                param = params[name]
+                part = full[rank * rows:min(spec.vocab, (rank + 1) * rows, rank * rows
+                                               + param.shape[0])]
+                param.zero_()
+                param[:part.shape[0]].copy_(part)
 
 
 class BiasUnmapped(LenientLoader):
@@ -307,6 +329,19 @@ def test_the_wrong_kv_head_replica_is_named():
                      "wrong KV replica: model.layers.0.self_attn.qkv_proj.weight: its K and V "
                      "rows are KV head 1's", "rank 1 holds KV head 0 (rank // 2)")
     assert "engine rank 1" in message
+
+
+def test_vocab_padded_to_64_alone_is_named_on_tp3_only():
+    """Padding to 64 alone is SGLang's rule while 64's multiple divides by TP (TP 1, 2, 4):
+    the same loader passes there and fails, named and located, on the TP 3 case."""
+    suite.test_loader_writes_every_parameter_from_its_source(VocabPaddedAlone(), Q3_PP2, "compat")
+    message = _fails(suite.test_loader_writes_every_parameter_from_its_source, VocabPaddedAlone(),
+                     Q3_TP3, "compat", "the vocabulary padded to a multiple of 64 alone",
+                     "vocab padded to 64 only: model.embed_tokens.weight: it holds vocabulary "
+                     "rows [0, 21) then zeros: the vocabulary padded to 64 rows, 21 per rank",
+                     "SGLang pads to a multiple of 64 x 3 (192 rows, 64 per rank: rank 0 holds "
+                     "rows [0, 37))")
+    assert "lm_head.weight" in message
 
 
 def test_expert_bias_unmapped():

@@ -42,6 +42,8 @@ CASES = [
                  id="q35-kv2-tp4-ep4"),
     pytest.param(qwen3_5_moe(tied=True, vocab=200), ReceiverTopology(tp=2, moe_ep=2, order="up_gate"),
                  id="q35-tied-tp2-ep2"),
+    # 64 padded vocabulary rows do not divide by 3: SGLang pads to 64 x 3 (64 rows per rank)
+    pytest.param(qwen3_moe(num_heads=6, intermediate=6), ReceiverTopology(tp=3), id="q3-kv1-tp3"),
 ]
 
 
