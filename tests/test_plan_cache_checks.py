@@ -147,6 +147,26 @@ def test_a_list_of_the_same_tuples_is_recognised_without_reading_its_entries(mon
     judge.check_rank(receiver.params, CASE, RANK, 1)
 
 
+def test_a_list_holding_one_tensor_twice_is_still_recognised_by_identity(monkeypatch):
+    """The native guard refuses a list that holds one object twice; such a list keeps the
+    Python comparison and is still recognised without its signature."""
+    from pytest_weightsync.reference_impl.engine import plan_cache
+
+    receiver, bucket = _same_objects_receiver()
+    (n0, t0), (n1, t1) = bucket[0], bucket[1]
+    assert t0.shape == t1.shape and t0.dtype == t1.dtype
+    bucket[1] = (n1, t0)  # expert 0's gate_proj sent again as the next entry's values
+    receiver.load(list(bucket))
+    receiver.load(list(bucket))
+    computed = []
+    real = plan_cache._list_signature
+    monkeypatch.setattr(plan_cache, "_list_signature", lambda *a: computed.append(1) or real(*a))
+    for _ in range(3):
+        receiver.load([(n, t) for n, t in bucket])
+    assert computed == [] and plan_cache_same(receiver).guard is None
+    assert receiver.plan_cache.stats.counts == {"miss": 1, "hit": 4}
+
+
 def _mutations():
     """In-place changes of one tensor object that keep it the same object."""
     def resized(t):

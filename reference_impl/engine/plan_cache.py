@@ -109,7 +109,9 @@ def _native_metadata_guard(tensors: list):
     this torch has none that behaves as probed.
 
     It is TorchDynamo's ``TensorGuards``: what a compiled graph checks of its inputs on every
-    call, so it is kept fast by torch itself. It is private API, so it is probed on first use
+    call, so it is kept fast by torch itself. It refuses a list that holds one object twice
+    (graph inputs are distinct), so such a list gets none. It is private API, so it is probed
+    on first use
     (it must pass the tensors it was made from and fail a transposed, a cast, a resized one
     and one of another type) and every caller keeps the Python comparison it stands in for."""
     global _GUARD_OK
@@ -128,7 +130,7 @@ def _native_metadata_guard(tensors: list):
                          and made.check(probe[0], torch.zeros(5)) is False)
         except Exception:  # a torch whose private API differs: the Python comparison stays
             _GUARD_OK = False
-    if not _GUARD_OK:
+    if not _GUARD_OK or len(set(map(id, tensors))) != len(tensors):
         return None
     try:
         return guards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
