@@ -240,3 +240,21 @@ def test_a_tensor_object_changed_in_place_is_not_recognised_by_identity(what, me
 def plan_cache_same(receiver):
     (entry,) = [e for e in receiver.plan_cache._slots.values()]
     return entry.same
+
+
+def test_an_open_update_keeps_no_bucket_alive():
+    """A bucket loaded without a plan cache is released once its load returns, though the
+    update is still open (its plan, which views the bucket's tensors, is not kept)."""
+    import gc
+    import weakref
+
+    receiver = ReferenceReceiver(CASE.spec, CASE.receiver, RANK,
+                                 params=inputs.receiver_params(CASE, RANK))
+    receiver.begin_update()
+    bucket = _bucket("compat")
+    refs = [weakref.ref(t) for _, t in bucket]
+    receiver.load(bucket)
+    del bucket
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    receiver.end_update()

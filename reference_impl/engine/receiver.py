@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
@@ -264,15 +265,22 @@ class UpdateState:
     seen: dict = field(default_factory=dict)  # (layer, expert, projection) -> (bucket, entry, name)
     offered: int = 0  # buckets offered so far; the next one is bucket number `offered`
     refused: int = 0
-    #: The plans whose pieces ``seen`` took, in order (``end_update`` asks each whether it
-    #: alone covered the update; ``seen`` decides when none did).
+    #: Weak references to the plans whose pieces ``seen`` took (``end_update`` asks each
+    #: plan still alive - a plan cache keeps its buckets' - whether it alone covered the
+    #: update; ``seen`` decides when none did). Weak: a plan holds views of its bucket's
+    #: tensors, which must not outlive the bucket's load because an update is open.
     carried: list = field(default_factory=list)
 
     def carry(self, plan: "LoadPlan") -> None:
         """One more bucket offered, written: its pieces are seen."""
         self.seen.update(plan.units)
-        self.carried.append(plan)
+        self.carried.append(weakref.ref(plan))
         self.offered += 1
+
+    def covered(self, owed: frozenset) -> bool:
+        """Whether one plan this update carried, still alive, covered ``owed`` alone."""
+        return any(plan is not None and plan.covers(owed)
+                   for plan in map(lambda ref: ref(), self.carried))
 
     def count_refused(self) -> None:
         """One more bucket offered, and refused."""
@@ -402,7 +410,7 @@ class ReferenceReceiver:
         if update is None:
             raise IncompleteUpdateError("end_update() without begin_update()")
         owed = self._owed_set()
-        if any(plan.covers(owed) for plan in update.carried) or owed <= update.seen.keys():
+        if update.covered(owed) or owed <= update.seen.keys():
             return
         missing = [unit for unit in self._owed_units() if unit not in update.seen]
         if missing:
