@@ -111,9 +111,9 @@ def _native_metadata_guard(tensors: list):
     It is TorchDynamo's ``TensorGuards``: what a compiled graph checks of its inputs on every
     call, so it is kept fast by torch itself. It refuses a list that holds one object twice
     (graph inputs are distinct), so such a list gets none. It is private API, so it is probed
-    on first use
-    (it must pass the tensors it was made from and fail a transposed, a cast, a resized one
-    and one of another type) and every caller keeps the Python comparison it stands in for."""
+    on first use (it must pass the tensors it was made from and fail a transposed, a cast, a
+    resized one and one of another type) and every caller keeps the Python comparison it
+    stands in for."""
     global _GUARD_OK
     guards = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None),
                      "TensorGuards", None)
@@ -151,7 +151,7 @@ class _SameTensors:
     The first :meth:`holds` compares every object with those rows in Python; once the objects
     matched them, a native guard made from the objects as they are then
     (:func:`_native_metadata_guard`) stands in for the type, dtype, device, shape and stride
-    comparisons, a quarter of the Python comparison's time, and the storage offsets are not
+    comparisons, about a fifth of the Python comparison's time, and the storage offsets are not
     compared again: the objects' addresses still are, and an address is where the
     cached copy reads (an object moved to another storage at the same address reads the
     validated bytes: the entry keeps the validated storage alive, so no other allocation can

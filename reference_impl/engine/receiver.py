@@ -280,7 +280,7 @@ class UpdateState:
     def covered(self, owed: frozenset) -> bool:
         """Whether one plan this update carried, still alive, covered ``owed`` alone."""
         return any(plan is not None and plan.covers(owed)
-                   for plan in map(lambda ref: ref(), self.carried))
+                   for plan in (ref() for ref in self.carried))
 
     def count_refused(self) -> None:
         """One more bucket offered, and refused."""

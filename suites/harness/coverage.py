@@ -20,7 +20,8 @@ and where (parameter, layer, row, col):
                         concatenation (GDN ``in_proj_ba`` / ``in_proj_qkvz``, ``conv1d``, the
                         shared expert's ``gate_up_proj``);
 ``shared as routed``    a routed expert slot holds the shared expert;
-``vocab padded to 64 only`` an embedding or ``lm_head`` holds its rows cut as if the vocabulary
+``vocab padded to 64 only``
+                        an embedding or ``lm_head`` holds its rows cut as if the vocabulary
                         were padded to a multiple of 64 alone, where that does not divide by TP
                         (SGLang's ``VocabParallelEmbedding`` then pads to 64 x TP);
 ``wrong KV replica``    a ``qkv_proj`` holds another KV head's K and V rows (fewer KV heads
