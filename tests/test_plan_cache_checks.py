@@ -105,20 +105,27 @@ def _as_views_of_one_buffer(bucket):
     return out
 
 
+def _record_calls(monkeypatch, *names) -> list:
+    """The names of the plan cache's functions ``names`` in the order they get called."""
+    from pytest_weightsync.reference_impl.engine import plan_cache
+
+    calls = []
+    for name in names:
+        real = getattr(plan_cache, name)
+        monkeypatch.setattr(plan_cache, name,
+                            lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    return calls
+
+
 @pytest.mark.parametrize("layout", ["separate tensors", "views of one buffer"])
 def test_a_list_of_the_same_tensor_objects_is_recognised_without_its_signature(monkeypatch,
                                                                               layout):
-    from pytest_weightsync.reference_impl.engine import plan_cache
-
     receiver, bucket = _same_objects_receiver()
     if layout == "views of one buffer":
         bucket = _as_views_of_one_buffer(bucket)
     receiver.load(list(bucket))  # validated, planned, signature and objects kept
     receiver.load(list(bucket))
-    computed = []
-    real = plan_cache._list_signature
-    monkeypatch.setattr(plan_cache, "_list_signature",
-                        lambda *a: computed.append(1) or real(*a))
+    computed = _record_calls(monkeypatch, "_list_signature")
     for _ in range(3):
         receiver.load([(n, t) for n, t in bucket])  # new list, new tuples, the same objects
     assert computed == [] and receiver.plan_cache.stats.hits == 4
@@ -128,16 +135,10 @@ def test_a_list_of_the_same_tuples_is_recognised_without_reading_its_entries(mon
     """A sender that offers the very ``(name, tensor)`` tuples again: neither the pairs check,
     the names nor the signature are computed; one tuple replaced (even by an equal one) and
     the list is read again."""
-    from pytest_weightsync.reference_impl.engine import plan_cache
-
     receiver, bucket = _same_objects_receiver()
     receiver.load(bucket)
     receiver.load(bucket)
-    read = []
-    for fn in ("_pairs", "_list_signature"):
-        real = getattr(plan_cache, fn)
-        monkeypatch.setattr(plan_cache, fn,
-                            lambda *a, _real=real, _fn=fn: read.append(_fn) or _real(*a))
+    read = _record_calls(monkeypatch, "_pairs", "_list_signature")
     receiver.load(bucket)
     receiver.load(tuple(bucket))
     assert read == [] and receiver.plan_cache.stats.counts == {"miss": 1, "hit": 3}
@@ -150,17 +151,13 @@ def test_a_list_of_the_same_tuples_is_recognised_without_reading_its_entries(mon
 def test_a_list_holding_one_tensor_twice_is_still_recognised_by_identity(monkeypatch):
     """The native guard refuses a list that holds one object twice; such a list keeps the
     Python comparison and is still recognised without its signature."""
-    from pytest_weightsync.reference_impl.engine import plan_cache
-
     receiver, bucket = _same_objects_receiver()
     (n0, t0), (n1, t1) = bucket[0], bucket[1]
     assert t0.shape == t1.shape and t0.dtype == t1.dtype
     bucket[1] = (n1, t0)  # expert 0's gate_proj sent again as the next entry's values
     receiver.load(list(bucket))
     receiver.load(list(bucket))
-    computed = []
-    real = plan_cache._list_signature
-    monkeypatch.setattr(plan_cache, "_list_signature", lambda *a: computed.append(1) or real(*a))
+    computed = _record_calls(monkeypatch, "_list_signature")
     for _ in range(3):
         receiver.load([(n, t) for n, t in bucket])
     assert computed == [] and plan_cache_same(receiver).guard is None

@@ -277,9 +277,8 @@ class LoadCache:
             slot = ("shared", load_format, table)
             entry = self._slots.get(slot)
             if (entry is not None and entry.addresses == addresses
-                    and entry.check_tag == check_tag and self._usable(receiver, entry)):
-                if not seen or seen.keys().isdisjoint(entry.plan.units):
-                    return self._hit(slot, entry, bucket)
+                    and self._replayable(receiver, entry, check_tag, seen)):
+                return self._hit(slot, entry, bucket)
             if check is not None:
                 check(payload)
             self._store(receiver, slot, addresses, receiver.plan(payload.items(), load_format))
@@ -290,20 +289,16 @@ class LoadCache:
         found = self._same_pairs(payload)
         if found is not None:  # the very tuples of a list recognised before
             slot, entry = found
-            if (entry.check_tag == check_tag
-                    and self._same_objects(receiver, entry, entry.objects)
-                    and self._usable(receiver, entry)
-                    and (not seen or seen.keys().isdisjoint(entry.plan.units))):
+            if (self._same_objects(receiver, entry, entry.objects)
+                    and self._replayable(receiver, entry, check_tag, seen)):
                 return self._hit(slot, entry, bucket)
         names = tensors = None
         if _sized(payload) and _pairs(payload):
             names, tensors = tuple(map(_NAME, payload)), list(map(_TENSOR, payload))
             slot = ("pairs", load_format, names)
             entry = self._slots.get(slot)
-            if (entry is not None and entry.check_tag == check_tag
-                    and self._same_objects(receiver, entry, tensors)
-                    and self._usable(receiver, entry)
-                    and (not seen or seen.keys().isdisjoint(entry.plan.units))):
+            if (entry is not None and self._same_objects(receiver, entry, tensors)
+                    and self._replayable(receiver, entry, check_tag, seen)):
                 self._keep_items(slot, entry, payload)
                 return self._hit(slot, entry, bucket)
         signature = _list_signature(receiver, payload) if names is not None else None
@@ -311,9 +306,7 @@ class LoadCache:
             slot = ("pairs", load_format, names)
             entry = self._slots.get(slot)
             if (entry is not None and entry.signature == signature
-                    and entry.check_tag == check_tag
-                    and self._usable(receiver, entry)
-                    and (not seen or seen.keys().isdisjoint(entry.plan.units))):
+                    and self._replayable(receiver, entry, check_tag, seen)):
                 entry.objects, entry.same = tensors, None
                 self._keep_items(slot, entry, payload)
                 return self._hit(slot, entry, bucket)
@@ -375,6 +368,13 @@ class LoadCache:
 
     def _usable(self, receiver, entry: CachedBucket) -> bool:
         return entry.params == _param_signature(receiver.params, entry.plan.touched)
+
+    def _replayable(self, receiver, entry: CachedBucket, check_tag, seen: dict) -> bool:
+        """Whether a recognised bucket may be replayed here: it passed the caller's check under
+        ``check_tag``, the parameters it writes are where they were, and no piece of it came
+        already in the open update (a duplicate takes the full path, which names it)."""
+        return (entry.check_tag == check_tag and self._usable(receiver, entry)
+                and (not seen or seen.keys().isdisjoint(entry.plan.units)))
 
     def _run(self, entry: CachedBucket) -> None:
         with torch.no_grad():
