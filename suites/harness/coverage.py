@@ -61,6 +61,7 @@ from pytest_weightsync.reference_impl.model.model_layout import (
     engine_params,
     locate_engine_element,
     split_engine_name,
+    vocab_shard,
 )
 from pytest_weightsync.reference_impl.model.model_spec import MTP_PREFIX, expert_spec_of, hf_params
 
@@ -142,7 +143,8 @@ def _even_split(case, rank, p, version) -> Optional[torch.Tensor]:
 
 
 def _vocab_padded_alone(case, rank, p, version) -> Optional[tuple]:
-    """``(tensor, rows per rank, padded rows)``: what a vocabulary parameter of engine
+    """``(tensor, (first, end) of the vocabulary rows it holds, rows per rank, padded rows)``:
+    what a vocabulary parameter of engine
     ``rank`` holds when its rows are cut as if the vocabulary were padded to a multiple of
     :data:`VOCAB_PADDING` alone (rank r from row r x padded / TP, the rest of its shard zeros)
     where that multiple does not divide by TP; ``None`` elsewhere (there it is SGLang's rule)."""
@@ -159,7 +161,7 @@ def _vocab_padded_alone(case, rank, p, version) -> Optional[tuple]:
         out[:real] = model_synth.values_at(source, p.dtype, version,
                                            torch.arange(start, start + real),
                                            cols).reshape(real, *p.shape[1:])
-    return out, rows, padded
+    return out, (start, start + real), rows, padded
 
 
 def _kv_replica(case, rank, p, actual, version) -> Optional[str]:
@@ -292,16 +294,15 @@ def state_findings(params, case, rank, version, before, previous_version=None,
             continue
         alone = _vocab_padded_alone(case, rank, p, version)
         if alone is not None and _same(actual, alone[0]):
-            tp, vocab, (rows, padded) = case.receiver.tp, case.spec.vocab, alone[1:]
-            held = min(rank * rows, vocab), min(vocab, (rank + 1) * rows, rank * rows + p.shape[0])
-            owed = min(rank * p.shape[0], vocab), min(vocab, (rank + 1) * p.shape[0])
+            tp, (held, rows, padded) = case.receiver.tp, alone[1:]
+            owed = vocab_shard(case.spec.vocab, tp, rank)
             findings.append(Finding(
                 name, "vocab padded to 64 only",
-                f"it holds vocabulary rows [{held[0]}, {max(held)}) then zeros: the vocabulary "
+                f"it holds vocabulary rows [{held[0]}, {held[1]}) then zeros: the vocabulary "
                 f"padded to {padded} rows, {rows} per rank; {padded} does not divide by TP {tp}, "
-                f"so SGLang pads to a multiple of {VOCAB_PADDING} x {tp} ({p.shape[0] * tp} rows, "
-                f"{p.shape[0]} per rank: rank {rank} holds rows [{owed[0]}, {max(owed)}))",
-                locate(name, _first(wrong))))
+                f"so SGLang pads to a multiple of {VOCAB_PADDING} x {tp} ({owed.rows * tp} rows, "
+                f"{owed.rows} per rank: rank {rank} holds rows [{owed.start}, "
+                f"{owed.start + owed.real}))", locate(name, _first(wrong))))
             continue
         naive = _even_split(case, rank, p, version)
         if naive is not None and _same(actual, naive):
