@@ -64,7 +64,10 @@ def te_weight_attributes(parallel_mode) -> dict:
             "partition_stride": 1}
 
 
+@functools.lru_cache(maxsize=1)
 def _grouped_linear_base():
+    """The modelled ``GroupedLinear``, one class per process (every compiled source that
+    names ``te.pytorch.GroupedLinear`` gets this one)."""
     import torch
 
     class GroupedLinear(torch.nn.Module):
