@@ -23,7 +23,9 @@ layers):
 * an even pipeline split assumed on uneven stages (layer = stage x num_layers // pp + i);
 * mixed dtypes flattened densely, offsets not aligned to each item size (verl#7318): refused
   by the decoder every suite shares, naming the entry and its byte offset;
-* a bucket packed in one dtype, the float32 router and bias cut to bf16 on the way.
+* a bucket packed in one dtype, the float32 router and bias cut to bf16 on the way;
+* the vocabulary padded to a multiple of 64 alone: SGLang's rule on TP 1, 2 and 4, wrong on
+  engine TP 3 (padded to 64 x TP there).
 """
 
 from __future__ import annotations
