@@ -111,10 +111,17 @@ _BOUND = ("format", "spec", "topology", "rank", "targets")
 
 
 def is_model_spec(spec) -> bool:
-    """Whether ``spec`` describes a whole model (a ``ModelSpec``) rather than experts only."""
-    from pytest_weightsync.reference_impl.model.model_spec import ModelSpec
+    """Whether ``spec`` describes a whole model (a ``ModelSpec``) rather than experts only
+    (asked several times per loader call: the class is imported once, on first use)."""
+    global _MODEL_SPEC
+    if _MODEL_SPEC is None:
+        from pytest_weightsync.reference_impl.model.model_spec import ModelSpec
 
-    return isinstance(spec, ModelSpec)
+        _MODEL_SPEC = ModelSpec
+    return isinstance(spec, _MODEL_SPEC)
+
+
+_MODEL_SPEC = None
 
 
 def _targets(spec, targets):
@@ -208,12 +215,14 @@ class ReferenceImplementation:
         first = next(iter(receiver.params.values()), None)
         if first is None or first.device.type != "cuda":
             return None
+        key = tuple((name, t.data_ptr(), t.shape, t.dtype) for name, t in receiver.params.items())
+        cache = self._plan_caches.get(key)
+        if cache is not None:
+            self._plan_caches.move_to_end(key)
+            return cache
         from pytest_weightsync.reference_impl.engine.plan_cache import LoadCache
 
-        key = tuple((name, t.data_ptr(), tuple(t.shape), t.dtype)
-                    for name, t in receiver.params.items())
-        cache = self._plan_caches.pop(key, None) or LoadCache()
-        self._plan_caches[key] = cache
+        cache = self._plan_caches[key] = LoadCache()
         while len(self._plan_caches) > PLAN_CACHES:
             self._plan_caches.popitem(last=False)
         return cache

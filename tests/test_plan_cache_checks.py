@@ -199,9 +199,9 @@ def metadata_check(request, monkeypatch):
     from pytest_weightsync.reference_impl.engine import plan_cache
 
     if request.param == "native guard":
-        assert plan_cache._native_metadata_guard([torch.zeros(2)]) is not None
+        assert plan_cache.native_metadata_guard([torch.zeros(2)]) is not None
     else:
-        monkeypatch.setattr(plan_cache, "_native_metadata_guard", lambda tensors: None)
+        monkeypatch.setattr(plan_cache, "native_metadata_guard", lambda tensors: None)
     return request.param
 
 

@@ -4,7 +4,9 @@ The checkpoint-layout expert receiver (:mod:`.receiver`: SGLang ``FusedMoE`` pla
 stricter on bad input), its engine-layout and EPLB variants (:mod:`.engine_receivers`), the FP8
 block receiver (:mod:`.fp8_receiver`), the whole-model receiver (:mod:`.model_receiver`), the
 checks that decide whether a tensor can be read at all (:mod:`.tensor_checks`), the plan cache
-that replays a validated bucket (:mod:`.plan_cache`), and one receiver rank in its own process
+that replays a validated bucket (:mod:`.plan_cache`), the memo that checks a receiver's
+parameters once while they stay as they were (:mod:`.checked_memo`), the native passes both
+trust tensor objects with (:mod:`.tensor_guard`), and one receiver rank in its own process
 (:mod:`.process`). Receivers never read the oracle; only :mod:`.process` calls it, to poison
 fresh parameters and check them where they live when a test asks.
 """

@@ -51,6 +51,7 @@ from pytest_weightsync.reference_impl.engine.receiver import (
     ReferenceReceiver,
     UnknownNameError,
     _extent,
+    CHECKED,
     checked_params,
     entry_fits,
     entry_pair,
@@ -129,8 +130,9 @@ class ModelReceiver:
             self.params = {name: torch.zeros(p.shape, dtype=p.dtype, device=device)
                            for name, p in self.layout.items()}
         else:
-            self.params = checked_params(params, {n: (p.shape, p.dtype) for n, p in self.layout.items()},
-                                         rank, "the engine layout")
+            self.params = CHECKED.checked(
+                checked_params, params, {n: (p.shape, p.dtype) for n, p in self.layout.items()},
+                rank, "the engine layout")
         first = next(iter(self.params.values()))
         self.device = first.device
         self.catalogue = hf_params(spec)

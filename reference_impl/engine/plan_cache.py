@@ -58,6 +58,7 @@ from typing import Any, Optional
 import torch
 
 from pytest_weightsync.reference_impl.engine.tensor_checks import PLAIN_TYPES
+from pytest_weightsync.reference_impl.engine.tensor_guard import PTRS_EQUAL, native_metadata_guard
 from pytest_weightsync.reference_impl.kernels import fastcopy
 
 #: Buckets a receiver remembers (least recently used dropped first).
@@ -100,48 +101,6 @@ def _param_signature(params: dict, names) -> tuple:
 _NAME, _TENSOR = itemgetter(0), itemgetter(1)
 _SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
 _PLAIN = frozenset(PLAIN_TYPES)
-_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-
-
-def _native_metadata_guard(tensors: list):
-    """A native check of ``tensors``' exact types, dtype, device, sizes, strides and dispatch
-    keys as they are now (one C++ pass, no Python objects made per tensor), or ``None`` where
-    this torch has none that behaves as probed.
-
-    It is TorchDynamo's ``TensorGuards``: what a compiled graph checks of its inputs on every
-    call, so it is kept fast by torch itself. It refuses a list that holds one object twice
-    (graph inputs are distinct), so such a list gets none. It is private API, so it is probed
-    on first use (it must pass the tensors it was made from and fail a transposed, a cast, a
-    resized one and one of another type) and every caller keeps the Python comparison it
-    stands in for."""
-    global _GUARD_OK
-    guards = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None),
-                     "TensorGuards", None)
-    if guards is None:
-        return None
-    if _GUARD_OK is None:
-        try:
-            probe = [torch.zeros(2, 3), torch.zeros(4)]
-            made = guards(*probe, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-            _GUARD_OK = (made.check(*probe) is True
-                         and made.check(probe[0].t(), probe[1]) is False
-                         and made.check(probe[0], torch.nn.Parameter(probe[1])) is False
-                         and made.check(probe[0], probe[1].double()) is False
-                         and made.check(probe[0], torch.zeros(5)) is False)
-        except Exception:  # a torch whose private API differs: the Python comparison stays
-            _GUARD_OK = False
-    if not _GUARD_OK or len(set(map(id, tensors))) != len(tensors):
-        return None
-    try:
-        return guards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-    except Exception:
-        return None
-
-
-#: Whether the native guard behaved as probed (``None``: not probed yet).
-_GUARD_OK: Optional[bool] = None
-
-
 @dataclass
 class _SameTensors:
     """The tensor objects of a validated list, with what its signature recorded of each that
@@ -150,7 +109,7 @@ class _SameTensors:
 
     The first :meth:`holds` compares every object with those rows in Python; once the objects
     matched them, a native guard made from the objects as they are then
-    (:func:`_native_metadata_guard`) stands in for the type, dtype, device, shape and stride
+    (:func:`native_metadata_guard`) stands in for the type, dtype, device, shape and stride
     comparisons, about a fifth of the Python comparison's time, and the storage offsets are not
     compared again: the objects' addresses still are, and an address is where the
     cached copy reads (an object moved to another storage at the same address reads the
@@ -181,8 +140,8 @@ class _SameTensors:
         if tensors is not self.tensors and (len(tensors) != len(self.tensors)
                                             or not all(map(is_, tensors, self.tensors))):
             return False
-        if _PTRS_EQUAL is not None:
-            same_ptrs = _PTRS_EQUAL(tensors, self.ptrs, self.indices)
+        if PTRS_EQUAL is not None:
+            same_ptrs = PTRS_EQUAL(tensors, self.ptrs, self.indices)
         else:
             same_ptrs = list(map(torch.Tensor.data_ptr, tensors)) == self.ptrs
         if not same_ptrs:
@@ -196,7 +155,7 @@ class _SameTensors:
                 and list(map(_DTYPE, tensors)) == self.dtypes
                 and list(map(_DEVICE, tensors)) == self.devices)
         if same:
-            self.guard = _native_metadata_guard(tensors)
+            self.guard = native_metadata_guard(tensors)
         return same
 
 

@@ -70,6 +70,7 @@ import torch
 
 from pytest_weightsync.reference_impl.kernels import fastcopy
 from pytest_weightsync.reference_impl.engine import tensor_checks
+from pytest_weightsync.reference_impl.engine.checked_memo import CheckedMemo
 from pytest_weightsync.vocabulary import LOAD_FORMATS
 from pytest_weightsync.reference_impl.errors import MAX_NAME_CHARS, PayloadError, shown
 from pytest_weightsync.reference_impl.model.layout import (
@@ -309,8 +310,9 @@ class ReferenceReceiver:
                 for name, shape in shapes
             }
         else:
-            self.params = checked_params(params, {n: (s, spec.dtype) for n, s in shapes},
-                                         rank, "the topology")
+            self.params = CHECKED.checked(checked_params, params,
+                                          {n: (s, spec.dtype) for n, s in shapes}, rank,
+                                          "the topology")
         # The device the parameters really live on: "cuda" means the current GPU, and a payload
         # tensor reports "cuda:0", so compare against the resolved device, not the request.
         first = next(iter(self.params.values()), None)
@@ -675,6 +677,11 @@ class ReferenceReceiver:
                         f"{self._where(index, name)}: its memory overlaps receiver parameter "
                         f"{param!r}, which this bucket writes; send a copy")
                 k -= 1
+
+
+#: Receivers built per call over the same parameters check them once
+#: (:mod:`~pytest_weightsync.reference_impl.engine.checked_memo`).
+CHECKED = CheckedMemo()
 
 
 def checked_params(params: Mapping[str, torch.Tensor], wants: Mapping[str, tuple],
