@@ -42,6 +42,13 @@ def pytest_addoption(parser):
              "conformance suites alone")
 
 
+def pytest_configure(config):
+    if config.getoption("weightsync_selftests"):
+        from pytest_weightsync import activation
+
+        activation.activate(config)
+
+
 def _named_selftests(config) -> bool:
     """Whether a command-line path points into suites/selftest/ (then its tests were asked for)."""
     for arg in config.args:

@@ -10,6 +10,8 @@
 #    `pip install` both wheels the plain way: pip resolves everything else (pytest, hypothesis,
 #    megatron-core for the example's distributed exporter) from the package index, pinned by
 #    ci/constraints.txt so nothing can replace torch;
+#    Before and after the install, a foreign project's suite runs identically
+#    (ci/foreign_check.py): the plugin is inert in a session that does not ask for it;
 # 3. from a temp folder outside the checkout, run the whole shipped conformance set:
 #    - against the example package's implementation (`example`: loader + distributed
 #      exporter): exit 0, verdict PASS;
@@ -99,9 +101,27 @@ print(f"wheel-check: fresh venv gets torch and {len(wanted) - 1} packages it req
       + ", ".join(sorted(wanted - {"torch"})))
 EOF
 echo "$WORK/torch" > "$VSITE/weightsync-wheel-check-torch.pth"
+# 2b. a foreign project's suite (ci/foreign-suite: threads, atexit, its own gpu marker and alarm
+#     handler, a session child process, a warning, a failing test), run before the wheel is
+#     installed - with pytest and hypothesis, the wheel's other pytest plugin, already there -
+#     and again after: identical (ci/foreign_check.py)
+"$VPY" -m pip install --quiet --disable-pip-version-check -c "$REPO/ci/constraints.txt" \
+    pytest hypothesis 2> >(grep -v "is ignored: it is neither" >&2) \
+    || fail "pip install of pytest and hypothesis into the fresh venv"
+"$VPY" "$REPO/ci/foreign_check.py" record "$VPY" "$WORK/foreign-without.json" \
+    || fail "recording the foreign suite without the wheel"
 "$VPY" -m pip install --quiet --disable-pip-version-check -c "$REPO/ci/constraints.txt" \
     "$WORK"/dist/*.whl 2> >(grep -v "is ignored: it is neither" >&2) \
     || fail "pip install of the wheels into the fresh venv"
+"$VPY" "$REPO/ci/foreign_check.py" record "$VPY" "$WORK/foreign-with.json" \
+    || fail "recording the foreign suite with the wheel"
+"$VPY" "$REPO/ci/foreign_check.py" compare "$WORK/foreign-without.json" "$WORK/foreign-with.json" \
+    || fail "the wheel changed a foreign project's test run"
+"$VPY" "$REPO/ci/foreign_check.py" record "$VPY" "$WORK/foreign-named.json" -p weightsync \
+    || fail "recording the foreign suite with -p weightsync"
+"$VPY" "$REPO/ci/foreign_check.py" compare "$WORK/foreign-without.json" "$WORK/foreign-named.json" \
+    --named || fail "naming the plugin changed a foreign test's outcome or side effects"
+"$VPY" "$REPO/ci/foreign_check.py" imports "$VPY" || fail "the idle plugin imports too much"
 mkdir -p "$WORK/run"
 cd "$WORK/run"  # outside the checkout: nothing may come from the source tree
 "$VPY" - "$WORK/venv" <<'EOF' || fail "the fresh venv does not hold what was installed"

@@ -1,4 +1,7 @@
-"""Skips ``gpu``-marked tests, with a reason naming what is missing, where CUDA is absent.
+"""Skips ``gpu``-marked weightsync tests, with a reason naming what is missing, where CUDA is
+absent. Only weightsync tests (:func:`pytest_weightsync.activation.is_weightsync_item`): a
+foreign project's test with a ``gpu`` marker of its own keeps its meaning (it may run on
+another accelerator, or check the device itself).
 
 torch is imported only when a gpu-marked test is about to run, so a CPU-only session that
 deselects them (``-m "not gpu"``) never pays for it.
@@ -10,6 +13,7 @@ import functools
 
 import pytest
 
+from pytest_weightsync.activation import is_weightsync_item
 from pytest_weightsync.vocabulary import SKIP_NO_DEVICE
 
 
@@ -50,7 +54,7 @@ def required_gpus(item: pytest.Item) -> int | None:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     needed = required_gpus(item)
-    if needed is None:
+    if needed is None or not is_weightsync_item(item):
         return
     have, why = _visible_gpus()
     if have == 0:

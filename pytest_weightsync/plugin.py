@@ -1,52 +1,38 @@
 """The pytest entry point (``pytest -p weightsync``): options, markers and sub-plugins.
 
 This module only declares things. Each concern lives in its own module and registers its
-own hooks as a sub-plugin from :func:`pytest_configure`, the way pytest-xdist splits its
-session logic. Nothing imported here may import torch: the plugin is loaded for every pytest
-run in an environment where it is installed.
+own hooks as a sub-plugin, the way pytest-xdist splits its session logic - but only in a
+session that asks for the plugin (:mod:`pytest_weightsync.activation`): the wheel's entry
+point loads this module into every pytest run of an environment where it is installed, and a
+session that selects nothing of weightsync must run exactly as without it. Nothing imported
+here may import torch.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
-#: Sub-plugins, by module path, registered at configure time. Each is a module whose
-#: top level defines pytest hooks and/or fixtures and imports no heavy dependency.
-SUB_PLUGINS = (
-    "pytest_weightsync.gpu_gate",
-    "pytest_weightsync.deadline",
-    "pytest_weightsync.boundary",
-    "pytest_weightsync.ranks.dispatch",
-    "pytest_weightsync.registry",
-    "pytest_weightsync.cutoff",
-    "pytest_weightsync.process_hygiene",
-    "pytest_weightsync.session_guard",
-    "pytest_weightsync.claims",
-    "pytest_weightsync.report",
-    "pytest_weightsync.listing",
-    "pytest_weightsync.narrowing",
-    "pytest_weightsync.failures",
-    "pytest_weightsync.waivers",
-    "pytest_weightsync.throughput",
-    "pytest_weightsync.eligibility",
-)
+from pytest_weightsync import activation
 
-MARKERS = (
-    "gpu(n=1): the test needs CUDA with at least n visible GPUs; skipped with a reason naming "
-    "what is missing otherwise. Select the CPU part with -m 'not gpu'.",
-    "ranks(n, backend=None, timeout=None): run the test body in n torch.distributed ranks "
-    "(gloo on CPU, NCCL on GPU by default); under torchrun, in the existing process group.",
-    "weightsync_property(name): the conformance property a test checks, used as the column of "
-    "the conformance matrix report.",
-    "weightsync_backend(name): the optional third-party backend (megatron, sglang, "
-    "megatron_bridge) a test exercises; the JSON report counts pass/skip per backend.",
-)
+#: ``{dest: default}`` of every option below: one given with another value asks for the plugin.
+OPTION_DEFAULTS: dict = {}
+
+
+class _Group:
+    """The option group, remembering each option's default (:data:`OPTION_DEFAULTS`)."""
+
+    def __init__(self, group) -> None:
+        self._group = group
+
+    def addoption(self, *names, **attrs) -> None:
+        self._group.addoption(*names, **attrs)
+        dest = attrs.get("dest") or names[0].lstrip("-").replace("-", "_")
+        OPTION_DEFAULTS[dest] = attrs.get("default")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("weightsync", "weight synchronization conformance (pytest-weightsync)")
+    group = _Group(parser.getgroup("weightsync",
+                                   "weight synchronization conformance (pytest-weightsync)"))
     group.addoption(
         "--weightsync-backend",
         choices=("auto", "gloo", "nccl"),
@@ -231,13 +217,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    for line in MARKERS:
-        config.addinivalue_line("markers", line)
-    for modname in SUB_PLUGINS:
-        if config.pluginmanager.has_plugin(modname):
-            continue
-        module = importlib.import_module(modname)
-        config.pluginmanager.register(module, modname)
+    """Switch the machinery on only where the session asked for it (named with ``-p``, or a
+    weightsync option given); the shipped suites' conftest asks for it when collected."""
+    if activation.named(config) or activation.options_given(config, OPTION_DEFAULTS):
+        activation.activate(config)
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:

@@ -17,16 +17,21 @@ In-process implementation code can leave three things that would keep pytest fro
   :mod:`pytest_weightsync.process_hygiene`): ended, with whatever they started, when the
   session ends (``pytest_sessionfinish``, and again at ``pytest_unconfigure``), so none
   outlives it.
-- **Non-daemon threads** still running when the session ends: Python joins every non-daemon
-  thread before the process exits, so one that never ends would hang the process after pytest
-  has finished. They are named on stderr, and if they are still running when the interpreter
-  starts shutting down (``threading._shutdown``) and :data:`THREAD_WAIT` seconds later, the
-  process exits there with ``os._exit`` and pytest's exit status - every report already
-  written - instead of waiting for them (``atexit`` handlers do not run then).
+- **Non-daemon threads** started by a weightsync test
+  (:func:`pytest_weightsync.activation.is_weightsync_item`) and still running when the session
+  ends: Python joins every non-daemon thread before the process exits, so one that never ends
+  would hang the process after pytest has finished. They are named on stderr with the test
+  that started them; when the interpreter starts shutting down (``threading._shutdown``) they
+  get :data:`THREAD_WAIT` more seconds, and if any still runs the process's ``atexit``
+  handlers are run (as the interpreter would after joining the threads) and the process exits
+  with pytest's exit status - every report already written - instead of waiting for ever.
+  Threads of other tests, of fixtures outside weightsync tests or of the session itself are
+  never counted: Python waits for them as it would without the plugin.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -37,18 +42,21 @@ import traceback
 import pytest
 
 from pytest_weightsync import deadline as _deadline
+from pytest_weightsync.activation import is_weightsync_item
 from pytest_weightsync import process_hygiene
 from pytest_weightsync.ranks import reaper
 from pytest_weightsync.registry import resolution_failed
 
 #: Seconds finishing an abandoned session may take before the process exits anyway.
 FINISH_LIMIT = 60.0
-#: Seconds stray non-daemon threads get at interpreter shutdown before the process exits.
-THREAD_WAIT = 1.0
+#: Seconds stray non-daemon threads of weightsync tests get at interpreter shutdown before the
+#: process runs its atexit handlers and exits without them.
+THREAD_WAIT = 5.0
 
 _SESSION = pytest.StashKey[pytest.Session]()
 _CURRENT = pytest.StashKey[tuple]()
-_THREADS_AT_START = pytest.StashKey[set]()
+#: ``{ident: (thread, nodeid)}`` of the non-daemon threads weightsync tests left running.
+_STARTED_BY_TESTS = pytest.StashKey[dict]()
 _PREVIOUS_CALLBACK = pytest.StashKey[object]()
 
 _abandon_lock = threading.Lock()
@@ -151,28 +159,48 @@ def _shutdown() -> None:
     end = time.monotonic() + THREAD_WAIT
     for thread in _stray:
         thread.join(max(0.0, end - time.monotonic()))
-    if any(thread.is_alive() for thread in _stray):
+    alive = [thread for thread in _stray if thread.is_alive()]
+    if alive:
+        names = ", ".join(repr(t.name) for t in alive[:5])
+        _write(f"weightsync: {len(alive)} thread(s) still running after {THREAD_WAIT:g} s "
+               f"({names}); running the atexit handlers, then exiting with status "
+               f"{_exit_status} without waiting for them\n")
+        try:
+            atexit._run_exitfuncs()
+        except BaseException:  # noqa: BLE001 - a failing handler must not keep the process
+            traceback.print_exc()
         _exit_now(_exit_status)
     return _original_shutdown()
 
 
+def _write(text: str) -> None:
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - a closed stream must not keep the process alive
+        pass
+
+
 def _stray_threads(config: pytest.Config) -> None:
     global _original_shutdown, _exit_status
-    at_start = config.stash.get(_THREADS_AT_START, set())
-    stray = [t for t in threading.enumerate() if t.ident not in at_start and not t.daemon
-             and t.is_alive() and t is not threading.current_thread() and t not in _stray]
+    started = config.stash.get(_STARTED_BY_TESTS, {})
+    stray = [(thread, nodeid) for thread, nodeid in started.values()
+             if thread.is_alive() and thread is not threading.current_thread()
+             and thread not in _stray]
     if not stray and not _stray:
         return
     session = config.stash.get(_SESSION, None)
     _exit_status = int(session.exitstatus) if session is not None else 0
     if not stray:
         return
-    _stray.extend(stray)
-    names = ", ".join(repr(t.name) for t in stray[:5]) + (", ..." if len(stray) > 5 else "")
+    _stray.extend(thread for thread, _ in stray)
+    names = ", ".join(f"{t.name!r} (from {nodeid})" for t, nodeid in stray[:5]) + \
+        (", ..." if len(stray) > 5 else "")
     sys.stderr.write(
-        f"weightsync: {len(stray)} non-daemon thread(s) left by implementation code still "
-        f"running at the end of the session ({names}); the interpreter would wait for them "
-        f"for ever, so the process will exit with status {_exit_status} without them\n")
+        f"weightsync: {len(stray)} non-daemon thread(s) started by weightsync tests still "
+        f"running at the end of the session: {names}; the process waits {THREAD_WAIT:g} s more "
+        f"for them at exit, then runs its atexit handlers and exits with status "
+        f"{_exit_status} without them\n")
     if _original_shutdown is None and hasattr(threading, "_shutdown"):
         _original_shutdown = threading._shutdown
         threading._shutdown = _shutdown
@@ -182,7 +210,6 @@ def _stray_threads(config: pytest.Config) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_THREADS_AT_START] = {t.ident for t in threading.enumerate()}
     config.stash[_PREVIOUS_CALLBACK] = _deadline.on_abandon(
         lambda what, message: abandon(config, what, message))
 
@@ -193,10 +220,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
-    item.config.stash[_CURRENT] = (item, time.time())
+    config = item.config
+    config.stash.setdefault(_SESSION, item.session)  # activated after the session started
+    config.stash[_CURRENT] = (item, time.time())
+    own = is_weightsync_item(item)
+    before = {t.ident for t in threading.enumerate()} if own else None
     yield
-    if _CURRENT in item.config.stash:
-        del item.config.stash[_CURRENT]
+    if _CURRENT in config.stash:
+        del config.stash[_CURRENT]
+    if own:
+        started = config.stash.setdefault(_STARTED_BY_TESTS, {})
+        for thread in threading.enumerate():
+            if thread.ident not in before and not thread.daemon and thread.is_alive() and \
+                    not thread.name.startswith(_deadline.THREAD_PREFIX):
+                started.setdefault(thread.ident, (thread, item.nodeid))
 
 
 @pytest.hookimpl(trylast=True)

@@ -5,13 +5,25 @@ the cases plugins add through ``pytest_weightsync_extra_topologies``: a test ask
 ``moe_case`` and runs on every topology, including ones added later. ``dcase`` is the same for
 distributed exporters: ``suites.harness.cases.DIST_CASES`` plus every extra topology, as
 given (a ``DistCase``) or in both deliveries (a ``Case``).
+
+Collecting the suites switches the plugin on (:func:`pytest_weightsync.activation.activate`),
+so they run without ``-p weightsync`` too; a session that collects nothing of them is left
+alone.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from pytest_weightsync import activation
+
 from .harness import cases
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    activation.activate(config, owner=os.path.dirname(os.path.abspath(__file__)))
 
 
 def _extra_cases(config) -> list:

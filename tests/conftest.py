@@ -18,14 +18,24 @@ from typing import NamedTuple
 
 import pytest
 
+from pytest_weightsync import activation
 from pytest_weightsync.registry import OPTIONAL_BUILTINS_ENV
+
+
+#: A test whose inner sessions must NOT ask for the plugin (a foreign project's session).
+NOT_ASKED = "weightsync_not_asked"
 
 
 @pytest.fixture(autouse=True)
 def _no_optional_builtins_in_pytester(request: pytest.FixtureRequest,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inner sessions are weightsync sessions (``-p weightsync``, through ``PYTEST_ADDOPTS``:
+    the plugin is inert unless asked for), without the optional built-in rows."""
     if "pytester" in request.fixturenames:
         monkeypatch.setenv(OPTIONAL_BUILTINS_ENV, "none")
+        if request.node.get_closest_marker(NOT_ASKED) is None:
+            monkeypatch.setenv("PYTEST_ADDOPTS", " ".join(
+                filter(None, [os.environ.get("PYTEST_ADDOPTS", ""), "-p weightsync"])))
 
 
 #: Marks a test whose inner sessions must start in a cold interpreter (one that checks what
@@ -34,8 +44,11 @@ COLD = "cold_interpreter"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    activation.activate(config, owner=os.path.dirname(os.path.abspath(__file__)))
     config.addinivalue_line("markers", f"{COLD}: inner pytest sessions of this test start cold "
                                        f"(not forked from the warm zygote)")
+    config.addinivalue_line("markers", f"{NOT_ASKED}: inner pytest sessions of this test do not "
+                                       f"name the plugin (a foreign project's session)")
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
-"""The plugin's surface: options, markers, GPU gating, and that loading it stays cheap."""
+"""The plugin's surface: options, markers, GPU gating, and that loading it stays cheap and
+changes nothing in a session that does not ask for it."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def test_gpu_tests_skip_with_a_reason_on_cpu_and_deselect_with_not_gpu(pytester)
         test_g=textwrap.dedent(
             """
             import pytest
+
+            pytestmark = pytest.mark.weightsync
 
             @pytest.mark.gpu
             def test_one_gpu():
@@ -94,3 +97,54 @@ def test_plugin_loads_with_autoload_disabled_and_a_plain_session_never_imports_t
     )
     result = pytester.runpytest_subprocess("-p", "weightsync", "-p", "no:cacheprovider", "--strict-markers")
     result.assert_outcomes(passed=2)
+
+
+FOREIGN = textwrap.dedent(
+    """
+    import sys
+    import pytest
+
+    @pytest.mark.gpu
+    def test_their_gpu_marker_is_theirs():
+        pass
+
+    def test_no_sub_plugin_was_switched_on(pytestconfig):
+        active = [name for name in ("pytest_weightsync.gpu_gate", "pytest_weightsync.report",
+                                    "pytest_weightsync.session_guard")
+                  if pytestconfig.pluginmanager.has_plugin(name)]
+        assert active == WANT_ACTIVE, active
+        assert "torch" not in sys.modules
+    """
+)
+
+
+@pytest.mark.cold_interpreter
+@pytest.mark.weightsync_not_asked
+@pytest.mark.parametrize("asked", [False, True], ids=["not-asked", "named"])
+def test_a_foreign_gpu_test_is_never_gated(pytester, asked):
+    """A project's own ``gpu`` marker keeps its meaning: without ``-p weightsync`` nothing of
+    the plugin is switched on; with it, only weightsync tests are gated."""
+    want = ["pytest_weightsync.gpu_gate", "pytest_weightsync.report",
+            "pytest_weightsync.session_guard"] if asked else []
+    pytester.makeini("[pytest]\nmarkers =\n    gpu: the project's own GPU tests\n")
+    pytester.makepyfile(test_foreign=f"WANT_ACTIVE = {want!r}\n" + FOREIGN)
+    args = ("-p", "weightsync") if asked else ()
+    result = pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider", "--strict-markers",
+                                           "-rA")
+    result.assert_outcomes(passed=2)
+    if not asked:  # pytest's own "plugins:" header lists every installed plugin
+        said = [line for line in result.outlines
+                if "weightsync" in line and not line.startswith("plugins:")]
+        assert not said, said
+
+
+@pytest.mark.cold_interpreter
+@pytest.mark.weightsync_not_asked
+def test_a_session_that_does_not_ask_registers_no_marker_and_no_sub_plugin(pytester):
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--markers")
+    assert result.ret == 0
+    out = result.stdout.str()
+    assert "@pytest.mark.ranks" not in out and "@pytest.mark.weightsync_property" not in out
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--markers",
+                                           "--weightsync-threads", "1")
+    assert "@pytest.mark.ranks(n, backend=None, timeout=None)" in result.stdout.str()
