@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from pytest_weightsync.protocols import DELIVERIES, as_stream, colocated_engine_rank
+from pytest_weightsync.ranks.hygiene import harness_sockets
 from pytest_weightsync.wire import WireFormatError, decode_bucket, transport_of
 
 
@@ -180,16 +181,61 @@ def _copied(stream) -> list:
     return [[(name, tensor.detach().clone()) for name, tensor in bucket] for bucket in stream]
 
 
+def _items(result):
+    """``result`` as a list of buckets (one bucket alone becomes a list of one), or as it is
+    when it is no stream at all (left for :func:`~pytest_weightsync.protocols.as_stream`)."""
+    if result is None or isinstance(result, (str, bytes)) or transport_of(result) != "tensors":
+        return None if result is None else [result]
+    return list(result) if hasattr(result, "__iter__") else result
+
+
+def _drain_other_entries(bucket, *, engine_rank: int, engine_tp: int, where: str) -> None:
+    """Decode, and drop, every entry of serialized update ``bucket`` but ``engine_rank``'s.
+
+    In a real engine every TP worker reads its own entry; each CPU tensor of an entry travels
+    as a descriptor its sender keeps registered (``multiprocessing.resource_sharer``, or a
+    shared-memory file it keeps a reference on) until a receiver fetches it. An entry nobody
+    fetches would hold its sender's descriptors for the life of that process, so the harness
+    reads every entry it receives exactly once, as the engine would - and never stops the
+    process-wide sharer, which the code under test may still need."""
+    from pytest_weightsync.wire import decode_serialized
+
+    entries = getattr(bucket, "serialized_named_tensors", None)
+    count = len(entries) if hasattr(entries, "__len__") else 0
+    for other in range(min(count, engine_tp)):
+        if other != engine_rank:
+            decode_serialized(bucket, engine_rank=other, engine_tp=engine_tp, where=where)
+
+
+def _release_refused(bucket, entries=None) -> None:
+    """After a serialized update was refused: read, and drop, what an engine would still have
+    fetched of it - each entry of ``entries`` (engine ranks; default all) that exists -
+    ignoring what cannot be read, so the sender's descriptors of a refused update are not held
+    for ever in a warm process (its TP workers would each have read their own entry before
+    failing)."""
+    from pytest_weightsync.wire import decode_serialized
+
+    payloads = getattr(bucket, "serialized_named_tensors", None)
+    if not isinstance(payloads, (list, tuple)):
+        return
+    for index in range(len(payloads)) if entries is None else entries:
+        if 0 <= index < len(payloads):
+            try:
+                with harness_sockets():
+                    decode_serialized(bucket, engine_rank=index, engine_tp=len(payloads))
+            except Exception:  # noqa: BLE001 - best effort: the refusal is what is reported
+                pass
+
+
 def decoded_stream(result, *, engine_rank: int, engine_tp: int, source: str,
-                   transports: set) -> object:
+                   transports: set, drain: bool = True) -> object:
     """``result`` (a stream, or one bucket) with every wire-format bucket decoded into the
     ``(name, tensor)`` pairs engine rank ``engine_rank`` reads (:mod:`pytest_weightsync.wire`);
     the transports met are added to ``transports``. Anything else is left for
-    :func:`pytest_weightsync.protocols.as_stream` to judge."""
-    if result is None or isinstance(result, (str, bytes)) or transport_of(result) != "tensors":
-        items = None if result is None else [result]
-    else:
-        items = list(result) if hasattr(result, "__iter__") else result
+    :func:`pytest_weightsync.protocols.as_stream` to judge. With ``drain`` (the default) the
+    other engine ranks' entries of a serialized update are read too, and dropped: nobody else
+    will read them (:func:`_drain_other_entries`)."""
+    items = _items(result)
     if not isinstance(items, list):
         return items
     if any(transport_of(bucket) == "weight_transfer" for bucket in items):
@@ -209,28 +255,97 @@ def decoded_stream(result, *, engine_rank: int, engine_tp: int, source: str,
         if kind == "tensors":
             out.append(bucket)
             continue
+        where = f"{source}: bucket {index} ({kind})"
         try:
-            pairs, _ = decode_bucket(bucket, engine_rank=engine_rank, engine_tp=engine_tp,
-                                     where=f"{source}: bucket {index} ({kind})")
+            with harness_sockets():
+                pairs, _ = decode_bucket(bucket, engine_rank=engine_rank, engine_tp=engine_tp,
+                                         where=where)
+                if drain and kind == "serialized":
+                    _drain_other_entries(bucket, engine_rank=engine_rank, engine_tp=engine_tp,
+                                         where=where)
         except WireFormatError as error:
+            if kind == "serialized":
+                _release_refused(bucket, None if drain else [engine_rank])
+            for later in items[index + 1:]:  # no engine rank reads the rest of this stream now
+                if transport_of(later) == "serialized":
+                    _release_refused(later, None if drain else [engine_rank])
             raise DistributedExportError(str(error)) from None
         transports.add(kind)
         out.append(list(pairs))
     return out
 
 
+def _serialized_digests(result) -> dict:
+    """``{bucket index: digest}`` of the serialized updates in ``result``: what identifies one
+    update returned by several ranks (its entries' bytes and its load format). An update whose
+    entries are not bytes gets no digest of its own: it is this rank's alone."""
+    import hashlib
+
+    items = _items(result)
+    if not isinstance(items, list):
+        return {}
+    out = {}
+    for index, bucket in enumerate(items):
+        if transport_of(bucket) != "serialized":
+            continue
+        entries = getattr(bucket, "serialized_named_tensors", None)
+        digest = hashlib.sha1(repr(getattr(bucket, "load_format", None)).encode())
+        try:
+            for entry in entries:
+                digest.update(entry.encode() if isinstance(entry, str) else bytes(entry))
+                digest.update(b"\0")
+        except (TypeError, ValueError):  # not bytes: judged by the decoder, in this rank
+            out[index] = None
+            continue
+        out[index] = digest.hexdigest()
+    return out
+
+
+def serialized_readers(result, *, rank: int, engine_tp: int) -> dict:
+    """``{bucket index: engine ranks}``: which entries of each serialized update in this
+    colocated trainer rank's ``result`` this rank reads. Collective over the default process
+    group (every rank calls it once per export call, whatever its exporter returned).
+
+    A serialized update reaches every engine TP rank of its replica, each reading its own entry
+    (SGLang's TP workers). Trainer rank ``k`` plays engine rank ``k % tp``: where the replica's
+    ranks return the same update (a gather source whose serialized calls go to every rank of its
+    group, as slime's and verl's colocated paths do), rank ``k`` reads entry ``k % tp`` - in
+    another process than the one that serialized it, as in the real flow; an entry whose own
+    rank did not return the update is read by the first rank that did. So every entry is read
+    exactly once in the replica (a descriptor can be fetched once)."""
+    digests = _serialized_digests(result)
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        everyone, world = [list(digests.values())], 1
+    else:
+        world = dist.get_world_size()
+        everyone = [None] * world
+        dist.all_gather_object(everyone, list(digests.values()))
+    base = rank - rank % engine_tp
+    members = [r for r in range(base, base + engine_tp) if r < world or r == rank]
+    out = {}
+    for index, digest in digests.items():
+        holders = [rank] if digest is None else \
+            [r for r in members if digest in (everyone[r] if r < len(everyone) else ())]
+        if rank not in holders:
+            holders.append(rank)
+        out[index] = {k for k in range(engine_tp)
+                      if (base + k if base + k in holders else min(holders)) == rank}
+    return out
+
+
 def _colocated_streams(result, *, own: int, engine_tp: int, source: str,
-                       transports: set) -> dict:
+                       transports: set, readers: Optional[dict] = None) -> dict:
     """``{engine rank: stream}`` of one colocated trainer rank's ``result``: its pairs and
     flattened buckets (and vLLM's calls) reach ``own``, its colocated engine rank; a serialized
     update reaches every engine TP rank of its replica, each reading its own entry, as
-    SGLang's TP workers do (slime's gather source serializes the whole replica's tensors and
-    the other ranks send nothing). ``None`` or an empty result is nothing from this rank: an
-    empty stream for ``own``, judged with what the other ranks sent it."""
+    SGLang's TP workers do: this rank reads the entries ``readers`` gives it
+    (:func:`serialized_readers`; default every entry). ``None`` or an empty result is nothing
+    from this rank: an empty stream for ``own``, judged with what the other ranks sent it."""
     if result is None or (isinstance(result, (list, tuple)) and not result):
         return {own: []}
-    items = [result] if isinstance(result, (str, bytes)) or transport_of(result) != "tensors" \
-        else (list(result) if hasattr(result, "__iter__") else result)
+    items = _items(result)
     serialized = isinstance(items, list) and bool(items) and \
         any(transport_of(bucket) == "serialized" for bucket in items)
     if not serialized:
@@ -243,37 +358,52 @@ def _colocated_streams(result, *, own: int, engine_tp: int, source: str,
                 f"{error} (colocated delivery: a trainer rank returns the stream of its "
                 f"colocated engine rank, serialized updates for its replica's engine ranks, or "
                 f"nothing)") from None
-    streams = {}
-    for engine_rank in range(engine_tp):
-        decoded = decoded_stream(items, engine_rank=engine_rank, engine_tp=engine_tp,
-                                 source=source, transports=transports)
-        kept = []
-        for index, bucket in enumerate(items):
-            if transport_of(bucket) == "serialized":
-                if decoded[index] or engine_rank == own:
-                    kept.append(decoded[index])
-            elif engine_rank == own:  # pairs and flattened buckets reach the own engine rank
-                kept.append(decoded[index])
-        if kept or engine_rank == own:
+    every = set(range(engine_tp))
+    kept: dict = {}
+    for index, bucket in enumerate(items):
+        kind = transport_of(bucket)
+        if kind != "serialized":  # pairs and flattened buckets reach the own engine rank
+            kept.setdefault(own, []).extend(decoded_stream(
+                [bucket], engine_rank=own, engine_tp=engine_tp, source=source,
+                transports=transports))
+            continue
+        where = f"{source}: bucket {index} ({kind})"
+        for engine_rank in sorted(every if readers is None else readers.get(index, ())):
             try:
-                streams[engine_rank] = as_stream(kept, source=source)
-            except TypeError as error:
+                with harness_sockets():
+                    pairs, _ = decode_bucket(bucket, engine_rank=engine_rank,
+                                             engine_tp=engine_tp, where=where)
+            except WireFormatError as error:
+                _release_refused(bucket, sorted(every if readers is None else
+                                                readers.get(index, ())))
                 raise DistributedExportError(str(error)) from None
+            transports.add(kind)
+            if pairs or engine_rank == own:
+                kept.setdefault(engine_rank, []).append(list(pairs))
+    kept.setdefault(own, [])
+    streams = {}
+    for engine_rank, stream in sorted(kept.items()):
+        try:
+            streams[engine_rank] = as_stream(stream, source=source)
+        except TypeError as error:
+            raise DistributedExportError(str(error)) from None
     return streams
 
 
 def normalize_result(result, *, delivery: str, rank: int, receiver, source: str,
-                     transports: set = None) -> dict:
+                     transports: set = None, readers: Optional[dict] = None) -> dict:
     """The exporter's ``result`` in trainer rank ``rank`` as ``{engine_rank: stream}``
     (wire buckets decoded, tensors copied), or :class:`DistributedExportError` naming what is
-    wrong with it. The wire formats met are added to ``transports``."""
+    wrong with it. The wire formats met are added to ``transports``; ``readers``: which
+    entries of each serialized update this rank reads under colocated delivery
+    (:func:`serialized_readers`; default every entry)."""
     transports = set() if transports is None else transports
     if delivery not in DELIVERIES:
         raise ValueError(f"delivery must be one of {DELIVERIES}, got {delivery!r}")
     if delivery == "colocated":
         streams = _colocated_streams(result, own=colocated_engine_rank(rank, receiver.tp),
                                      engine_tp=receiver.tp, source=source,
-                                     transports=transports)
+                                     transports=transports, readers=readers)
     elif rank != 0:
         if result:
             raise DistributedExportError(f"{source}: distributed delivery returns streams from "
@@ -290,12 +420,18 @@ def normalize_result(result, *, delivery: str, rank: int, receiver, source: str,
         if set(result) != wanted:
             raise DistributedExportError(f"{source}: streams for engine ranks {sorted(result)}, "
                                          f"expected every engine rank {sorted(wanted)}")
+        streams, pending = {}, list(result.items())
         try:
-            streams = {int(k): as_stream(decoded_stream(
-                v, engine_rank=int(k), engine_tp=receiver.tp, source=f"{source} (engine rank "
-                f"{k})", transports=transports), source=f"{source} (engine rank {k})")
-                for k, v in result.items()}
-        except TypeError as error:
+            while pending:
+                k, v = pending.pop(0)
+                streams[int(k)] = as_stream(decoded_stream(
+                    v, engine_rank=int(k), engine_tp=receiver.tp, source=f"{source} (engine "
+                    f"rank {k})", transports=transports), source=f"{source} (engine rank {k})")
+        except (TypeError, DistributedExportError) as error:
+            for _, rest in pending:  # what no engine rank will read now: released
+                for bucket in (_items(rest) or ()) if isinstance(_items(rest), list) else ():
+                    if transport_of(bucket) == "serialized":
+                        _release_refused(bucket)
             raise DistributedExportError(str(error)) from None
     for engine_rank, stream in streams.items():
         check_tensors(stream, f"{source} (engine rank {engine_rank})")
@@ -333,7 +469,6 @@ def call_exporter(exporter, model_state: Mapping, *, config, format: str, spec, 
     forward): an exporter that completes that work has not modified its inputs."""
     from pytest_weightsync.broadcast import BroadcastEngine
     from pytest_weightsync.protocols import SIGNATURES, accepts_keyword
-    from pytest_weightsync.wire import release_shared_handles
 
     call = f"export call for update {update} ({format}, {delivery} delivery) in trainer rank {rank}"
     owner = f"trainer rank {rank}"
@@ -353,7 +488,15 @@ def call_exporter(exporter, model_state: Mapping, *, config, format: str, spec, 
         kwargs["engine"] = engine
     transports: set = set()
     try:
-        result = method(model_state, **kwargs)
+        failed = None
+        try:
+            result = method(model_state, **kwargs)
+        except BaseException as error:  # every rank must still reach the readers' exchange
+            failed, result = error, None
+        readers = serialized_readers(result, rank=rank, engine_tp=receiver.tp) \
+            if delivery == "colocated" else None
+        if failed is not None:
+            raise failed
         check_storage_unchanged(placed, model_state, model, call=call, owner=owner)
         if settled is None or first_modification(settled, model_state) is not None:
             check_inputs_unchanged(before, model_state, call=call, owner=owner)
@@ -362,9 +505,8 @@ def call_exporter(exporter, model_state: Mapping, *, config, format: str, spec, 
             transports.add("broadcast")
         else:
             streams = normalize_result(result, delivery=delivery, rank=rank, receiver=receiver,
-                                       source=source, transports=transports)
+                                       source=source, transports=transports, readers=readers)
     finally:
         if engine is not None:
             engine.close()
-        release_shared_handles()  # entries for other engine ranks are never fetched here
     return RankExport(rank, streams, frozenset(transports))

@@ -413,15 +413,6 @@ def decode_serialized(update, *, engine_rank: int, engine_tp: int,
     return out, load_format
 
 
-def release_shared_handles() -> None:
-    """Close every shared-memory handle a serialized payload left registered in this process
-    (``multiprocessing.resource_sharer`` keeps a descriptor for each CPU tensor it shares
-    until someone fetches it; entries meant for other engine ranks are never fetched here)."""
-    from multiprocessing import resource_sharer
-
-    resource_sharer.stop(timeout=5)
-
-
 def decode_bucket(bucket, *, engine_rank: int, engine_tp: int, where: str) -> tuple[list, str]:
     """``([(name, tensor)], transport)`` of one bucket of a stream for ``engine_rank``; a
     ``tensors`` bucket comes back as it is (its pairs are checked by the stream checks)."""

@@ -19,6 +19,7 @@ Child processes are checked by the pool itself, from outside (see
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -34,9 +35,21 @@ MAX_LISTED = 3
 def warm_up(device: str) -> None:
     """Create what torch and the backend create lazily, so a later call that merely uses them
     is not blamed: the default group's communicator (one collective), the intra-op thread
-    pool (one parallel op), the autograd engine (one backward)."""
+    pool (one parallel op), the autograd engine (one backward), torch's shared-memory manager
+    (a helper process and its socket, started once per process by the first CPU tensor shared
+    under the ``file_system`` strategy, which many RL senders choose)."""
     import torch
     import torch.distributed as dist
+    import torch.multiprocessing as tmp
+
+    previous = tmp.get_sharing_strategy()
+    try:
+        tmp.set_sharing_strategy("file_system")
+        torch.ones(1).share_memory_()
+    except (RuntimeError, OSError, ValueError):  # no manager on this platform: nothing to warm
+        pass
+    finally:
+        tmp.set_sharing_strategy(previous)
 
     if dist.is_initialized():
         probe = torch.zeros(1, device=device)
@@ -92,13 +105,54 @@ def descriptor_targets() -> dict[int, str]:
     return found
 
 
+#: Sockets the harness itself opened in this rank (:func:`harness_sockets`): never counted.
+_HARNESS_SOCKETS: set[str] = set()
+
+
+@contextlib.contextmanager
+def harness_sockets():
+    """Sockets opened inside this block are the harness's, not the call's: reading a CPU
+    tensor shared under torch's ``file_system`` strategy connects this process to its sender's
+    shared-memory manager once, and the connection stays for the life of the process (torch's
+    own cache). The harness reads what exporters send; the connection is its doing."""
+    before = {t for t in descriptor_targets().values() if t.startswith("socket:")}
+    try:
+        yield
+    finally:
+        _HARNESS_SOCKETS.update(t for t in descriptor_targets().values()
+                                if t.startswith("socket:") and t not in before)
+
+
 def _fds() -> dict[int, str]:
     """:func:`descriptor_targets` without the log files of ``logging`` handlers
-    (:func:`_logging_fds`)."""
+    (:func:`_logging_fds`) and the harness's own sockets (:func:`harness_sockets`)."""
     found = descriptor_targets()
     for fd in _logging_fds():
         found.pop(fd, None)
+    for fd, target in list(found.items()):
+        if target in _HARNESS_SOCKETS:
+            del found[fd]
     return found
+
+
+def _resource_sharer() -> tuple:
+    """``(thread ident, listening socket fd)`` of ``multiprocessing``'s process-wide resource
+    sharer while it runs, else ``(None, None)``. Pickling a CPU tensor for another process
+    (``ForkingPickler``: SGLang's ``MultiprocessingSerializer``) starts it once per process and
+    it serves every later share, by design: a sender that used it left nothing behind. (The
+    descriptors it holds for shares nobody fetched are counted: those are left behind.)"""
+    import sys
+
+    module = sys.modules.get("multiprocessing.resource_sharer")
+    sharer = getattr(module, "_resource_sharer", None)
+    thread = getattr(sharer, "_thread", None)
+    if thread is None or not thread.is_alive():
+        return None, None
+    try:
+        fd = sharer._listener._listener._socket.fileno()
+    except (AttributeError, OSError, ValueError):
+        fd = None
+    return thread.ident, fd
 
 
 def _os_threads() -> int:
@@ -144,12 +198,17 @@ def _stack_dump_handler():
 
 
 def snapshot() -> dict:
-    """The rank's countable resources and global torch settings, now."""
+    """The rank's countable resources and global torch settings, now (the resource sharer, a
+    process-wide service, left out: :func:`_resource_sharer`)."""
+    sharer_thread, sharer_fd = _resource_sharer()
+    fds = _fds()
+    fds.pop(sharer_fd, None)
     return {
         "process groups": _process_groups(),
-        "threads": _os_threads(),
-        "python threads": {t.ident: t.name for t in threading.enumerate()},
-        "fds": _fds(),
+        "threads": _os_threads() - (sharer_thread is not None),
+        "python threads": {t.ident: t.name for t in threading.enumerate()
+                           if t.ident != sharer_thread},
+        "fds": fds,
         "torch": _torch_state(),
         "stack-dump handler": _stack_dump_handler(),
     }

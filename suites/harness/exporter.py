@@ -34,7 +34,6 @@ def exported_streams(exporter, case, fmt, states, ranks=None, shards_before=None
     result - pairs, buckets, or buckets on a wire transport (``docs/transports.md``) - is
     decoded as that receiver rank reads it, the one decoding step every suite shares."""
     from pytest_weightsync import distributed
-    from pytest_weightsync.wire import release_shared_handles
 
     if shards_before is None:
         shards_before = [distributed.snapshot(state) for state in states]
@@ -48,13 +47,12 @@ def exported_streams(exporter, case, fmt, states, ranks=None, shards_before=None
                 raise judge.ConformanceError(f"export call for receiver rank {rank} ({fmt}) "
                                              f"modified trainer rank {trainer_rank}'s shard {where}")
         try:  # wire buckets (flattened, serialized) and vLLM's weight-transfer calls decoded
-            #     as that receiver rank reads them
+            #     as that receiver rank reads them; the other ranks' entries of a serialized
+            #     update are read too and dropped (each descriptor fetched once, as an engine does)
             stream = as_stream(distributed.decoded_stream(
                 result, engine_rank=rank, engine_tp=case.receiver.tp, source=source,
                 transports=set()), source=source)
         except (TypeError, distributed.DistributedExportError) as error:
             raise judge.ConformanceError(f"export call for receiver rank {rank} ({fmt}): "
                                          f"{error}") from None
-        finally:
-            release_shared_handles()
         yield rank, stream

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from . import tensor_kind_probes as kp
+from .sharer import drop_unfetched_shares
 from ..harness import cases, inputs
 from pytest_weightsync import compare, wire
 from pytest_weightsync.reference_impl.engine import receiver as rx
@@ -372,7 +373,7 @@ def test_payloads_pickled_every_way_a_sender_does_still_decode():
             got, load_format = wire.decode_serialized(update, engine_rank=0, engine_tp=1)
             assert load_format == "flattened_bucket" and torch.equal(got[0][1], bucket[0][1])
     finally:
-        wire.release_shared_handles()
+        drop_unfetched_shares()
 
 
 # --- an EPLB update resumed under another placement -------------------------------------------

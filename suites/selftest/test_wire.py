@@ -23,6 +23,8 @@ from pytest_weightsync.broadcast import WireFormatError as BroadcastFormatError
 from pytest_weightsync.broadcast import announced, dense_offsets
 from pytest_weightsync.reference_impl.senders.buckets import split_buckets
 
+from .sharer import drop_unfetched_shares
+
 tensor_bucket = pytest.importorskip("sglang.srt.weight_sync.tensor_bucket",
                                     reason="sglang is not importable")
 FlattenedTensorBucket = tensor_bucket.FlattenedTensorBucket
@@ -172,7 +174,7 @@ def test_sglang_serialized_updates_decode_as_its_tp_worker_reads_them():
         with pytest.raises(wire.WireFormatError, match="one per engine TP rank \\(4\\)"):
             wire.decode_serialized(update, engine_rank=0, engine_tp=4)
     finally:
-        wire.release_shared_handles()
+        drop_unfetched_shares()
 
 
 @pytest.mark.parametrize("flattened", [False, True], ids=["tensors", "flattened"])
@@ -190,7 +192,7 @@ def test_the_reference_serialized_update_passes_sglangs_safe_unpickler(flattened
             engine_tp=2)
         _same(ours, bucket)
     finally:
-        wire.release_shared_handles()
+        drop_unfetched_shares()
 
 
 def test_harness_metadata_outside_sglang_is_refused_by_its_unpickler():
@@ -204,7 +206,7 @@ def test_harness_metadata_outside_sglang_is_refused_by_its_unpickler():
             MultiprocessingSerializer.deserialize(update.serialized_named_tensors[0])
         assert wire.metadata_type() is FlattenedTensorMetadata
     finally:
-        wire.release_shared_handles()
+        drop_unfetched_shares()
 
 
 @settings(max_examples=40, deadline=None)
