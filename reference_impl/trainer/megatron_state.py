@@ -5,13 +5,20 @@ that as ``megatron.training.get_model`` does (NVIDIA/Megatron-LM ``megatron/trai
 training.py``, ``get_model``, at 001b00c2734d8f0fad096fe48a382fedf755d321):
 
 1. one ``GPTModel`` per model chunk (one chunk: no virtual pipeline stages), built with
-   ``pre_process`` / ``post_process`` of this PP stage from megatron-core's own layer spec
-   (``get_gpt_layer_local_spec(num_experts=..., moe_grouped_gemm=False)``: ``SequentialMLP``
-   experts; for ``expert_impl="te_grouped"`` its MoE submodule is replaced by the
-   ``TEGroupedMLP`` spec of :mod:`pytest_weightsync.reference_impl.trainer.te_grouped` - megatron's
-   own TEGroupedMLP code over a modelled Transformer Engine ``GroupedLinear``), CPU
-   initialization, ``allgather`` dispatcher. Its ``decoder.layers`` are real
-   ``TransformerLayer`` s whose ``layer_number`` is global (1-based, the PP offset included);
+   ``pre_process`` / ``post_process`` of this PP stage, CPU initialization, ``allgather``
+   dispatcher. Its ``decoder.layers`` are real ``TransformerLayer`` s whose ``layer_number``
+   is global (1-based, the PP offset included). Outside the experts it is a Qwen3-MoE as
+   Megatron-Bridge configures one (:data:`QWEN3_MOE_CONFIG`, :data:`QWEN3_MOE_MODEL`): rotary
+   positions (no position-embedding parameter), RMSNorm without bias, q/k RMS norms, no
+   linear or qkv biases, untied embeddings - built from megatron-core's Transformer Engine
+   layer spec, what real jobs build (:func:`qwen_layer_spec`: ``linear_qkv.layer_norm_weight``,
+   ``pre_mlp_layernorm``, ``TENorm`` final norm, over the modelled TE of
+   :mod:`~pytest_weightsync.reference_impl.trainer.te_spec`), so an exporter that converts every
+   parameter meets only names a real Qwen3-MoE has. Its MoE block is
+   :func:`layer_spec`'s: ``SequentialMLP`` experts of megatron-core's local spec, or for
+   ``expert_impl="te_grouped"`` the ``TEGroupedMLP`` spec of
+   :mod:`pytest_weightsync.reference_impl.trainer.te_grouped` (megatron's own TEGroupedMLP code
+   over a modelled Transformer Engine ``GroupedLinear``);
 2. ``tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes`` on every
    parameter (``tensor_model_parallel=False``, ``partition_dim=-1``, ``partition_stride=1``
    where the module set nothing: the router, norms, ...);
@@ -26,8 +33,9 @@ to the stage, experts local to the EP rank. The expert weights are then overwrit
 rank's synthetic shard values (in place: the model's storage is what the exporter sees, update
 after update); every other parameter keeps Megatron's initialization.
 
-Two stand-ins, both named in ``docs/backends.md``: Transformer Engine's ``GroupedLinear`` (see
-``te_grouped``), and megatron-core's DDP allocates its buffers at
+The stand-ins, all named in ``docs/backends.md``: Transformer Engine's ``GroupedLinear`` (see
+``te_grouped``) and its ``Linear`` / ``LayerNormLinear`` / norms under the attention (see
+``te_spec``), and megatron-core's DDP allocates its buffers at
 ``torch.cuda.current_device()``, so it is constructed with that answering ``"cpu"``
 (:func:`_ddp_buffers_on_cpu`); the DDP code itself is megatron-core's.
 
@@ -60,6 +68,18 @@ PARTITION_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_str
 VOCAB_PER_TP_RANK = 4
 #: Attention head size: small and independent of the hidden size (which may be odd).
 KV_CHANNELS = 2
+#: ``TransformerConfig`` settings of every Qwen3-MoE outside its sizes, as Megatron-Bridge 0.3.1
+#: sets them (``megatron/bridge/models/qwen/qwen_provider.py`` ``Qwen3MoEModelProvider``;
+#: ``qwen3_moe_bridge.py`` ``Qwen3MoEBridge.provider_bridge``: "Qwen3 MoE does NOT have QKV
+#: bias", "Qwen3 MoE uses QK layernorm"); they decide which parameters exist (RMSNorm: no
+#: norm bias; no linear or qkv bias; q/k norms). Held to the installed Bridge by
+#: ``suites/selftest/test_trainer_model_names.py``.
+QWEN3_MOE_CONFIG = {"normalization": "RMSNorm", "qk_layernorm": True, "add_bias_linear": False,
+                    "add_qkv_bias": False, "gated_linear_unit": True, "layernorm_epsilon": 1e-6}
+#: ``GPTModel`` arguments of the same provider: rotary positions (no
+#: ``embedding.position_embeddings`` parameter), untied embeddings.
+QWEN3_MOE_MODEL = {"position_embedding_type": "rope", "rotary_base": 1000000,
+                   "share_embeddings_and_output_weights": False}
 
 
 class MegatronPlacementError(WeightSyncError):
@@ -71,6 +91,8 @@ def transformer_config(spec: MoESpec, topo: TrainerTopology):
     """A real ``TransformerConfig`` of the model ``spec`` describes, under ``topo``."""
     from pytest_weightsync.reference_impl.backends.megatron import moe_transformer_config
 
+    settings = dict(QWEN3_MOE_CONFIG)
+    del settings["add_bias_linear"], settings["gated_linear_unit"]  # moe_transformer_config's own
     return moe_transformer_config(
         hidden=spec.hidden, ffn=spec.intermediate, experts=spec.num_experts,
         topk=min(2, spec.num_experts), tp=topo.tp, ep=topo.ep, etp=topo.etp, dtype=spec.dtype,
@@ -80,6 +102,7 @@ def transformer_config(spec: MoESpec, topo: TrainerTopology):
         moe_router_pre_softmax=spec.num_experts == 1,  # Megatron requires it for top-1
         pipeline_model_parallel_size=topo.pp,
         pipeline_dtype=spec.dtype,
+        **settings,
     )
 
 
@@ -147,6 +170,29 @@ def layer_spec(spec: MoESpec, topo: TrainerTopology, **local_options):
         local.submodules, mlp=te_grouped_mlp_spec(spec.num_experts)))
 
 
+def qwen_layer_spec(spec: MoESpec, topo: TrainerTopology, config):
+    """This stage's ``TransformerBlockSubmodules`` of the expert-only trainer: every layer
+    megatron-core's Transformer Engine layer spec with q/k norms (over the modelled TE of
+    :mod:`~pytest_weightsync.reference_impl.trainer.te_spec`: the input norm fused into
+    ``linear_qkv``, RMSNorm by ``config.normalization``) whose MoE block is
+    :func:`layer_spec`'s (the experts every expert-only case was built with), and a ``TENorm``
+    final norm."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    from pytest_weightsync.reference_impl.trainer.te_spec import megatron_te_linears, te_layer_spec
+
+    te = te_layer_spec(spec.num_experts, grouped=False, qk_layernorm=True)
+    layer = dataclasses.replace(te, submodules=dataclasses.replace(
+        te.submodules, mlp=layer_spec(spec, topo).submodules.mlp))
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                      layer_norm=megatron_te_linears()["TENorm"])
+
+
 def build_model(spec: MoESpec, topo: TrainerTopology, config) -> list:
     """This rank's model chunks as ``get_model`` returns them (see the module docstring): a
     list of one megatron-core ``DistributedDataParallel``. Needs
@@ -154,10 +200,10 @@ def build_model(spec: MoESpec, topo: TrainerTopology, config) -> list:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    chunk = GPTModel(config=config, transformer_layer_spec=layer_spec(spec, topo),
+    chunk = GPTModel(config=config, transformer_layer_spec=qwen_layer_spec(spec, topo, config),
                      vocab_size=VOCAB_PER_TP_RANK * topo.tp, max_sequence_length=8,
                      pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage())
+                     post_process=ps.is_pipeline_last_stage(), **QWEN3_MOE_MODEL)
     return [wrapped(chunk, config)]
 
 

@@ -3,7 +3,8 @@
 :mod:`~pytest_weightsync.reference_impl.trainer.megatron_state` builds the expert-only trainer; this
 builds every parameter of a :class:`~pytest_weightsync.reference_impl.model.model_spec.ModelSpec`
 the same way (``megatron.training.get_model``: a ``GPTModel`` per stage
-from megatron-core's local layer spec, ``Float16Module``, DDP with the distributed
+from megatron-core's Transformer Engine layer spec over the modelled TE, or its local spec,
+``Float16Module``, DDP with the distributed
 optimizer's contiguous buffers) under the real ``parallel_state``:
 
 * GQA attention (``num_query_groups`` KV heads, ``kv_channels`` = head dim) with q/k RMS norms
@@ -17,7 +18,12 @@ optimizer's contiguous buffers) under the real ``parallel_state``:
   (``make_vocab_size_divisible_by`` 128 x TP), tied (``share_embeddings_and_output_weights``:
   with PP > 1 the last stage holds a copy) or untied, rotary positions (no parameters);
 * pipeline stages of equal size or uneven (``num_layers_in_first_pipeline_stage``); each
-  ``TransformerLayer.layer_number`` is global.
+  ``TransformerLayer.layer_number`` is global;
+* the settings that decide which parameters exist are Megatron-Bridge's for the family
+  (:data:`~pytest_weightsync.reference_impl.trainer.megatron_state.QWEN3_MOE_CONFIG`,
+  :data:`ROTARY_BASE`): RMSNorm without bias, no linear or qkv biases, q/k norms, rotary
+  positions - held to the installed Bridge's registries, every rank, by
+  ``suites/selftest/test_trainer_model_names.py``.
 
 Every parameter is then overwritten in place with the oracle's shard
 (:func:`pytest_weightsync.reference_impl.trainer.megatron_model.trainer_model_state`): the real names
@@ -42,6 +48,8 @@ from __future__ import annotations
 import contextlib
 
 from pytest_weightsync.reference_impl.trainer.megatron_state import (
+    QWEN3_MOE_CONFIG,
+    QWEN3_MOE_MODEL,
     MegatronPlacementError,
     _ddp_buffers_on_cpu,
     fill_in_place,
@@ -50,6 +58,15 @@ from pytest_weightsync.reference_impl.trainer.megatron_state import (
     unwrapped,
     wrapped,
 )
+
+#: Megatron-Bridge 0.3.1's ``Qwen3NextModelProvider`` (``megatron/bridge/models/qwen/
+#: qwen_provider.py``, the Qwen3.5-MoE layout) inherits :data:`QWEN3_MOE_CONFIG` from
+#: ``Qwen3MoEModelProvider`` and changes the rotary base; its gated attention and shared-expert
+#: gate follow the spec here (``attn_output_gate``, ``intermediate_shared``).
+#: ``layernorm_zero_centered_gamma`` is left off: it changes what the norm weights mean (Bridge
+#: maps GDN ``out_norm`` as ``hf - 1``), not which parameters exist, and the oracle fills every
+#: norm with the checkpoint's own values.
+ROTARY_BASE = {"qwen3_moe": QWEN3_MOE_MODEL["rotary_base"], "qwen3_5_moe": 10000000}
 
 #: The oracle names its input norm as the Transformer Engine spec fuses it.
 _LOCAL_TO_MODELLED = ((".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight"),)
@@ -214,13 +231,15 @@ def transformer_config(spec, topo):
 
     from pytest_weightsync.reference_impl.backends.megatron import moe_transformer_config
 
+    settings = dict(QWEN3_MOE_CONFIG)  # RMSNorm, q/k norms, no qkv bias (the family's)
+    del settings["add_bias_linear"], settings["gated_linear_unit"]  # moe_transformer_config's own
     return moe_transformer_config(
         hidden=spec.hidden, ffn=spec.intermediate, experts=spec.num_experts,
         topk=min(2, spec.num_experts), tp=topo.tp, ep=topo.ep, etp=topo.etp, dtype=spec.dtype,
         grouped=topo.expert_impl == "te_grouped", cpu_init=True, heads=spec.num_heads,
         num_layers=spec.num_layers, num_query_groups=spec.num_kv_heads,
-        kv_channels=spec.head_dim, qk_layernorm=True,
-        attention_output_gate=spec.attn_output_gate, normalization="RMSNorm",
+        kv_channels=spec.head_dim, **settings,
+        attention_output_gate=spec.attn_output_gate,
         moe_router_pre_softmax=spec.num_experts == 1,
         moe_router_enable_expert_bias=spec.expert_bias,
         moe_router_score_function="sigmoid" if spec.expert_bias else "softmax",
@@ -290,8 +309,8 @@ def build_model(spec, topo, config, layer_spec: str = "te", ddp_options=None) ->
                          vocab_size=padded_vocab(spec.vocab, topo.tp), max_sequence_length=8,
                          pre_process=ps.is_pipeline_first_stage(),
                          post_process=ps.is_pipeline_last_stage(),
-                         share_embeddings_and_output_weights=spec.tied,
-                         position_embedding_type="rope",
+                         **{**QWEN3_MOE_MODEL, "share_embeddings_and_output_weights": spec.tied,
+                            "rotary_base": ROTARY_BASE[spec.family]},
                          mtp_block_spec=mtp_block_spec(spec, topo, config, layer_spec))
     return [wrapped(chunk, config, before_ddp=_keep_float32(spec), ddp_options=ddp_options)]
 
