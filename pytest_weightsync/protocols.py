@@ -18,22 +18,36 @@ An *implementation* is any object with a ``name`` (``str``), a ``capabilities``
     storage) and refuses bad input with a ``ValueError``/``TypeError`` naming the problem,
     before writing anything of that call. One call is one BUCKET of an update: ``hf_fused``
     (``experts.gate_up_proj`` / ``experts.down_proj`` of every expert) is a fourth format,
-    and a bucket may hold part of a layer's experts or several layers.
+    and a bucket may hold part of a layer's experts or several layers. One engine rank's
+    ``params`` is the same dict holding the same tensor objects in every call the harness
+    makes for it (every hook below, every update), so a loader may keep per-rank state keyed
+    by them (weakly: another dict, even at a reused ``id()``, is another engine rank).
 
 ``begin_update(params, *, format, spec, topology, rank)`` / ``end_update(params, *, format,
 spec, topology, rank)`` (optional)
     A loader MAY define them; the harness then calls ``begin_update`` before the buckets of
     one full update of ``params`` and ``end_update`` after the last one, so the loader can
     track the update across buckets (duplicates, completeness) and refuse an incomplete one at
-    ``end_update``. Without them each ``load_weights`` call stands alone.
+    ``end_update``. ``end_update`` closes the session whether it completes the update or
+    refuses to. Every bucket the harness sends such a loader is inside a session (a one-layer
+    payload travels as the last buckets of a full update whose other layers carry the bits
+    they hold), and an update it abandons - a lost sender - is closed with ``end_update``
+    before the next ``begin_update``: the loader may refuse a second ``begin_update`` while an
+    update is open and a ``load_weights`` or ``end_update`` without one (vLLM's worker does).
+    Without them each ``load_weights`` call stands alone.
 
 ``weight_version(params, *, spec, topology, rank)`` (optional; claimed by ``"version"`` in
 ``Capabilities.lifecycle``)
     The version the engine's ``params`` hold: a value that moves exactly once per completed
-    update (an ``int`` moves by one) and nowhere else - not at ``begin_update``, not at a
-    bucket, not by a failed or abandoned update - or ``None`` while they hold no complete
-    version (never updated, an update open, after a failed one: "unusable until a full
-    update"). The lifecycle contract (``docs/validate-your-loader.md``) says what an
+    update (an identity update too; an ``int`` moves by one) and nowhere else - not at
+    ``begin_update``, not at a bucket, not by a failed or abandoned update. It names a
+    complete version only while the parameters hold it bit for bit, and is ``None`` otherwise
+    ("unusable until a full update"): never updated, after a failed or abandoned update or a
+    bucket outside a session that changed them, after a level-2 sleep, and during an update
+    once the parameters change - a loader that writes buckets in place says ``None`` from
+    ``begin_update`` until the update completes; one that stages the update and writes
+    nothing before ``end_update`` may keep naming the last complete version until then. The
+    lifecycle contract (``docs/validate-your-loader.md``, "The update lifecycle") says what an
     engine-side loader may claim (:data:`LIFECYCLE`).
 
 ``sleep(params, *, level, spec, topology, rank)`` / ``wake_up(params, *, spec, topology,
@@ -41,8 +55,11 @@ rank)`` (optional; claimed by ``"sleep"`` in ``Capabilities.lifecycle``)
     The engine gives the memory of ``params`` back between updates and takes it again (vLLM's
     ``sleep(level)`` / ``wake_up``, SGLang's ``release_memory_occupation`` /
     ``resume_memory_occupation``). Level 1 offloads: after ``wake_up`` every parameter holds
-    its bits again, at its address. Level 2 discards: after ``wake_up`` no complete version
-    is held (``weight_version`` says ``None``) and the next update must be complete.
+    its bits again, at its address. Level 2 discards what an update brings back, and nothing
+    else: on an experts-only engine the routed experts' ``w13_weight`` / ``w2_weight`` (the
+    router weight keeps its bits), on a whole-model engine every parameter a whole-model
+    update carries; after ``wake_up`` no complete version is held (``weight_version`` says
+    ``None``) and the next update must be complete.
 
 ``export_weights(trainer_states, *, format, spec, trainer, receiver, rank) -> payload``
     The sender side (what runs in the trainer). ``trainer_states`` is every trainer rank's
@@ -63,8 +80,10 @@ bucket_bytes[, model][, engine]) -> streams``
     of this PP stage, whose ``decoder.layers`` are real ``TransformerLayer`` s with a global
     ``layer_number`` (1-based, PP offset included), ``chunk.config`` the
     ``TransformerConfig``; non-expert parameters keep Megatron's initialization.
-    ``model_state`` is the chunk's ``named_parameters()``: real ``nn.Parameter`` objects
-    named ``module.module.decoder.layers.{l}.mlp.experts.local_experts.{i}.linear_fc1.weight``
+    ``model_state`` is the chunk's ``named_parameters()`` - real ``nn.Parameter`` objects -
+    plus, for whole models, each router's float32 ``expert_bias`` BUFFER (a plain tensor of
+    ``state_dict()``, not a parameter; see below); the experts are named
+    ``module.module.decoder.layers.{l}.mlp.experts.local_experts.{i}.linear_fc1.weight``
     (SequentialMLP) or ``...mlp.experts.linear_fc1.weight{i}`` (TEGroupedMLP), local layer and
     expert numbering, every one carrying ``tensor_model_parallel`` / ``partition_dim`` /
     ``partition_stride`` as Megatron sets them (``get_model`` gives the router and norms the
@@ -157,6 +176,7 @@ MoESpec = ReceiverTopology = TrainerTopology = Any
 from pytest_weightsync.vocabulary import (  # noqa: F401 - re-exported for implementations
     DELIVERIES,
     ENGINE_LAYOUTS,
+    EXPERT_PLACEMENTS,
     LOADER_TRANSPORTS,
     EXPERT_IMPLS,
     EXPERT_MODULES,
@@ -235,6 +255,12 @@ class Capabilities:
         Whether it handles EPLB receivers (physical expert slots != logical experts,
         ``ReceiverTopology.redundant_experts`` / ``placement``): every physical copy written,
         by the placement of the call's topology. Default ``False``.
+    ``expert_placements``
+        How the receiver may spread experts over its MoE-EP ranks (:data:`EXPERT_PLACEMENTS`,
+        ``ReceiverTopology.expert_placement``): ``even`` (SGLang, ``E % ep == 0``) and
+        ``linear_uneven`` (vLLM's ``determine_expert_map``: the first ``E % ep`` ranks hold one
+        expert more, so local expert counts differ between ranks). Default only ``even``: an
+        SGLang loader is not run on vLLM's uneven placement.
     ``weight_quants``
         Receiver weight quantizations it handles (:data:`WEIGHT_QUANTS`); default ``none``.
     ``quantizers``
@@ -309,6 +335,7 @@ class Capabilities:
     topology: Optional[Callable[[Any, Any], bool]] = field(default=None, compare=False)
     engine_layouts: frozenset = frozenset(("checkpoint",))
     redundant_experts: bool = False
+    expert_placements: frozenset = frozenset(("even",))
     weight_quants: frozenset = frozenset(("none",))
     quantizers: frozenset = frozenset(("sender",))
     expert_impls: frozenset = frozenset(EXPERT_IMPLS)
@@ -331,6 +358,7 @@ class Capabilities:
                               ("layer_specs", LAYER_SPECS),
                               ("model_parts", MODEL_PARTS), ("targets", TARGETS),
                               ("engine_layouts", ENGINE_LAYOUTS),
+                              ("expert_placements", EXPERT_PLACEMENTS),
                               ("weight_quants", WEIGHT_QUANTS), ("quantizers", QUANTIZERS),
                               ("transports", LOADER_TRANSPORTS), ("lifecycle", LIFECYCLE)):
             value = getattr(self, name)
@@ -402,6 +430,11 @@ class Capabilities:
             return ("does not claim redundant experts (EPLB: the receiver has "
                     f"{getattr(receiver, 'redundant_experts', 0)} redundant physical slots "
                     f"or an explicit placement)")
+        placement = getattr(receiver, "expert_placement", "even")
+        if placement not in self.expert_placements:
+            return (f"claims expert placements {sorted(self.expert_placements)}, the receiver "
+                    f"places experts {placement!r} (vLLM's linear map: the first "
+                    f"num_experts % moe_ep ranks hold one expert more)")
         quant = getattr(receiver, "weight_quant", "none")
         if quant not in self.weight_quants:
             return (f"claims weight quantizations {sorted(self.weight_quants)}, the receiver "
@@ -534,7 +567,7 @@ class DistributedWeightExporter(Protocol):
     capabilities: Capabilities
 
     def export_weights_distributed(
-            self, model_state: "Mapping[str, torch.nn.Parameter]", *, config: Any, format: str,
+            self, model_state: "Mapping[str, torch.Tensor]", *, config: Any, format: str,
             spec: MoESpec, trainer: TrainerTopology, receiver: ReceiverTopology,
             delivery: str, bucket_bytes: Optional[int],
     ) -> "Union[Bucket, Stream, Mapping[int, Stream], None]": ...

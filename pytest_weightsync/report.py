@@ -12,9 +12,13 @@ report, so the matrix is built on the controller from reports alone
 Verdicts (:mod:`pytest_weightsync.verdict`) count every conformance property but
 :data:`HARDENING`, and certify only what ran: the run's selection
 (:mod:`pytest_weightsync.selection`) says which of an implementation's tests were selected,
-deselected or never collected, and a test counts only once its call phase reported. A run
-whose verdicts are not all PASS exits non-zero even when no test failed (PARTIAL, NOT RUN),
-unless ``--weightsync-allow-partial`` is given. :data:`HARDENING` is a report: its tests
+deselected or never collected, and a test counts only once its call phase reported; a
+property the implementation has whose every case lay outside its declared topologies is named
+NOT RUN, and the JSON counts per property the cases its claims selected and how many ran
+(``cases``). A run whose verdicts are not all PASS exits non-zero even when no test failed
+(PARTIAL, NOT RUN), unless ``--weightsync-allow-partial`` is given. The failure shown first per
+implementation and property is a located difference where the run produced one (a skip kind
+and a ``located`` flag are recorded where the test ran, from its exception). :data:`HARDENING` is a report: its tests
 record a finding per bad kind (``weightsync_record_property("weightsync_finding", ...)``) and
 are listed per implementation, never counted in the verdict (a hardening test that fails - a
 loader that refused a bucket after writing part of it - is a conformance failure and does
@@ -53,7 +57,7 @@ from typing import Mapping, Optional
 
 import pytest
 
-from pytest_weightsync import speed_column, topology, waivers
+from pytest_weightsync import claimed, speed_column, topology, waivers
 from pytest_weightsync import verdict as verdicts
 from pytest_weightsync.registry import (
     USAGE_ERROR,
@@ -74,6 +78,8 @@ from pytest_weightsync.vocabulary import (
     PROPERTIES,
     RANKS_COVERED,
     REPORT_PROPERTIES,
+    SKIP_OUTSIDE,
+    SKIP_UNCLAIMED,
     SPEED,
     VERDICTS,
     WAIVED,
@@ -193,12 +199,39 @@ def pytest_runtest_makereport(item, call):
         return
     if report.skipped and call.excinfo is not None:
         kind = getattr(call.excinfo.value, "kind", None)
+        if kind == SKIP_OUTSIDE and _property_unclaimed(item):
+            kind = SKIP_UNCLAIMED  # a case of a property the implementation does not have
         if isinstance(kind, str):
             report.user_properties.append((PREFIX + "skip", kind))
+    if report.failed and call.excinfo is not None and _located(call.excinfo.value):
+        report.user_properties.append((PREFIX + "located", "1"))
     if report.failed and report.longrepr is not None:
         text = str(report.longrepr)
         if len(text) > MAX_LONGREPR:
             report.longrepr = cut(text, MAX_LONGREPR)
+
+
+def _located(error: BaseException) -> bool:
+    """Whether a failure is a located difference: the suites' conformance errors and
+    ``compare``'s bit mismatches carry the first differing element's ``location``."""
+    try:
+        return getattr(error, "location", None) is not None
+    except Exception:  # a third-party exception's property must not break the report
+        return False
+
+
+def _property_unclaimed(item) -> bool:
+    """Whether ``item``'s implementation does not have ``item``'s property at all (a test may
+    refuse its case before it asks whether the property is claimed: the lifecycle tests look
+    at the topology first)."""
+    entry = registered_of(item)
+    if entry is None:
+        return False
+    try:
+        return claimed.property_refusal(entry.obj.capabilities,
+                                       _marker_arg(item, "weightsync_property")) is not None
+    except Exception:  # third-party capabilities must not break the report
+        return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,6 +259,8 @@ class TestResult:
     speed: dict = field(default_factory=dict)
     #: the reason of the waiver that accepted this test's failure (``waivers``), if one did
     waived: Optional[str] = None
+    #: whether its failure is a located difference (the first wrong element found and named)
+    located: bool = False
 
     def update(self, report) -> None:
         self.phases.add(report.when)
@@ -249,6 +284,13 @@ class TestResult:
         return self.outcome != "not run"
 
 
+def first_failure(failed: list) -> "TestResult":
+    """The failure to show first of ``failed`` (in run order): the first located difference
+    (it names the wrong element and, where it recognizes it, the bug), else the first - a
+    loader's raw exception on one rank says less than the located diff the same run found."""
+    return next((t for t in failed if t.located), failed[0])
+
+
 def _failure_message(report) -> str:
     longrepr = report.longrepr
     crash = getattr(longrepr, "reprcrash", None)
@@ -260,7 +302,8 @@ def _failure_message(report) -> str:
 
 #: The exception name pytest puts before a skip's reason (``Skipped: ...``, or a skip kind's
 #: own class, ``NotClaimed: ...``).
-_SKIP_PREFIX = re.compile(r"^(?:[\w.]+\.)?(?:Skipped|NotClaimed|NotApplicable|NoDevice|CutOff): ")
+_SKIP_PREFIX = re.compile(r"^(?:[\w.]+\.)?(?:Skipped|NotClaimed|OutsideClaims|NotApplicable|NoDevice"
+                          r"|CutOff): ")
 
 
 def _skip_reason(report) -> str:
@@ -362,6 +405,8 @@ class ConformanceReport:
                 result.file = str(v)
             elif k == "waived":
                 result.waived = str(v)
+            elif k == "located":
+                result.located = True
             elif k == ENGINE and tags.get("implementation"):
                 try:
                     self.engines[tags["implementation"]] = json.loads(v)
@@ -467,7 +512,8 @@ class ConformanceReport:
         out = {}
         for impl in impls:
             outcomes = [verdicts.Outcome(r.nodeid, r.outcome, r.skip_kind, r.waived or r.message,
-                                         counts=r.tags.get("property") not in REPORT_PROPERTIES)
+                                         counts=r.tags.get("property") not in REPORT_PROPERTIES,
+                                         prop=r.tags.get("property"))
                         for r in self.conformance() if r.tags["implementation"] == impl]
             selected = selection.selected.get(impl, []) if known and impl in selection.roles \
                 else None
@@ -621,12 +667,16 @@ class ConformanceReport:
             lines.append("=" * 20 + " weightsync conformance matrix " + "=" * 20)
             lines += textwrap.wrap(
                 f"cells: topologies passed / failed / skipped (of {len(topos)} topologies; a "
-                f"topology fails when any of its tests fails; 'not run': no case ran). The "
+                f"topology fails when any of its tests fails; 'not run': no case ran; "
+                f"'{NOT_RUN}': claimed, but no case fits the implementation's topologies). The "
                 f"verdict counts every property but {' and '.join(REPORT_PROPERTIES)} "
                 f"(reports), and only what ran: one of {', '.join(VERDICTS)}.", MATRIX_WIDTH)
             speed = self.speed()
             cell_text = {(impl, p): self._cell_text(cells, impl, p, findings, speed)
                          for impl in impls for p in props}
+            for impl, judged in self.verdicts().items():
+                for p in judged.unrun:  # claimed, no case fitted: not the "not run" of a
+                    cell_text[impl, p] = NOT_RUN  # property it does not claim
             buckets = self.bucket_limits()
             columns = list(props)
             if buckets:  # a report-only column, after the properties
@@ -640,13 +690,14 @@ class ConformanceReport:
             failures = [t for t in self.conformance() if t.outcome == "failed"]
             if failures:
                 lines.append(f"failures ({len(failures)} tests; first per implementation and "
-                             f"property, with the command that reruns it):")
-                shown = set()
+                             f"property, a located difference before a raw exception, with "
+                             f"the command that reruns it):")
+                by_key: dict = {}
                 for t in failures:
-                    key = (t.tags["implementation"], t.tags.get("property"))
-                    if key in shown:
-                        continue
-                    shown.add(key)
+                    by_key.setdefault((t.tags["implementation"], t.tags.get("property")),
+                                      []).append(t)
+                for key, tests in by_key.items():
+                    t = first_failure(tests)
                     head = t.message.strip().splitlines()[0] if t.message.strip() else "(no message)"
                     lines.append(f"  {key[0]} / {key[1]} / {t.tags.get('topology', '-')}: "
                                  f"{cut(head, 300)}")
@@ -802,6 +853,19 @@ class ConformanceReport:
                 out.setdefault(r.tags["backend"], Counter())[r.outcome] += 1
         return {b: {o: c[o] for o in ("passed", "failed", "skipped")} for b, c in out.items()}
 
+    def _cases_json(self, impl: str, selection: Selection) -> dict:
+        """Per property of ``impl``: the cases its claims selected at collection (topology x
+        format), the topologies and formats among them, the others by reason (``outside``
+        its declared topologies, or ``unclaimed``), and how many of its tests ran to a result
+        (passed, failed or waived) in this run."""
+        ran: Counter = Counter(r.tags.get("property", "-") for r in self.conformance()
+                               if r.tags["implementation"] == impl
+                               and r.outcome in ("passed", "failed", OUTCOME_WAIVED))
+        out = {}
+        for prop, entry in sorted(selection.claims.get(impl, {}).items()):
+            out[prop] = {**entry, "tests_ran": ran.get(prop, 0)}
+        return out
+
     def _selection_json(self) -> dict:
         invocation = self.config.invocation_params
         option = self.config.option
@@ -856,6 +920,8 @@ class ConformanceReport:
                 "ran": v.ran if v is not None else 0,
                 "total": v.total if v is not None else 0,
                 "details": list(v.details) if v is not None else [],
+                "claims_not_run": dict(v.unrun) if v is not None else {},
+                "cases": self._cases_json(name, selection),
                 "outcome": _worst(_worst(t.outcome for t in tests)
                                   for (i, p, _), tests in cells.items()
                                   if i == name and p not in REPORT_PROPERTIES),
@@ -878,10 +944,11 @@ class ConformanceReport:
                 "skip_reasons": sorted({t.message for t in tests if t.outcome == "skipped"}),
             }
             if failed:
-                cell["rerun"] = self.rerun_command(failed[0])
+                first = first_failure(failed)
+                cell["rerun"] = self.rerun_command(first)
                 failures.append({"implementation": impl, "property": prop, "topology": topo,
-                                 "nodeid": failed[0].nodeid, "message": failed[0].message,
-                                 "rerun": cell["rerun"]})
+                                 "nodeid": first.nodeid, "message": first.message,
+                                 "located": first.located, "rerun": cell["rerun"]})
             cell_list.append(cell)
         summary = {}
         for impl in impls:

@@ -9,12 +9,19 @@ for each implementation under test:
 * how many of its tests were deselected;
 * its roles (from the registered objects the tests are parametrized with);
 * which shipped conformance modules (``vocabulary.CONFORMANCE_MODULES``) were collected at
-  all - ``--lf`` skips whole files, a path argument may name one file.
+  all - ``--lf`` skips whole files, a path argument may name one file;
+* per implementation and property, the cases its claims select and why the others are not
+  (``claimed.summarize``: the JSON report's case counts).
 
-Under xdist the record travels to the controller in ``workeroutput`` (as pytest-cov's data
-does) and the first worker's record is used: xdist requires every worker to collect the same
-items. A worker that died before sending it leaves the selection unknown, which the verdict
-treats like an interruption.
+Under xdist the controller collects nothing: the record travels from each worker with the
+first test report it sends (an attribute of the report, which pytest serializes with it), so
+the controller knows the whole selection as soon as a worker has started - a run interrupted
+mid-way (Ctrl-C reaches the workers too, and they never finish their session) still counts
+what ran against everything selected, not against what happened to report. It travels again
+in ``workeroutput`` at the end (as pytest-cov's data does), and the first worker's record is
+used: xdist requires every worker to collect the same items. A run whose workers all went
+down before reporting anything leaves the selection unknown, which the verdict treats like an
+interruption.
 
 No torch here.
 """
@@ -26,11 +33,13 @@ from typing import Optional
 
 import pytest
 
-from pytest_weightsync import topology
+from pytest_weightsync import claimed, topology
 from pytest_weightsync.registry import registered_of
 from pytest_weightsync.vocabulary import CONFORMANCE_MODULES, REPORT_PROPERTIES
 
 WORKEROUTPUT_KEY = "weightsync_selection"
+#: The attribute of a worker's first test report that carries its selection to the controller.
+REPORT_ATTRIBUTE = "weightsync_selection"
 
 
 @dataclass
@@ -44,11 +53,14 @@ class Selection:
     deselected_total: int = 0
     selected_total: int = 0
     topologies: dict = field(default_factory=dict)  # topology id -> topology.describe(case)
+    #: implementation -> property -> what its claims select (``claimed.summarize``)
+    claims: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"selected": self.selected, "deselected": self.deselected, "roles": self.roles,
                 "modules": sorted(self.modules), "deselected_total": self.deselected_total,
-                "selected_total": self.selected_total, "topologies": self.topologies}
+                "selected_total": self.selected_total, "topologies": self.topologies,
+                "claims": self.claims}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Selection":
@@ -58,7 +70,8 @@ class Selection:
                    modules=set(data.get("modules", ())),
                    deselected_total=int(data.get("deselected_total", 0)),
                    selected_total=int(data.get("selected_total", 0)),
-                   topologies=dict(data.get("topologies", {})))
+                   topologies=dict(data.get("topologies", {})),
+                   claims=dict(data.get("claims", {})))
 
     def implementations(self) -> list[str]:
         return sorted(set(self.selected) | set(self.deselected))
@@ -125,6 +138,17 @@ class SelectionRecorder:
             case = topology.topology_of(item)
             if case is not None and case.id not in self.selection.topologies:
                 self.selection.topologies[case.id] = topology.describe(case)
+        self.selection.claims = claimed.summarize(session.items)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        """On an xdist worker, the first report it makes carries the selection (see the
+        module docstring)."""
+        outcome = yield
+        if getattr(self.config, "workerinput", None) is None or getattr(self, "_sent", False):
+            return
+        self._sent = True
+        setattr(outcome.get_result(), REPORT_ATTRIBUTE, self.selection.to_dict())
 
     @pytest.hookimpl
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -134,19 +158,29 @@ class SelectionRecorder:
 
 
 class WorkerSelections:
-    """On the xdist controller: the selection records the workers send back."""
+    """On the xdist controller: the selection records the workers send, with their first
+    report and when they finish."""
 
     def __init__(self) -> None:
-        self.records: list[Selection] = []
+        self.records: dict = {}  # worker id -> Selection, in arrival order
         self.lost: list[str] = []  # workers that went down without a record
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_logreport(self, report) -> None:
+        data = report.__dict__.pop(REPORT_ATTRIBUTE, None)  # the other plugins never see it
+        if data is not None:
+            node = getattr(report, "node", None)
+            worker = getattr(node, "workerinput", {}).get("workerid", str(node))
+            self.records.setdefault(worker, Selection.from_dict(data))
 
     @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown without pytest-xdist
     def pytest_testnodedown(self, node, error) -> None:
         data = getattr(node, "workeroutput", {}).get(WORKEROUTPUT_KEY)
-        if data is None:
+        worker = getattr(node, "workerinput", {}).get("workerid", str(node))
+        if data is not None:
+            self.records[worker] = Selection.from_dict(data)
+        elif worker not in self.records:
             self.lost.append(str(getattr(node, "gateway", node)))
-        else:
-            self.records.append(Selection.from_dict(data))
 
     def selection(self) -> Optional[Selection]:
-        return self.records[0] if self.records else None
+        return next(iter(self.records.values()), None)

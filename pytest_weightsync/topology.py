@@ -23,7 +23,8 @@ LEGEND = {
                   "(whole models: engine TP and MoE-EP); gu / ug: w13 holds [gate; up] or "
                   "[up; gate]; padNb/padNe: intermediate padded to N per rank (blocked / even)",
     "engine tags": "-trtllm_block, -transposed: engine layouts kept between updates; -eplbR: R "
-                   "redundant experts; -fp8bNxN: FP8 block-quantized weights",
+                   "redundant experts; -fp8bNxN: FP8 block-quantized weights; -linear_uneven: "
+                   "vLLM's expert placement (the first E % ep ranks hold one expert more)",
     "model tags": "tied: tied embeddings; mtpN: an N-layer MTP draft; r32: float32 router; "
                   "bias: expert bias; frozen_draft: the update reaches the target only",
     "delivery": "colocated: each trainer rank returns its engine rank's stream; distributed: "
@@ -36,7 +37,8 @@ _SPEC_FIELDS = ("family", "num_layers", "num_experts", "hidden", "intermediate",
                 "mtp_layers", "expert_bias", "router_dtype", "dtype")
 _TRAINER_FIELDS = ("tp", "ep", "etp", "pp", "expert_impl", "first_stage_layers")
 _ENGINE_FIELDS = ("tp", "moe_ep", "moe_dp", "order", "intermediate_padded", "pad_mode",
-                  "engine_layout", "redundant_experts", "weight_quant", "quant_block")
+                  "engine_layout", "redundant_experts", "weight_quant", "quant_block",
+                  "expert_placement")
 
 
 def case_of(params: dict):

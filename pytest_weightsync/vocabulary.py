@@ -50,6 +50,11 @@ ENGINE_LAYOUTS = ("checkpoint", "trtllm_block", "transposed")
 #: (SGLang ``Fp8MoEMethod`` with ``weight_block_size``: float8_e4m3fn weights and one float32
 #: ``weight_scale_inv`` per block).
 WEIGHT_QUANTS = ("none", "fp8_block")
+#: How an engine spreads the routed experts over its MoE-EP ranks (``ReceiverTopology.
+#: expert_placement``): ``even`` (SGLang: ``num_experts % ep == 0``, rank e holds the block
+#: ``[e * E/ep, (e+1) * E/ep)``) or ``linear_uneven`` (vLLM's ``determine_expert_map``, linear:
+#: any ``num_experts``, the first ``E % ep`` ranks hold one expert more).
+EXPERT_PLACEMENTS = ("even", "linear_uneven")
 #: Who quantizes the weights of a quantized receiver: the ``sender`` (float8_e4m3fn weights
 #: and their float32 ``weight_scale_inv`` on the wire, as FP8 checkpoints and FP8 refits send)
 #: or the ``loader`` (model-dtype weights on the wire, quantized while loading).
@@ -222,3 +227,8 @@ SKIP_UNCLAIMED, SKIP_NOT_APPLICABLE, SKIP_NOT_RUN = "unclaimed", "not_applicable
 #: A skip because the machine lacks the GPUs a case needs (the ``gpu`` marker): listed in the
 #: verdict as not run here, without making it PARTIAL.
 SKIP_NO_DEVICE = "no_device"
+#: A skip of a case outside the topologies, trainer layouts, formats or deliveries the
+#: implementation declares, of a property it does claim. Like ``unclaimed`` it does not hold
+#: the verdict back case by case; but a claimed property whose every case is such a skip never
+#: ran, and the verdict names it NOT RUN (``pytest_weightsync.verdict``).
+SKIP_OUTSIDE = "outside_topologies"

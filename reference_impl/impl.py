@@ -51,7 +51,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pytest_weightsync.protocols import Capabilities
-from pytest_weightsync.vocabulary import MODEL_PARTS, TARGETS
+from pytest_weightsync.vocabulary import EXPERT_PLACEMENTS, MODEL_PARTS, TARGETS
 from pytest_weightsync.reference_impl.errors import WeightSyncError, shown
 from pytest_weightsync.reference_impl.senders.formats import PayloadFormatError, check_format
 
@@ -176,6 +176,7 @@ class ReferenceImplementation:
     capabilities = Capabilities(model_parts=MODEL_PARTS, targets=TARGETS,
                                 engine_layouts=("checkpoint", "trtllm_block", "transposed"),
                                 redundant_experts=True, weight_quants=("none", "fp8_block"),
+                                expert_placements=EXPERT_PLACEMENTS,
                                 quantizers=("sender", "loader"),
                                 transports=("tensors", "flattened_bucket"),
                                 lifecycle=("sessions", "atomic", "version", "sleep"))

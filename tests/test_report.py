@@ -180,11 +180,152 @@ def test_weightsync_list_says_what_would_run_and_runs_nothing(toy: pytest.Pytest
     result.stdout.fnmatch_lines([
         "*weightsync: what this run would check*",
         "toy:",
-        "  bit_exact: 4 case(s) over 2 topologies, formats compat, packed",
-        "  in_place: 2 case(s) over 2 topologies",
-        "topologies:",
+        "  bit_exact: 2 cases over 2 topologies, formats compat",
+        "    not selected: 2 outside its claims (2: does not claim the packed format (claims "
+        "['compat']))",
+        "  in_place: 2 cases over 2 topologies",
+        "topologies (selected by some implementation's claims):",
         "  topoA",
     ])
+
+
+CLAIMS_CONFTEST = '''
+import pytest
+from pytest_weightsync.protocols import Capabilities
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology
+
+
+class Case:
+    def __init__(self, id, receiver):
+        self.id, self.spec, self.receiver = id, MoESpec(1, 4, 8, 4), receiver
+
+
+CASES = {"dp1": Case("dp1", ReceiverTopology(tp=2, moe_ep=2)),
+         "dp2": Case("dp2", ReceiverTopology(tp=4, moe_ep=2, moe_dp=2))}
+
+
+class Wide:
+    name = "wide"
+    capabilities = Capabilities(formats={"compat", "packed"})
+
+    def load_weights(self, params, payload, *, format, spec, topology, rank):
+        pass
+
+
+class NoReplicas(Wide):
+    """Refuses every engine with MoE-DP replicas (as a vLLM-only loader does)."""
+
+    name = "no-replicas"
+    capabilities = Capabilities(formats={"compat", "packed"},
+                                topology=lambda spec, receiver: receiver.moe_dp == 1)
+
+
+@pytest.fixture
+def weightsync_implementations():
+    return [Wide, NoReplicas]
+'''
+
+CLAIMS_TESTS = '''
+import pytest
+
+from conftest import CASES
+
+
+class NotClaimed(pytest.skip.Exception):
+    __module__ = "builtins"  # shown as "NotClaimed: reason", as the suites' own
+
+    def __init__(self, reason, kind):
+        super().__init__(reason)
+        self.kind = kind
+
+
+def require(impl, case, fmt=None, claim=None):
+    """As the suites decide: the property's claim first, then the case."""
+    caps = impl.capabilities
+    if claim is not None and caps.lifecycle_refusal(claim):
+        raise NotClaimed(caps.lifecycle_refusal(claim), "unclaimed")
+    why = caps.topology_refusal("loader", case.spec, case.receiver) or (
+        caps.format_refusal("loader", fmt, case.receiver) if fmt else None)
+    if why:
+        raise NotClaimed(why, "outside_topologies")
+
+
+@pytest.mark.weightsync_property("bit_exact")
+@pytest.mark.parametrize("payload_format", ["compat", "packed"])
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_bit_exact(weightsync_loader, case, payload_format):
+    require(weightsync_loader, case, payload_format)
+
+
+@pytest.mark.weightsync_property("coverage_by_rank")
+@pytest.mark.parametrize("case", [CASES["dp2"]], ids=["dp2"])
+def test_replicas(weightsync_loader, case):
+    require(weightsync_loader, case)
+
+
+@pytest.mark.weightsync_property("version")
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_version(weightsync_loader, case):
+    require(weightsync_loader, case, claim="version")
+'''
+
+
+@pytest.fixture
+def claims_toy(pytester: pytest.Pytester):
+    pytester.makeconftest(CLAIMS_CONFTEST)
+    _conformance_package(pytester, CLAIMS_TESTS)
+    return pytester
+
+
+def test_weightsync_list_counts_what_the_claims_select(claims_toy: pytest.Pytester):
+    """Per implementation: the cases its claims select, the others by reason, a property it
+    has that no case fits (NOT RUN, as its verdict will say) and one it does not claim."""
+    result = claims_toy.runpytest_subprocess("--weightsync-list")  # the cases import torch
+    assert result.ret == 0
+    result.stdout.fnmatch_lines([
+        "no-replicas:",
+        "  bit_exact: 2 cases over 1 topology, formats compat, packed",
+        "    not selected: 2 outside its claims (2: its topology predicate refuses this "
+        "receiver)",
+        "  coverage_by_rank: NOT RUN - no case fits its topologies (1 case outside them: 1: its "
+        "topology predicate refuses this receiver)",
+        "  version: not claimed (2: does not claim 'version' of the update lifecycle "
+        "(Capabilities.lifecycle claims []))",
+        "wide:",
+        "  bit_exact: 4 cases over 2 topologies, formats compat, packed",
+        "  coverage_by_rank: 1 case over 1 topology",
+        "  version: not claimed (2: does not claim 'version' *",
+        "topologies (selected by some implementation's claims):",
+        "  dp1",
+        "  dp2",
+    ])
+
+
+def test_a_property_no_case_fits_is_named_in_the_verdict_matrix_and_json(
+        claims_toy: pytest.Pytester):
+    result = claims_toy.runpytest_subprocess("--weightsync-report", "report.json")
+    result.stdout.re_match_lines([
+        r"implementation\s+bit_exact\s+coverage_by_rank\s+version\s+verdict",
+        r"no-replicas\s+1/0/1\s+NOT RUN\s+not run\s+PARTIAL",  # "not run": not claimed
+        r"wide\s+2/0/0\s+1/0/0\s+not run\s+PASS",
+        r"  no-replicas: PARTIAL \(7/7 ran; coverage_by_rank: NOT RUN - no case fits this "
+        r"implementation's topologies \(1 case\(s\)"], consecutive=False)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    data = json.loads((claims_toy.path / "report.json").read_text())
+    rows = {i["name"]: i for i in data["implementations"]}
+    assert rows["no-replicas"]["claims_not_run"] == {
+        "coverage_by_rank": "NOT RUN - no case fits this implementation's topologies (1 case(s) "
+                            "refused: its topology predicate refuses this receiver)"}
+    assert rows["wide"]["claims_not_run"] == {}
+    cases = rows["no-replicas"]["cases"]
+    assert cases["bit_exact"]["selected"] == 2 and cases["bit_exact"]["tests_ran"] == 2
+    assert cases["coverage_by_rank"]["selected"] == 0
+    assert cases["coverage_by_rank"]["outside"] == {
+        "its topology predicate refuses this receiver": 1}
+    assert cases["version"]["selected"] == 0 and cases["version"]["outside"] == {}
+    assert rows["wide"]["cases"]["coverage_by_rank"] == {
+        "selected": 1, "topologies": ["dp2"], "formats": [], "outside": {}, "unclaimed": {},
+        "tests_ran": 1}
 
 
 def test_topologies_are_described_from_the_case_objects():
@@ -488,3 +629,112 @@ def test_tests_are_selected_by_property_and_format(toy: pytest.Pytester):
     verdicts = {i["name"]: i["verdict_word"]
                 for i in json.loads((toy.path / "r.json").read_text())["implementations"]}
     assert verdicts["reference"] == "PARTIAL", ran.stdout.str()[-2000:]
+
+
+HANGING_TESTS = '''
+import os
+import time
+
+import pytest
+
+
+@pytest.mark.weightsync_property("bit_exact")
+@pytest.mark.parametrize("n", range(10))
+def test_quick(weightsync_loader, case, n):
+    pass
+
+
+@pytest.mark.weightsync_property("in_place")
+def test_hangs(weightsync_loader, case):
+    with open(os.environ["WEIGHTSYNC_TEST_HANGING"], "a") as f:
+        f.write("hanging\\n")
+    time.sleep(120)
+'''
+
+
+def test_ctrl_c_under_xdist_counts_the_selection_not_what_reported(pytester: pytest.Pytester,
+                                                                    tmp_path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) while both xdist workers
+    hang: the workers never finish their session, so the selection they collected must have
+    reached the controller before - the verdict says how many of all the selected tests ran,
+    not "k/k ran" of the k that reported."""
+    pytest.importorskip("xdist")
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pytester.makeconftest(CONFTEST)
+    _conformance_package(pytester, HANGING_TESTS)
+    hanging = tmp_path / "hanging"
+    env = dict(os.environ, WEIGHTSYNC_TEST_HANGING=str(hanging))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "weightsync", "-n", "2", "-p", "no:randomly",
+         "-p", "no:cacheprovider", "--weightsync-report", "report.json"],
+        cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while (not hanging.exists() or len(hanging.read_text().split()) < 2) \
+                and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert hanging.exists(), "no test hung"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    data = json.loads((pytester.path / "report.json").read_text())
+    assert data["interrupted"], out
+    # 2 implementations x 2 topologies x (10 quick + 1 hanging), stand-ins aside
+    per_impl = 2 * (10 + 1)
+    assert data["selection"]["known"] is True, out
+    assert data["selection"]["selected"] == 2 * per_impl + _stand_ins(), data["selection"]
+    for impl in data["implementations"]:
+        assert impl["verdict_word"] == "INTERRUPTED", impl
+        assert impl["total"] == per_impl, impl
+        assert impl["ran"] < per_impl, impl
+        assert impl["verdict"].startswith(f"INTERRUPTED ({impl['ran']}/{per_impl} ran"), impl
+
+
+LOCATED_TESTS = '''
+import pytest
+
+
+class Located(AssertionError):
+    """As the suites' conformance errors: the first differing element's location."""
+
+    location = "layer=0 expert=1 projection=gate row=0 col=0 receiver_rank=1"
+
+
+@pytest.mark.weightsync_property("bit_exact")
+@pytest.mark.parametrize("rank", [4, 1])
+def test_bit_exact(weightsync_loader, case, rank):
+    if weightsync_loader.name != "toy" or case.id != "topoA":
+        return
+    if rank == 4:
+        raise IndexError("list assignment index out of range")
+    raise Located("experts misplaced: receiver rank 1's slot for expert 1 holds expert 2's "
+                  "values\\nfirst at layer=0 expert=1")
+'''
+
+
+def test_the_first_failure_shown_is_a_located_difference(pytester: pytest.Pytester):
+    """One run, one property: a loader's raw IndexError on one rank first, the located
+    difference on another next - the matrix's failure line and the JSON show the located one."""
+    pytester.makeconftest(CONFTEST)
+    _conformance_package(pytester, LOCATED_TESTS)
+    result = pytester.runpytest("-p", "no:randomly", "--weightsync-report", "report.json")
+    result.assert_outcomes(failed=2, passed=6 + _stand_ins())
+    out = result.stdout.str()
+    assert out.index("test_bit_exact[toy-topoA-4]") < out.index("test_bit_exact[toy-topoA-1]")
+    result.stdout.re_match_lines([
+        r"failures \(2 tests; first per implementation and property, a located difference "
+        r"before a raw exception.*",
+        r"  toy / bit_exact / topoA: conformance\.test_loader\.Located: experts misplaced: "
+        r"receiver rank 1's slot for expert 1 holds expert 2's values",
+        r"    rerun: .*test_bit_exact\[toy-topoA-1\]"], consecutive=True)
+    (failure,) = json.loads((pytester.path / "report.json").read_text())["failures"]
+    assert failure["nodeid"].endswith("test_bit_exact[toy-topoA-1]") and failure["located"]

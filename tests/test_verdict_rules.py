@@ -10,8 +10,8 @@ from pytest_weightsync.report import TestResult
 from pytest_weightsync.verdict import Outcome, decide
 
 
-def o(nodeid, outcome, kind=None, reason="", counts=True):
-    return Outcome(nodeid, outcome, kind, reason, counts)
+def o(nodeid, outcome, kind=None, reason="", counts=True, prop=None):
+    return Outcome(nodeid, outcome, kind, reason, counts, prop)
 
 
 def test_every_selected_case_ran_and_passed_is_pass():
@@ -74,3 +74,51 @@ def test_a_test_whose_setup_passed_and_never_reached_its_call_did_not_run():
     result.update(Report("call", "passed"))
     result.update(Report("teardown", "passed"))
     assert result.outcome == "passed"
+
+
+def test_a_claimed_property_that_no_case_fits_is_named_and_not_pass():
+    outside = o("i1", "skipped", "outside_topologies", "x its topology predicate refuses this "
+                "receiver", prop="identity")
+    unclaimed = o("i2", "skipped", "unclaimed", "x does not claim the engine layout",
+                  prop="identity")
+    ran = o("b", "passed", prop="bit_exact")
+    v = decide([ran, outside, unclaimed], selected=["b", "i1", "i2"])
+    assert v.word == "PARTIAL" and set(v.unrun) == {"identity"}, v
+    assert ("identity: NOT RUN - no case fits this implementation's topologies (1 case(s) "
+            "refused: x its topology predicate refuses this receiver)") in str(v)
+    # nothing ran at all: NOT RUN, naming it
+    v = decide([outside], selected=["i1"])
+    assert v.word == "NOT RUN" and "identity: NOT RUN" in str(v)
+
+
+def test_a_property_that_ran_somewhere_or_has_nothing_to_check_is_not_named():
+    outside = o("i1", "skipped", "outside_topologies", "refused", prop="identity")
+    for other in (o("i2", "passed", prop="identity"),
+                  o("i2", "skipped", "not_applicable", "nothing to route", prop="identity")):
+        v = decide([outside, other], selected=["i1", "i2"])
+        assert not v.unrun and v.word == ("PASS" if other.outcome == "passed" else "NOT RUN"), v
+    # a property the implementation does not have: every skip is "unclaimed"
+    v = decide([o("b", "passed", prop="bit_exact"),
+                o("v", "skipped", "unclaimed", "does not claim 'version'", prop="version")],
+               selected=["b", "v"])
+    assert (v.word, v.unrun) == ("PASS", {})
+
+
+def test_a_property_whose_other_cases_need_a_gpu_keeps_pass_and_is_named_not_run_here():
+    v = decide([o("b", "passed", prop="bit_exact"),
+                o("s1", "skipped", "outside_topologies", "refused", counts=False, prop="speed"),
+                o("s2", "skipped", "no_device", "needs 1 CUDA GPU(s): none", counts=False,
+                  prop="speed")], selected=["b", "s1", "s2"])
+    assert v.word == "PASS" and not v.unrun, v
+    assert "speed: not run here - no CPU case fits, 1 GPU case(s)" in str(v), str(v)
+
+
+def test_no_fit_is_claimed_only_of_a_whole_run():
+    """The fitting cases may be the ones deselected or never reached: no NOT RUN naming then."""
+    outside = o("i1", "skipped", "outside_topologies", "refused", prop="identity")
+    ran = o("b", "passed", prop="bit_exact")
+    assert decide([ran, outside], selected=["b", "i1", "i2"], interrupted=True).unrun == {}
+    assert decide([ran, outside], selected=["b", "i1"], deselected=1).unrun == {}
+    assert decide([ran, outside], selected=["b", "i1"],
+                  missing_modules=["test_lifecycle"]).unrun == {}
+    assert set(decide([ran, outside], selected=["b", "i1"]).unrun) == {"identity"}

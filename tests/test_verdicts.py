@@ -6,8 +6,9 @@ suites (conformance modules and harness, no self-tests), with ``--weightsync-onl
 implementation of ``toyimpls.py`` that claims one tiny topology, so a full conformance run
 takes seconds:
 
-- the full run is PASS and exits 0; ``-k`` and ``--lf`` runs are PARTIAL and exit 1 (0 with
-  ``--weightsync-allow-partial``); ``-x`` stopping at a failure leaves the other
+- the full run is PASS and exits 0; a loader whose topologies no case of a property it has
+  fits is PARTIAL, naming the property NOT RUN; ``-k`` and ``--lf`` runs are PARTIAL and exit
+  1 (0 with ``--weightsync-allow-partial``); ``-x`` stopping at a failure leaves the other
   implementation INTERRUPTED; Ctrl-C (SIGINT) during a hung loader is INTERRUPTED, in the
   terminal and the JSON;
 - a loader that hangs in the pytest process fails within ``--weightsync-call-timeout`` with
@@ -66,6 +67,15 @@ class Loud(Tiny):
         raise ValueError("x" * 2_000_000)
 
 
+class OneExpert(Tiny):
+    """Tiny restricted to the one-expert matrix topologies: no engine the lifecycle suite
+    drives fits it."""
+
+    name = "one-expert"
+    capabilities = Capabilities(formats={"compat"},
+                                topology=lambda spec, receiver: spec.num_experts == 1)
+
+
 class WrongSignature(Tiny):
     name = "wrong-signature"
 
@@ -85,7 +95,7 @@ def _args(*names: str) -> list[str]:
     out = []
     for name in names:
         cls = {"tiny": "Tiny", "broken": "Broken", "hang": "Hang", "loud": "Loud",
-               "wrong-signature": "WrongSignature"}[name]
+               "wrong-signature": "WrongSignature", "one-expert": "OneExpert"}[name]
         out += ["--weightsync-loader", f"toyimpls:{cls}", "--weightsync-only", name]
     return out
 
@@ -109,6 +119,25 @@ def test_full_run_passes_and_exits_zero(suites):
     assert "got empty parameter set" not in out
     data = json.loads((suites.path / "report.json").read_text())
     assert data["selection"]["deselected"] > 0 and data["selection"]["keyword"] is None
+
+
+def test_a_claimed_property_that_no_case_fits_is_named_not_run(suites):
+    """Every loader has identity and coverage_by_rank; a loader whose topology predicate
+    refuses every engine of the lifecycle suite never ran them: not a PASS, and the verdict,
+    the matrix and the JSON name them. The lifecycle parts it does not claim (atomic_update,
+    lifecycle, version), refused by the same predicate first, are not named."""
+    proc = run(suites, "suites/", *_args("one-expert"), "-p", "no:cacheprovider")
+    out = proc.stdout + proc.stderr
+    row = verdicts(suites)["one-expert"]
+    assert row["verdict_word"] == "PARTIAL", out
+    assert set(row["claims_not_run"]) == {"identity", "coverage_by_rank"}, row
+    assert re.search(r"identity: NOT RUN - no case fits this implementation's topologies "
+                     r"\(\d+ case\(s\) refused: one-expert its topology predicate refuses this "
+                     r"receiver\)", row["verdict"]), row["verdict"]
+    assert proc.returncode == 1, out
+    matrix = [line for line in out.splitlines() if line.startswith("one-expert ")]
+    assert any("NOT RUN" in line for line in matrix), out  # the cells of the two properties
+    assert "coverage_by_rank: NOT RUN" in out
 
 
 def test_a_narrower_selection_is_partial_and_exits_one(suites):

@@ -1,7 +1,8 @@
 """Source text of implementations the plugin's tests write into inner pytest sessions.
 
 ``TINY_LOADER`` is a correct loader (the reference's) that claims compat on one-expert
-topologies only, so a whole conformance run against it takes seconds; a test module writes it
+topologies (and one case of each property every loader has), so a whole conformance run
+against it takes seconds; a test module writes it
 after its own imports and subclasses it with the misbehaviour it studies.
 
 ``LOADER_BASE`` is a loader that claims compat and writes nothing (subclasses give it a
@@ -40,16 +41,32 @@ def pytest_generate_tests(metafunc):
 '''
 
 TINY_LOADER = '''
+import functools
+
 from pytest_weightsync.protocols import Capabilities
 from pytest_weightsync.reference_impl.impl import ReferenceImplementation
 
 
+@functools.lru_cache(maxsize=None)
+def _runs_everywhere():
+    """(spec, receiver) of the cases the lifecycle properties every loader has get beside the
+    one-expert matrix cases: the first lifecycle and replica engines of the suites. (The speed
+    column's profiled topology is left out: its profile costs seconds; on CPU the verdict
+    names speed as not run here, its other cases being GPU cases.)"""
+    from suites.harness import cases
+
+    return tuple((c.spec, c.receiver) for c in (cases.LIFECYCLE_CASES[0],
+                                                 cases.REPLICA_CASES[0]))
+
+
 def one_expert(spec, receiver):
-    return spec.num_experts == 1
+    return spec.num_experts == 1 or (spec, receiver) in _runs_everywhere()
 
 
 class Tiny:
-    """A correct loader (the reference's), claiming compat on one-expert topologies only."""
+    """A correct loader (the reference's), claiming compat on one-expert topologies and on one
+    case of each lifecycle property every loader has (identity, coverage_by_rank): a full
+    conformance run against it takes seconds."""
 
     name = "tiny"
     capabilities = Capabilities(formats={"compat"}, topology=one_expert)

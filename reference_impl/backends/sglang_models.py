@@ -124,11 +124,16 @@ def sglang_refusal(spec, receiver) -> Optional[str]:
     """Why SGLang cannot serve ``receiver`` at all, or ``None``.
 
     SGLang's launcher (``arg_groups/parallel_hook.py``) asserts, for ``moe_dp_size > 1`` with
-    ``ep_size > 1``, that ``ep_size * moe_dp_size == tp_size`` (MoE-TP 1).
+    ``ep_size > 1``, that ``ep_size * moe_dp_size == tp_size`` (MoE-TP 1); ``FusedMoE``
+    (``fused_moe_triton/layer.py``) asserts ``num_experts % ep_size == 0``, so vLLM's uneven
+    expert placement is refused.
     """
     if receiver.moe_dp > 1 and receiver.moe_ep > 1 and receiver.moe_tp > 1:
         return (f"SGLang requires ep_size * moe_dp_size == tp_size when both exceed 1 (receiver "
                 f"moe_tp={receiver.moe_tp}, moe_ep={receiver.moe_ep}, moe_dp={receiver.moe_dp})")
+    if getattr(receiver, "expert_placement", "even") != "even":
+        return (f"SGLang places experts evenly (FusedMoE asserts num_experts % ep_size == 0); "
+                f"the receiver has vLLM's {receiver.expert_placement!r} expert placement")
     if getattr(receiver, "weight_quant", "none") == "fp8_block" and receiver.order == "up_gate":
         return ("SGLang's Fp8MoEMethod loads gate first (no load_up_proj_weight_first); only "
                 "its flashinfer_trtllm runner swaps w1/w3, with an FP8 post-load layout not "

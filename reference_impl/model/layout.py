@@ -25,6 +25,7 @@ from pytest_weightsync.reference_impl.errors import WeightSyncError
 from pytest_weightsync.vocabulary import (
     ENGINE_LAYOUTS,
     EXPERT_IMPLS,
+    EXPERT_PLACEMENTS,
     ORDERS,
     PAD_MODES,
     WEIGHT_QUANTS,
@@ -371,13 +372,14 @@ def trainer_groups(spec: MoESpec, topo: TrainerTopology, kind: str) -> list[list
 
 
 # --------------------------------------------------------------------------------------------
-# Receiver (SGLang FusedMoE) topology
+# Receiver (SGLang FusedMoE; vLLM's uneven expert placement) topology
 # --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ReceiverTopology:
-    """One SGLang engine's MoE layout.
+    """One SGLang engine's MoE layout (and vLLM's uneven expert placement, see
+    ``expert_placement``).
 
     ``moe_tp = tp // moe_ep // moe_dp``; within the TP group ``moe_tp_rank = r % moe_tp`` and
     ``moe_ep_rank = (r // moe_tp) % moe_ep`` (EP-only / DeepEP style is ``moe_tp == 1``).
@@ -411,6 +413,17 @@ class ReceiverTopology:
     ``weight_quant`` / ``quant_block``: ``"fp8_block"`` holds float8_e4m3fn weights plus one
     float32 ``weight_scale_inv`` per ``quant_block = (block_n, block_k)`` block (SGLang
     ``Fp8MoEMethod``; its default block is 128 x 128).
+
+    ``expert_placement`` (:data:`~pytest_weightsync.vocabulary.EXPERT_PLACEMENTS`): which
+    experts each MoE-EP rank holds. ``"even"`` is SGLang's: ``num_experts % moe_ep == 0`` and
+    EP rank ``e`` holds ``[e * E/moe_ep, (e+1) * E/moe_ep)``. ``"linear_uneven"`` is vLLM's
+    ``determine_expert_map`` (linear strategy), which also takes ``E % moe_ep != 0``: EP rank
+    ``e`` holds ``E // moe_ep`` experts plus one for the first ``E % moe_ep`` ranks, starting
+    at ``e * (E // moe_ep) + min(e, E % moe_ep)``, so local expert counts (and the ``w13`` /
+    ``w2`` shapes) differ between ranks. Only vLLM's engine shape has it: all-EP MoE
+    (``moe_tp == 1``, ``moe_dp == 1``), gate first, unpadded, checkpoint layout, no EPLB
+    (``vllm_layout.vllm_topology`` gives that vLLM engine). Not to be confused with
+    ``placement``, EPLB's physical -> logical map.
     """
 
     tp: int = 1
@@ -424,6 +437,7 @@ class ReceiverTopology:
     placement: Optional[tuple] = None
     weight_quant: str = "none"
     quant_block: tuple = (128, 128)
+    expert_placement: str = "even"
 
     def __post_init__(self) -> None:
         for name in ("tp", "moe_ep", "moe_dp"):
@@ -483,6 +497,18 @@ class ReceiverTopology:
         _require(len(special) <= 1, "one of engine_layout, redundant experts (EPLB) and "
                  "weight_quant per receiver topology (their combinations are not modelled)",
                  set=special)
+        _require(self.expert_placement in EXPERT_PLACEMENTS,
+                 f"ReceiverTopology.expert_placement must be one of {EXPERT_PLACEMENTS}",
+                 expert_placement=self.expert_placement)
+        if self.expert_placement == "linear_uneven":
+            _require(self.moe_tp == 1 and self.moe_dp == 1 and not self.padded
+                     and self.order == "gate_up" and not special,
+                     "expert_placement='linear_uneven' is vLLM's expert map, on vLLM's expert-"
+                     "parallel engine only: moe_tp 1, moe_dp 1 (EP over every rank), order "
+                     "'gate_up', unpadded, checkpoint layout, no EPLB, no weight_quant",
+                     moe_tp=self.moe_tp, moe_dp=self.moe_dp,
+                     intermediate_padded=self.intermediate_padded, order=self.order,
+                     set=special)
 
     @property
     def moe_tp(self) -> int:
@@ -612,9 +638,16 @@ def _validate_engine(spec: MoESpec, topo: ReceiverTopology) -> None:
 def validate_receiver(spec: MoESpec, topo: ReceiverTopology) -> None:
     _validate_engine(spec, topo)
     experts = topo.num_physical_experts(spec) if topo.eplb else spec.num_experts
-    _require(experts % topo.moe_ep == 0,
-             "num_experts must be divisible by the receiver's moe_ep",
-             num_experts=spec.num_experts, moe_ep=topo.moe_ep)
+    if topo.expert_placement == "linear_uneven":
+        _require(spec.num_experts >= topo.moe_ep,
+                 "expert_placement='linear_uneven' needs at least one expert per EP rank "
+                 "(vLLM's Qwen MoE blocks refuse more ranks than experts)",
+                 num_experts=spec.num_experts, moe_ep=topo.moe_ep)
+    else:
+        _require(experts % topo.moe_ep == 0,
+                 "num_experts must be divisible by the receiver's moe_ep (SGLang's even "
+                 "placement; vLLM's uneven one is expert_placement='linear_uneven')",
+                 num_experts=spec.num_experts, moe_ep=topo.moe_ep)
     if topo.pad_mode == "blocked":
         _require(topo.intermediate_padded * topo.moe_tp >= spec.intermediate,
                  "blocked padding needs intermediate_padded * moe_tp >= intermediate",
@@ -632,6 +665,22 @@ def validate_receiver(spec: MoESpec, topo: ReceiverTopology) -> None:
                  intermediate=spec.intermediate, moe_tp=topo.moe_tp)
 
 
+def ep_experts(num_experts: int, moe_ep: int, ep_rank: int, placement: str = "even") -> range:
+    """The experts (or EPLB physical slots) EP rank ``ep_rank`` of ``moe_ep`` holds, in local
+    slot order: an even block (``placement`` ``"even"``, ``num_experts % moe_ep == 0``), or
+    vLLM's linear map (``"linear_uneven"``): ``num_experts // moe_ep`` each, one more on the
+    first ``num_experts % moe_ep`` ranks, contiguous in rank order."""
+    base, extra = divmod(num_experts, moe_ep)
+    if placement == "even":
+        _require(extra == 0, "an even placement needs num_experts divisible by moe_ep",
+                 num_experts=num_experts, moe_ep=moe_ep)
+        return range(ep_rank * base, (ep_rank + 1) * base)
+    _require(placement == "linear_uneven", f"expert placement must be one of {EXPERT_PLACEMENTS}",
+             placement=placement)
+    start = ep_rank * base + min(ep_rank, extra)
+    return range(start, start + base + (1 if ep_rank < extra else 0))
+
+
 def receiver_shard(spec: MoESpec, topo: ReceiverTopology, rank: int) -> ReceiverShard:
     """Ownership of receiver rank ``rank`` (its rank inside the engine's TP group)."""
     validate_receiver(spec, topo)
@@ -640,7 +689,6 @@ def receiver_shard(spec: MoESpec, topo: ReceiverTopology, rank: int) -> Receiver
     moe_ep_rank = (rank // topo.moe_tp) % topo.moe_ep
     moe_dp_rank = rank // (topo.moe_tp * topo.moe_ep)
     physical = topo.num_physical_experts(spec) if topo.eplb else spec.num_experts
-    per_rank = physical // topo.moe_ep
     if topo.pad_mode == "blocked":
         buffer_rows = topo.intermediate_padded
         start = min(buffer_rows * moe_tp_rank, spec.intermediate)
@@ -649,7 +697,7 @@ def receiver_shard(spec: MoESpec, topo: ReceiverTopology, rank: int) -> Receiver
         rows = spec.intermediate // topo.moe_tp
         start = rows * moe_tp_rank
         buffer_rows = topo.intermediate_padded if topo.intermediate_padded is not None else rows
-    experts = range(moe_ep_rank * per_rank, (moe_ep_rank + 1) * per_rank)
+    experts = ep_experts(physical, topo.moe_ep, moe_ep_rank, topo.expert_placement)
     slot_logical = None
     if topo.eplb:
         slot_logical = tuple(tuple(row[p] for p in experts)

@@ -47,7 +47,9 @@ Where vLLM differs (modelled here):
   (``flatten_tp_across_dp_and_pcp``: MoE rank = ``dp_rank * tp + tp_rank``); with it, MoE-TP is
   1 and EP is ``tp * dp``. No MoE-TP x MoE-EP mix, no SGLang-style MoE-DP replicas;
 * **uneven EP placement**: ``expert_map_manager.py`` ``determine_expert_map`` ("linear"): the
-  first ``E % ep`` ranks hold one expert more (SGLang requires ``E % ep == 0``). Round-robin
+  first ``E % ep`` ranks hold one expert more (SGLang requires ``E % ep == 0``; the harness's
+  engines express it as ``ReceiverTopology(expert_placement="linear_uneven")``, which
+  :func:`receiver_topology` returns and :func:`vllm_topology` reads back). Round-robin
   placement is for grouped-expert models only (``determine_expert_placement_strategy`` falls
   back to linear), so never for these Qwen models;
 * **no blocked padding**: ``FusedMoEConfig.__post_init__`` asserts ``I % moe_tp == 0``;
@@ -214,14 +216,15 @@ def expert_shard(spec: MoESpec, topo: VllmTopology, rank: int) -> ReceiverShard:
 
 
 def receiver_topology(spec: MoESpec, topo: VllmTopology) -> ReceiverTopology:
-    """The SGLang receiver topology whose expert placement is vLLM's (``receiver_shard`` of it
-    equals :func:`expert_shard`): every even placement. An uneven EP placement has none."""
+    """The harness receiver topology whose expert placement is vLLM's (``receiver_shard`` of
+    it equals :func:`expert_shard`): SGLang's default layout for every even placement, and for
+    an uneven EP placement (``num_experts % (tp * dp) != 0``, which SGLang refuses) the
+    harness's ``expert_placement="linear_uneven"`` engine."""
     validate_experts(spec, topo)
-    _require(spec.num_experts % topo.moe_ep == 0,
-             "an uneven vLLM EP placement (num_experts not divisible by tp * dp) has no SGLang "
-             "receiver topology; use expert_shard", num_experts=spec.num_experts,
-             moe_ep=topo.moe_ep)
-    return ReceiverTopology(tp=topo.world_size, moe_ep=topo.moe_ep)
+    if spec.num_experts % topo.moe_ep == 0:
+        return ReceiverTopology(tp=topo.world_size, moe_ep=topo.moe_ep)
+    return ReceiverTopology(tp=topo.world_size, moe_ep=topo.moe_ep,
+                            expert_placement="linear_uneven")
 
 
 def expert_name(layer: int, param: str) -> str:
@@ -460,8 +463,10 @@ def checkpoint_route(spec: ModelSpec, name: str):
 def vllm_topology(receiver: ReceiverTopology):
     """The vLLM engine (:class:`VllmTopology`, ``dp`` 1) whose layout is the harness receiver
     ``receiver``'s, or ``None`` when vLLM has no such engine: an MoE-TP x MoE-EP mix, MoE-DP
-    replicas, padded buffers, the up/gate order, or a non-checkpoint engine layout. (A whole
-    model may still be refused on it: :func:`validate_engine`.)"""
+    replicas, padded buffers, the up/gate order, or a non-checkpoint engine layout. A receiver
+    with ``expert_placement="linear_uneven"`` (E % EP != 0 allowed) is vLLM's expert-parallel
+    engine over all its ranks. (A whole model may still be refused on it:
+    :func:`validate_engine`.)"""
     if (receiver.moe_dp != 1 or receiver.moe_ep not in (1, receiver.tp) or receiver.padded
             or receiver.order != "gate_up" or not receiver.default_engine):
         return None

@@ -7,24 +7,30 @@ Each test runs once per registered implementation with a loader role and states 
 - ``identity``: every rank gets version 1, then three identity syncs (the engine's own weights
   sent back, each stream cut at another bucket limit): every parameter bit-identical after
   each, the engine's post-load processing included (``cases.LIFECYCLE_CASES``: a
-  checkpoint-layout engine and the TRT-LLM BF16 block engine), the reference MoE forward on a
-  fixed input unchanged and equal to the forward over the oracle's weights, no warning while
+  checkpoint-layout engine, the TRT-LLM BF16 block engine and the vLLM-shaped engines - EP
+  over all ranks, MoE-TP over all ranks, uneven EP), the reference MoE forward on a fixed
+  input unchanged and equal to the forward over the oracle's weights, no warning while
   loading;
-- ``coverage_by_rank``: two engines of MoE-DP replicas (``cases.REPLICA_CASES``), every
-  rank's session open at once and their buckets interleaved: every rank holds the update,
-  ranks of the same shard bit-identical; the ranks covered are recorded (``ranks_covered`` in
-  the JSON report);
+- ``coverage_by_rank``: engines whose ranks share shards (``cases.REPLICA_CASES``: MoE-DP
+  replicas, and the vLLM-shaped engines, whose replicas are whole engines), two engines each,
+  every rank's session open at once and their buckets interleaved: every rank holds the
+  update, ranks of the same shard bit-identical; the ranks covered are recorded
+  (``ranks_covered`` in the JSON report);
 - ``atomic_update`` (claimed ``atomic``): an update that fails mid-stream - a refused bucket,
-  an exception in the sender, a lost rank - leaves the old bits or the engine marked unusable,
-  the version unmoved; the next full update is bit-exact;
+  an exception in the sender, a lost rank (judged open, then ended with ``end_update`` as the
+  engine's controller does) - leaves the old bits or the engine marked unusable, the version
+  unmoved; the next full update is bit-exact;
 - ``lifecycle`` (claimed ``sessions``): a bucket outside a session, a second
-  ``begin_update``, an ``end_update`` without one, a ``begin_update`` after a failure:
-  refused or handled as documented, never corrupting; the next full update lands;
+  ``begin_update`` (judged before the update it continues or restarts completes), an
+  ``end_update`` without one, a ``begin_update`` after a failure: refused or handled as
+  documented, never corrupting; the next full update lands;
 - ``version`` (claimed ``version``): ``weight_version`` moves exactly once per completed
-  update - an identity update too - never at ``begin_update``, a bucket or a failed update;
+  update - a FINITE identity update too, where no bit changes - never at ``begin_update``, a
+  bucket or a failed update, and names a version only while the parameters hold it;
 - ``lifecycle`` again, sleep and wake (claimed ``sleep``): between updates the engine gives
   its weights' memory back and takes it again (vLLM's sleep levels): level 1 restores every bit
-  at its address, level 2 leaves no complete version until a complete update.
+  at its address, level 2 discards only what updates carry and leaves no complete version
+  until a complete update.
 
 ``identity`` and ``coverage_by_rank`` run for every loader (framed by its hooks when it has
 them); the others only where ``Capabilities.lifecycle`` claims them - anything else is

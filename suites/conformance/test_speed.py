@@ -2,8 +2,9 @@
 baseline a team can guard its own loader with.
 
 ``speed`` is a report, like hardening, never a verdict: a slow loader is not a wrong one.
-Each loader runs one full update of a fixed topology (:data:`PROFILE_CASE`, every format it
-claims) after a warm-up update, and the update is bit-checked like ``bit_exact``; then:
+Each loader runs one full update of a fixed topology (:data:`PROFILE_CASE`, or its vLLM-shaped
+twin for a loader restricted to vLLM topologies: :data:`PROFILE_CASES`; every format it claims)
+after a warm-up update, and the update is bit-checked like ``bit_exact``; then:
 
 - on CPU, the deterministic profile of that update: the aten operations it dispatched, the
   bytes it wrote, the temporaries it allocated (``pytest_weightsync.opcount``, exact and the
@@ -47,6 +48,13 @@ PROFILE_CASE = Case(MoESpec(num_layers=2, num_experts=16, hidden=64, intermediat
                     TrainerTopology(tp=2, ep=2, etp=2), ReceiverTopology(tp=4, moe_ep=2))
 #: The receiver rank profiled (MoE-TP rank 1, MoE-EP rank 1: slices and expert offsets).
 PROFILE_RANK = 3
+#: Where a loader's topologies exclude :data:`PROFILE_CASE` (vLLM has no MoE-TP x EP mix: a
+#: row restricted to vLLM topologies), the same model on a vLLM-shaped engine: MoE-EP over all
+#: four ranks, the last one profiled (expert offsets). The first of these a loader claims is
+#: its profile, so the speed column runs for every row that claims a format.
+PROFILE_CASES = ((PROFILE_CASE, PROFILE_RANK),
+                 (Case(PROFILE_CASE.spec, PROFILE_CASE.trainer,
+                       ReceiverTopology(tp=4, moe_ep=4)), 3))
 #: The GPU-timed topology: one real Qwen3.5-35B-A3B MoE layer (256 experts, hidden 2048,
 #: moe_ffn 512) on engine MoE-TP rank 1 of 2 (0.75 GiB written per update): large enough that
 #: the ratio measures the loader's packing and per-entry host cost, not kernel launch latency.
@@ -65,6 +73,16 @@ def _claimed(impl, fmt, case=PROFILE_CASE):
     claims.require_claim(impl, "loader", case, fmt)
 
 
+def _profiled(impl, fmt) -> tuple:
+    """``(case, rank)``: the first of :data:`PROFILE_CASES` ``impl`` claims for ``fmt``
+    (skipped with the first one's reason when it claims none)."""
+    for case, rank in PROFILE_CASES:
+        if claims.unclaimed(impl, "loader", case, fmt) is None:
+            return case, rank
+    _claimed(impl, fmt, PROFILE_CASES[0][0])
+    raise AssertionError("unreachable: the claim check skips")
+
+
 def _entries(stream) -> int:
     return sum(len(bucket) for bucket in stream)
 
@@ -72,8 +90,7 @@ def _entries(stream) -> int:
 @pytest.mark.parametrize("payload_format", FORMATS)
 def test_loader_update_profile(weightsync_loader, payload_format, throughput,
                                weightsync_record_property):
-    _claimed(weightsync_loader, payload_format)
-    case, rank = PROFILE_CASE, PROFILE_RANK
+    case, rank = _profiled(weightsync_loader, payload_format)
     params = inputs.receiver_params(case, rank)
     before = compare.snapshot(params)
     warm = inputs.stream(payload_format, case, rank, 1)

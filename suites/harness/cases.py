@@ -60,7 +60,8 @@ class Case:
 def engine_tag(r: ReceiverTopology) -> str:
     """The id suffix of a receiver's engine fields ("" for a checkpoint-layout engine, so the
     ids of the plain matrix never change): ``-trtllm_block``, ``-transposed``, ``-eplbR2`` (and
-    ``m`` plus a short digest of an explicit placement), ``-fp8b4x4``."""
+    ``m`` plus a short digest of an explicit placement), ``-fp8b4x4``, ``-linear_uneven``
+    (vLLM's expert placement)."""
     layout = getattr(r, "engine_layout", "checkpoint")
     tag = "" if layout == "checkpoint" else f"-{layout}"
     if getattr(r, "eplb", False):
@@ -71,6 +72,9 @@ def engine_tag(r: ReceiverTopology) -> str:
             tag += f"m{zlib.crc32(repr(r.placement).encode()) % 10000:04d}"
     if getattr(r, "weight_quant", "none") != "none":
         tag += f"-fp8b{r.quant_block[0]}x{r.quant_block[1]}"
+    placement = getattr(r, "expert_placement", "even")
+    if placement != "even":
+        tag += f"-{placement}"
     return tag
 
 
@@ -168,7 +172,37 @@ ANCHORS = (
     build_case(1, 4, 1, 1, "sequential", 1, 2, 2, "gate_up", "even", "odd", hidden=3),
 )
 
-CASES: tuple[Case, ...] = ANCHORS + tuple(pairwise_cases())
+
+def _uneven_case(spec: MoESpec, trainer: TrainerTopology, ep: int) -> Case:
+    """A vLLM expert-parallel engine of ``ep`` ranks whose experts do not divide evenly
+    (``expert_placement="linear_uneven"``), validated on every rank."""
+    from pytest_weightsync.reference_impl.model.layout import receiver_shard, trainer_shard
+
+    receiver = ReceiverTopology(tp=ep, moe_ep=ep, expert_placement="linear_uneven")
+    if spec.num_experts % ep == 0:
+        raise ValueError(f"{spec.num_experts} experts over EP {ep} is an even placement")
+    trainer_shard(spec, trainer, 0)
+    for rank in range(ep):
+        receiver_shard(spec, receiver, rank)
+    return Case(spec, trainer, receiver)
+
+
+#: vLLM's uneven expert parallelism (``determine_expert_map``, linear: the first ``E % EP``
+#: ranks hold one expert more; SGLang refuses ``E % EP != 0``), so local expert counts and
+#: parameter shapes differ between engine ranks: a loader or exporter that gives the remainder
+#: to the last rank, or computes rank e's first expert as ``e * E // EP``, misplaces experts
+#: here and nowhere else. Tiny: 5 experts over EP 2 (3 + 2) from a trainer at EP 5, and 7
+#: over EP 4 (2 + 2 + 2 + 1: one rank holds a single expert) from a TP 2 x ETP 2 x PP 2
+#: TEGroupedMLP trainer. Part of :data:`CASES` (every loader and exporter that claims the
+#: placement, ``Capabilities.expert_placements``); exported for the other suites.
+UNEVEN_EP_CASES: tuple[Case, ...] = (
+    _uneven_case(MoESpec(num_layers=2, num_experts=5, hidden=8, intermediate=4),
+                 TrainerTopology(tp=1, ep=5), 2),
+    _uneven_case(MoESpec(num_layers=2, num_experts=7, hidden=6, intermediate=4),
+                 TrainerTopology(tp=2, etp=2, pp=2, expert_impl="te_grouped"), 4),
+)
+
+CASES: tuple[Case, ...] = ANCHORS + tuple(pairwise_cases()) + UNEVEN_EP_CASES
 
 #: A realistically sized case: every tensor of the suites' matrix is a few KiB, so a bug that
 #: shows only at size (a loader staging buckets through a fixed 10 MB buffer and dropping the
@@ -235,18 +269,41 @@ FP8_CASES: tuple[Case, ...] = (
 # The update lifecycle (test_lifecycle): few and tiny, the CPU budget
 # --------------------------------------------------------------------------------------------
 
+#: vLLM-shaped engines (``vllm_layout.vllm_topology(receiver)`` is not None: MoE-EP 1 or all
+#: ranks, no MoE-DP, unpadded, gate first, checkpoint layout), so a loader restricted to vLLM
+#: topologies (``docs/vllm.md``) is judged on every lifecycle property: expert parallelism
+#: across all ranks (vLLM ``tp 2`` with ``enable_expert_parallel``: 2 experts a rank) and MoE-TP
+#: over all ranks (vLLM ``tp 2 x dp 2`` without expert parallelism, DP flattened into MoE-TP 4:
+#: 2 rows a rank). Two layers each, so a bucket of one layer is a partial update.
+VLLM_LIFECYCLE_CASES: tuple[Case, ...] = (
+    _engine_case(MoESpec(2, 4, 8, 4), ReceiverTopology(tp=2, moe_ep=2)),
+    _engine_case(MoESpec(2, 4, 8, 8), ReceiverTopology(tp=4)),
+)
+#: vLLM's uneven expert parallelism (``E % EP != 0``: ``determine_expert_map`` gives the first
+#: ``E % EP`` ranks one expert more) for the lifecycle properties: the smallest engine of the
+#: matrix's :data:`UNEVEN_EP_CASES` (5 experts over EP 2: 3 + 2), without its trainer (the
+#: lifecycle feeds the engine from the oracle).
+VLLM_UNEVEN_LIFECYCLE_CASES: tuple[Case, ...] = tuple(
+    _engine_case(case.spec, case.receiver) for case in UNEVEN_EP_CASES[:1])
 #: Engines the lifecycle properties drive: a checkpoint-layout engine of 4 ranks (MoE-TP 2 x
-#: EP 2, 2 layers of 4 experts, so a bucket of one layer is a partial update), and the TRT-LLM
-#: BF16 block engine of :data:`ENGINE_CASES` (post-load processing after every update).
+#: EP 2, 2 layers of 4 experts, so a bucket of one layer is a partial update), the TRT-LLM
+#: BF16 block engine of :data:`ENGINE_CASES` (post-load processing after every update), and
+#: the vLLM-shaped engines.
 LIFECYCLE_CASES: tuple[Case, ...] = (
     build_case(1, 2, 1, 1, "sequential", 2, 2, 1, "gate_up", "none", "small", scale=2),
     ENGINE_CASES[0],
+    *VLLM_LIFECYCLE_CASES,
+    *VLLM_UNEVEN_LIFECYCLE_CASES,
 )
-#: Engines with MoE-DP replicas (ranks holding the same shard), for ``coverage_by_rank``:
-#: MoE-TP 2 x DP 2 (up/gate) and EP 2 x DP 2, each fed as :data:`ENGINE_REPLICAS` engines.
+#: Engines whose ranks share shards, for ``coverage_by_rank``, each fed as
+#: :data:`ENGINE_REPLICAS` engines: MoE-TP 2 x DP 2 (up/gate) and EP 2 x DP 2 (MoE-DP replicas
+#: inside each engine, SGLang's), and the vLLM-shaped engines, which have no MoE-DP: there the
+#: replicas are the whole engine replicas (vLLM's data-parallel engines).
 REPLICA_CASES: tuple[Case, ...] = (
     build_case(1, 2, 1, 1, "sequential", 2, 1, 2, "up_gate", "none", "small"),
     build_case(1, 2, 1, 1, "sequential", 1, 2, 2, "gate_up", "none", "small", scale=2),
+    *VLLM_LIFECYCLE_CASES,
+    *VLLM_UNEVEN_LIFECYCLE_CASES,
 )
 #: Data-parallel engine replicas each ``coverage_by_rank`` case feeds (separate parameter sets
 #: of the same topology, their buckets interleaved).

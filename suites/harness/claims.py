@@ -6,6 +6,13 @@ has nothing to check on this implementation, e.g. fallback routing when nothing 
 so the report can tell it from a case the implementation claims but that could not run here (a
 missing package, a GPU test on CPU): only the latter keeps the verdict from PASS.
 
+Two refusals are told apart, because a property the implementation claims must run somewhere:
+what it does not claim at all (an engine feature - a post-load layout, redundant experts, FP8 -
+whole models, a lifecycle part, a transport) is :class:`NotClaimed`; a case of what it claims
+that lies outside its declared topologies, trainer layouts, formats or deliveries is
+:class:`OutsideClaims`. A property whose every case is the latter never ran for the
+implementation, and its verdict says so (``pytest_weightsync.verdict``).
+
 Fallback routing lives here too: with one capability taken away, path selection
 (``pytest_weightsync.reference_impl.senders.select``) must route a ``direct`` update down a path the
 implementation claims.
@@ -17,7 +24,7 @@ import pytest
 
 from pytest_weightsync.reference_impl.senders.select import Capabilities as RoutingCapabilities
 from pytest_weightsync.reference_impl.senders.select import NoCompatiblePathError, select_path
-from pytest_weightsync.vocabulary import SKIP_NOT_APPLICABLE, SKIP_UNCLAIMED
+from pytest_weightsync.vocabulary import SKIP_NOT_APPLICABLE, SKIP_OUTSIDE, SKIP_UNCLAIMED
 
 
 class NotClaimed(pytest.skip.Exception):
@@ -27,6 +34,14 @@ class NotClaimed(pytest.skip.Exception):
     kind = SKIP_UNCLAIMED
 
 
+class OutsideClaims(NotClaimed):
+    """Skip: the implementation claims what the test checks, but not this case (a topology,
+    trainer layout, format or delivery outside the ones it declares)."""
+
+    __module__ = "builtins"
+    kind = SKIP_OUTSIDE
+
+
 class NotApplicable(pytest.skip.Exception):
     """Skip: the property has nothing to check for this implementation on this case."""
 
@@ -34,12 +49,17 @@ class NotApplicable(pytest.skip.Exception):
     kind = SKIP_NOT_APPLICABLE
 
 
-def unclaimed(impl, role, case, fmt=None, delivery=None):
-    """Why ``impl`` (in ``role``: ``loader``, ``exporter``, ``distributed_exporter``) is not run
-    on ``case`` (and ``fmt``, ``delivery``), or ``None`` when it claims all of them. Exporters
-    must also claim the case's trainer layout (expert modules, parallel sizes)."""
+def refusal(impl, role, case, fmt=None, delivery=None):
+    """``(reason, outside)``: why ``impl`` (in ``role``: ``loader``, ``exporter``,
+    ``distributed_exporter``) is not run on ``case`` (and ``fmt``, ``delivery``), or ``(None,
+    False)`` when it claims all of them. ``outside`` is true when the refusal is a case outside
+    the topologies, trainer layouts, formats or deliveries it declares, false when it is an
+    engine feature it does not claim (post-load layout, redundant experts, quantization), which
+    is checked first. Exporters must also claim the case's trainer layout (expert modules,
+    parallel sizes)."""
     caps = impl.capabilities
     side = "loader" if role == "loader" else "exporter"
+    feature = caps._engine_refusal(case.receiver)  # the claims topology_refusal starts with
     reason = caps.topology_refusal(side, case.spec, case.receiver)
     if reason is None and side == "exporter":
         reason = caps.trainer_refusal(case.spec, case.trainer)
@@ -47,7 +67,15 @@ def unclaimed(impl, role, case, fmt=None, delivery=None):
         reason = caps.delivery_refusal(delivery)
     if reason is None and fmt is not None:
         reason = caps.format_refusal(side, fmt, case.receiver)
-    return None if reason is None else f"{impl.name} {reason}"
+    if reason is None:
+        return None, False
+    return f"{impl.name} {reason}", feature is None
+
+
+def unclaimed(impl, role, case, fmt=None, delivery=None):
+    """Why ``impl`` (in ``role``) is not run on ``case`` (and ``fmt``, ``delivery``), or
+    ``None`` when it claims all of them (:func:`refusal`'s reason)."""
+    return refusal(impl, role, case, fmt, delivery)[0]
 
 
 def model_unclaimed(impl, role, case, fmt=None):
@@ -77,12 +105,19 @@ def skip_not_applicable(reason: str):
     raise NotApplicable(reason, pytrace=False)
 
 
+def skip_outside(reason: str):
+    """Skip the calling test as a case outside the claims of a claimed property (see the
+    module docstring), with ``reason``."""
+    raise OutsideClaims(reason, pytrace=False)
+
+
 def require_claim(impl, role, case, fmt=None, delivery=None) -> None:
-    """Skip the calling test as not claimed, with the reason, unless ``impl`` claims ``case``
-    (and ``fmt``, ``delivery``)."""
-    reason = unclaimed(impl, role, case, fmt, delivery)
+    """Skip the calling test, with the reason, unless ``impl`` claims ``case`` (and ``fmt``,
+    ``delivery``): as outside the claims (:class:`OutsideClaims`) when the case lies outside
+    its declared topologies, layouts, formats or deliveries, else as not claimed."""
+    reason, outside = refusal(impl, role, case, fmt, delivery)
     if reason is not None:
-        skip_unclaimed(reason)
+        (skip_outside if outside else skip_unclaimed)(reason)
 
 
 def claimed_formats(impl, role, case, formats):

@@ -4,8 +4,11 @@
 with what each known bug leaves - computed from the oracle at layout coordinates, never from
 the implementation - and returns one line naming the pattern, or ``None``: never written,
 stale (the previous version), gate/up halves swapped, padding not zeroed, experts misplaced
-(interleaved trainer numbering, round-robin engine routing). Receivers that keep an engine
-layout go to :mod:`.engine_diagnosis` first.
+(interleaved trainer numbering, round-robin engine routing, a wrong EP rank base, vLLM's
+uneven EP map miscounted). Receivers that keep an engine layout go to :mod:`.engine_diagnosis`
+first. A pattern is named only where the side under test can have caused it (``side``): in
+the loader suites the payload is the harness's own, so a loader's wrong expert offset is never
+blamed on the trainer's numbering.
 """
 
 from __future__ import annotations
@@ -22,14 +25,25 @@ def _interleave(p: int, experts: int):
     return lambda g: (g % p) * (experts // p) + g // p
 
 
-def expert_placement(name, actual, case, rank, version):
+#: Who the judged receiver rank's wrong result can come from (``side``): ``loader`` - the
+#: implementation under test is the loader, the payload is the harness's own (built from the
+#: oracle), so a trainer-side pattern cannot be the cause; ``exporter`` - the implementation
+#: under test produced the payload and the receiver is the reference, so it can have numbered
+#: the trainer's experts wrong or routed them to the wrong engine rank; ``None`` - either
+#: (self-tests that plant a bug on one side or the other).
+SIDES = ("loader", "exporter", None)
+
+
+def expert_placement(name, actual, case, rank, version, side="loader"):
     """A one-line name when the local expert slots of ``name`` on receiver ``rank`` hold the
     right values of the WRONG experts, else ``None``: which expert each slot holds is read off
     every expert's expected values (a twin topology that holds all experts in the same rows),
     and a permutation that is interleaved (round-robin) instead of blocked numbering is named
     - on the trainer side (global id = local * EP + ep_rank instead of ep_rank * local_experts
     + local) or on the engine side (engine EP rank r given experts r, r + EP, ... instead of
-    its block)."""
+    its block) - as is a block at the wrong EP rank base (engine EP rank r's block taken from
+    r * k instead of r * local_experts). Only a pattern of the ``side`` under test is named
+    (:data:`SIDES`): a loader is never told its trainer numbering is wrong."""
     import dataclasses
 
     from pytest_weightsync.reference_impl.oracle import synth
@@ -51,6 +65,9 @@ def expert_placement(name, actual, case, rank, version):
             holds[expert] = found[0]
         else:
             strays.append(expert)
+    uneven = uneven_ep_miscount(case, rank, shard, holds)
+    if uneven is not None:
+        return uneven
     wrong = {g: h for g, h in holds.items() if g != h}
     if not wrong:
         return None
@@ -64,7 +81,11 @@ def expert_placement(name, actual, case, rank, version):
         return None  # not (only) a misplacement
     trainer, experts = case.trainer, spec.num_experts
     names = []
-    if trainer.ep > 1 and all(holds[e] == _interleave(trainer.ep, experts)(e) for e in holds):
+    base = _ep_rank_base(holds, shard, side)
+    if base is not None:
+        names.append(base)
+    if side != "loader" and trainer.ep > 1 and all(
+            holds[e] == _interleave(trainer.ep, experts)(e) for e in holds):
         names.append(f"interleaved trainer expert numbering (global id = local * EP + ep_rank "
                      f"over trainer EP {trainer.ep}, instead of ep_rank * local_experts + local)")
     if receiver.moe_ep > 1 and all(
@@ -74,6 +95,63 @@ def expert_placement(name, actual, case, rank, version):
                      f"{experts // receiver.moe_ep})")
     pattern = " or ".join(names) if names else "a permutation of the experts"
     return f"experts misplaced: {where} - {pattern}"
+
+
+def uneven_ep_miscount(case, rank, shard, holds):
+    """For vLLM's uneven expert placement (``expert_placement="linear_uneven"``: the first
+    ``E % EP`` EP ranks hold one expert more): a name when the rank's slots hold exactly what
+    one of the usual miscounts puts there, else ``None``. ``holds`` maps the expert each slot
+    should hold to the expert whose values it holds (absent: none of them, e.g. never
+    written). The miscounts: the remainder given to the last rank, and rank e's first expert
+    computed as ``e * E // EP`` (the even formula)."""
+    spec, receiver = case.spec, case.receiver
+    if getattr(receiver, "expert_placement", "even") != "linear_uneven":
+        return None
+    num, ep, ep_rank = spec.num_experts, receiver.moe_ep, shard.moe_ep_rank
+    base, extra = divmod(num, ep)
+    right = list(shard.experts)
+    floor_start = ep_rank * num // ep
+    miscounts = (
+        (range(ep_rank * base, (ep_rank + 1) * base + (extra if ep_rank == ep - 1 else 0)),
+         "the remainder given to the last EP rank"),
+        (range(floor_start, floor_start + len(right)),
+         f"EP rank e's first expert computed as e * E // EP ({ep_rank} * {num} // {ep} = "
+         f"{floor_start}), the even formula"),
+    )
+    named, shown = [], None
+    for wrong, words in miscounts:
+        if list(wrong) == right:
+            continue
+        predicted = [wrong[s] if s < len(wrong) else None for s in range(len(right))]
+        if all(holds.get(g) == p for g, p in zip(right, predicted)):
+            named.append(words)
+            shown = ", ".join("-" if p is None else str(p) for p in predicted)
+            if None in predicted:
+                shown += "; -: no expert's values"
+    if not named:
+        return None
+    return (f"uneven EP placement miscounted: receiver rank {rank} (EP rank {ep_rank} of {ep}) "
+            f"holds experts [{shown}] where vLLM's map gives it {right} (the first "
+            f"{extra} of {ep} ranks hold {base + 1} of the {num} experts, the others {base}) - "
+            + " or ".join(named))
+
+
+def _ep_rank_base(holds: dict, shard, side) -> str | None:
+    """A name when every slot of MoE-EP rank ``r`` (``r > 0``) holds the consecutive experts of
+    a block that starts at ``r * k`` for some ``k`` other than its local expert count - the
+    offset computed from the wrong number of experts per rank - else ``None``."""
+    local, r = list(shard.experts), shard.moe_ep_rank
+    held = [holds.get(e) for e in local]
+    if r == 0 or None in held or len(holds) != len(local):
+        return None
+    start, n = held[0], len(local)
+    if held != list(range(start, start + n)) or start == local[0] or start % r:
+        return None
+    who = {"loader": "the loader ", "exporter": "the exporter "}.get(side, "")
+    block = lambda a, b: f"expert {a}" if a == b else f"experts {a}..{b}"  # noqa: E731
+    return (f"wrong EP rank base: {who}gave engine MoE-EP rank {r} {block(start, start + n - 1)} "
+            f"(base {r} * {start // r}) instead of its block's {block(local[0], local[-1])} "
+            f"(base {r} * {n}, its {n} local expert{'s' if n > 1 else ''})")
 
 
 def _by(d: int) -> str:
@@ -102,8 +180,10 @@ def _shift(wrong: dict, strays: list, local: list):
     return None
 
 
-def diagnose(name, actual, expected, case, rank, before=None, previous=None, version=None):
-    """A one-line name for a recognizable wrong result of parameter ``name``, else ``None``."""
+def diagnose(name, actual, expected, case, rank, before=None, previous=None, version=None,
+             side="loader"):
+    """A one-line name for a recognizable wrong result of parameter ``name``, else ``None``;
+    ``side`` says which side of the sync is under test (:data:`SIDES`)."""
     if not case.receiver.default_engine:
         named = engine_diagnosis.diagnose(name, actual, expected, case, rank, version,
                                           before, previous)
@@ -143,5 +223,5 @@ def diagnose(name, actual, expected, case, rank, before=None, previous=None, ver
         if real_ok:
             return f"padding not zeroed: the real rows are right, the tail beyond {rows} is not"
     if version is not None:
-        return expert_placement(name, actual, case, rank, version)
+        return expert_placement(name, actual, case, rank, version, side)
     return None

@@ -233,7 +233,7 @@ def _judge_with_engines(case, fmt: str, engine_rank: int, stream, version: int, 
         try:
             loader.load_stream(engine, params, stream, fmt, case, engine_rank, framed=False)
             judge.check_rank(params, case, engine_rank, version, before,
-                             previous_version=previous_version)
+                             previous_version=previous_version, side="exporter")
         except AssertionError as error:
             raise judge.ConformanceError(f"{head}, loaded by {engine.name}:\n{error}") from None
         except Exception as error:

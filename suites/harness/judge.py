@@ -55,14 +55,17 @@ def quoted(error: BaseException, limit: int = MAX_QUOTED) -> str:
 
 
 def check_rank(params, case, rank, version, before=None, touched=None, previous_version=None,
-               *, cached=True):
+               *, cached=True, side="loader"):
     """Receiver ``rank`` after loading ``version`` into the parameters in ``touched`` (default
     every parameter the update owes): every parameter at its old address, the touched ones
     bit-identical to the expected state, every other one (the router weight included)
     bit-identical to ``before`` (a :func:`pytest_weightsync.compare.snapshot` taken before the
     update; without one only the values are judged). ``cached=False`` computes the expected
     state afresh: self-tests that plant a bug in the value function or the layout model need
-    it computed under the plant."""
+    it computed under the plant. ``side`` is the side of the sync under test
+    (:data:`.diagnosis.SIDES`): ``loader`` where ``params`` were written by the loader under
+    test from the harness's own payload, ``exporter`` where a reference receiver loaded the
+    payload of the exporter under test; a named pattern blames only that side."""
     if before is not None:
         compare.assert_same_storage(before, params, rank=rank)
     expected_of = inputs.expected if cached else inputs.expected_uncached
@@ -83,14 +86,15 @@ def check_rank(params, case, rank, version, before=None, touched=None, previous_
             old = before.records[name].copy if before is not None else None
             kind = getattr(getattr(error, "kinds", None), "kind", "value")
             if not case.receiver.default_engine:  # engine bugs first; bit kinds are BF16's
-                hint = diagnosis.diagnose(name, params[name], expected[name], case, rank, old, previous,
-                                version)
+                hint = diagnosis.diagnose(name, params[name], expected[name], case, rank, old,
+                                          previous, version, side=side)
             elif kind in VALUE_CONVERSIONS:
-                hint = (f"not a placement bug: {error.kinds.describe()} - the loader converts "
+                who = {"loader": "the loader", "exporter": "the exporter"}.get(side, "the sync")
+                hint = (f"not a placement bug: {error.kinds.describe()} - {who} converts "
                         f"values on the way ({VALUE_CONVERSIONS[kind]})")
             else:
-                hint = diagnosis.diagnose(name, params[name], expected[name], case, rank, old, previous,
-                                version)
+                hint = diagnosis.diagnose(name, params[name], expected[name], case, rank, old,
+                                          previous, version, side=side)
             raise ConformanceError((f"{hint}\n" if hint else "") + str(error), error) from None
     for name, record in (before.records.items() if before is not None else ()):
         if name in touched:

@@ -1,8 +1,12 @@
 """Driving a loader (``load_weights``) through an update, as an engine's update path does.
 
 An update is a bucket stream, one ``load_weights`` call per bucket, framed by the loader's
-optional ``begin_update`` / ``end_update`` hooks (``pytest_weightsync.protocols``). A partial
-update (``layers`` given) is not an update of the whole model, so it is sent unframed.
+optional ``begin_update`` / ``end_update`` hooks (``pytest_weightsync.protocols``). Every
+bucket the harness sends a loader with hooks is inside a session (a loader may refuse
+``load_weights`` outside one, as vLLM's worker does): a payload of part of the model
+(:func:`load_part`) travels as the last buckets of a full update whose other layers carry the
+bits the parameters already hold. A loader without hooks gets such a payload alone - for it,
+each ``load_weights`` call stands alone.
 
 Real senders reuse their buffers: the flattened bucket or IPC buffer of one bucket is refilled
 with the next bucket's bytes as soon as the engine's ``load`` returns. With ``refill=True``
@@ -16,6 +20,11 @@ from __future__ import annotations
 from pytest_weightsync import compare
 
 from . import calls, inputs
+
+
+def frames_updates(impl) -> bool:
+    """Whether ``impl`` frames its updates (defines ``begin_update`` and ``end_update``)."""
+    return all(callable(getattr(impl, m, None)) for m in ("begin_update", "end_update"))
 
 
 def load_stream(impl, params, stream, fmt, case, rank, *, framed=True, refill=False,
@@ -45,13 +54,28 @@ def load_stream(impl, params, stream, fmt, case, rank, *, framed=True, refill=Fa
         calls.call_optional(impl, "end_update", params, **kwargs)
 
 
-def load(impl, params, fmt, case, rank, version, layers=None, *, bucket=inputs.DEFAULT_BUCKET,
+def load(impl, params, fmt, case, rank, version, *, bucket=inputs.DEFAULT_BUCKET,
          refill=False, transport="tensors"):
-    """Send ``version`` (of ``layers``, default all) to ``impl`` as a bucket stream cut at
-    ``bucket`` on ``transport``; a full update is framed by the loader's hooks."""
-    stream = inputs.stream(fmt, case, rank, version, layers, bucket=bucket)
-    load_stream(impl, params, stream, fmt, case, rank, framed=layers is None, refill=refill,
-                transport=transport)
+    """Send ``version`` to ``impl`` as a full update: a bucket stream cut at ``bucket`` on
+    ``transport``, framed by the loader's hooks."""
+    stream = inputs.stream(fmt, case, rank, version, bucket=bucket)
+    load_stream(impl, params, stream, fmt, case, rank, refill=refill, transport=transport)
+
+
+def load_part(impl, params, fmt, case, rank, version, layers, *, held_version,
+              bucket=inputs.DEFAULT_BUCKET) -> None:
+    """Send ``version`` of ``layers`` only. A loader without hooks gets those buckets alone.
+    A loader with hooks gets them inside a session: the LAST buckets of a full update whose
+    other layers carry ``held_version`` - what ``params`` hold already (the caller loaded it
+    in full before), so a correct loader changes nothing there, and whatever the part writes
+    outside its layers stays visible (nothing is sent after it)."""
+    part = inputs.stream(fmt, case, rank, version, layers, bucket=bucket)
+    if not frames_updates(impl):
+        load_stream(impl, params, part, fmt, case, rank, framed=False)
+        return
+    others = [layer for layer in range(case.spec.num_layers) if layer not in set(layers)]
+    rest = inputs.stream(fmt, case, rank, held_version, others, bucket=bucket) if others else []
+    load_stream(impl, params, [*rest, *part], fmt, case, rank)
 
 
 def load_and_check(impl, params, fmt, case, rank, version, *, before, bucket,

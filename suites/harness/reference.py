@@ -50,7 +50,7 @@ def judge_stream(case, rank, stream, fmt, version, head: str, previous_version=N
                                      f"{judge.quoted(error)}") from None
     try:
         judge.check_rank(receiver.params, case, rank, version, before,
-                         previous_version=previous_version)
+                         previous_version=previous_version, side="exporter")
     except AssertionError as error:
         raise judge.ConformanceError(f"{head}:\n{error}", getattr(error, "mismatch", None)) \
             from None
@@ -60,17 +60,19 @@ def judge_stream(case, rank, stream, fmt, version, head: str, previous_version=N
 def sync_and_check(case, fmt, version, receivers=None, full=None, bucket=inputs.DEFAULT_BUCKET):
     """Send ``version`` in ``fmt`` to every receiver rank (reference receivers) as a framed
     bucket stream cut at ``bucket``, then check every rank. Returns the receivers for further
-    updates."""
+    updates. The self-tests that use it plant bugs in the sender or the receiver, so a named
+    pattern may blame either side."""
     receivers = inputs.fresh_receivers(case) if receivers is None else receivers
     full = inputs.gathered_weights(case, version) if full is None else full
     for rec in receivers:
         before = compare.snapshot(rec.params)
         load_update(rec, inputs.stream(fmt, case, rec.rank, version, bucket=bucket, full=full), fmt)
-        judge.check_rank(rec.params, case, rec.rank, version, before, cached=False)
+        judge.check_rank(rec.params, case, rec.rank, version, before, cached=False, side=None)
     return receivers
 
 
 def check_receiver(receiver, case, version, before=None):
     """:func:`suites.harness.judge.check_rank` of a reference receiver (the expected state
     computed afresh: the self-tests that use it plant bugs in what computes it)."""
-    judge.check_rank(receiver.params, case, receiver.rank, version, before, cached=False)
+    judge.check_rank(receiver.params, case, receiver.rank, version, before, cached=False,
+                     side=None)

@@ -24,11 +24,20 @@ VERSION = 3
 
 
 def _owned(spec, topo, rank):
-    """(experts, row start, rows, buffer rows, gate offset, up offset) by SGLang's rules."""
+    """(experts, row start, rows, buffer rows, gate offset, up offset) by SGLang's rules, or
+    by vLLM's expert map where the engine places experts as vLLM does (``linear_uneven``:
+    ``determine_expert_map`` hands the first ``E % ep`` EP ranks one expert more)."""
     moe_tp = topo.tp // topo.moe_ep // topo.moe_dp
     tp_rank, ep_rank = rank % moe_tp, (rank // moe_tp) % topo.moe_ep
-    per_ep = spec.num_experts // topo.moe_ep
-    experts = list(range(ep_rank * per_ep, (ep_rank + 1) * per_ep))
+    if getattr(topo, "expert_placement", "even") == "linear_uneven":
+        # every EP rank in turn takes E // ep, and one more while E % ep are left over
+        counts = [spec.num_experts // topo.moe_ep + (1 if e < spec.num_experts % topo.moe_ep
+                                                     else 0) for e in range(topo.moe_ep)]
+        first = sum(counts[:ep_rank])
+        experts = list(range(first, first + counts[ep_rank]))
+    else:
+        per_ep = spec.num_experts // topo.moe_ep
+        experts = list(range(ep_rank * per_ep, (ep_rank + 1) * per_ep))
     if topo.intermediate_padded is not None and topo.pad_mode == "blocked":
         block = topo.intermediate_padded
         start = tp_rank * block

@@ -180,6 +180,39 @@ def test_moe_tp_rank_formula_swapped_is_killed_by_the_oracle(monkeypatch):
     killed(oracle, SQUARE, "row=", "col=")
 
 
+def _uneven_patch(monkeypatch, rule):
+    """Planted in the one layout home: vLLM's uneven EP map (``linear_uneven``) computed by
+    ``rule(E, EP, ep_rank, right experts) -> experts``; every other placement unchanged."""
+    def uneven(shard, spec, topo, rank):
+        if topo.expert_placement != "linear_uneven":
+            return shard
+        experts = rule(spec.num_experts, topo.moe_ep, shard.moe_ep_rank, shard.experts)
+        return layout.ReceiverShard(**{**shard.__dict__, "experts": experts})
+
+    _shard_patch(monkeypatch, uneven)
+
+
+def test_uneven_ep_offset_as_if_even_is_killed_by_the_oracle(monkeypatch):
+    # EP rank e starts at e * E // EP (7 over 4: rank 1 at expert 1, vLLM's map at 2)
+    _uneven_patch(monkeypatch, lambda num, ep, r, right: range(r * num // ep,
+                                                               r * num // ep + len(right)))
+    case = matrix.UNEVEN_EP_CASES[1]
+    conformance(case, ["compat"])  # expected state and receiver agree: the gap
+    killed(oracle, case, "expert=2 ", "receiver_rank=1")
+
+
+def test_uneven_ep_remainder_on_the_last_rank_is_killed_by_the_oracle(monkeypatch):
+    # E // EP experts per rank, the remainder on the last: 5 over 2 gives rank 0 two, not three
+    _uneven_patch(monkeypatch, lambda num, ep, r, right: range(
+        r * (num // ep), (r + 1) * (num // ep) + (num % ep if r == ep - 1 else 0)))
+    case = matrix.UNEVEN_EP_CASES[0]
+    conformance(case, ["compat"])
+    with pytest.raises(AssertionError) as info:
+        oracle(case)
+    message = str(info.value)
+    assert "w13_weight on receiver rank 0: shape (2, 8, 8), expected (3, 8, 8)" in message, message
+
+
 def test_blocked_pad_start_wrong_is_killed_by_the_oracle(monkeypatch):
     def even_start(shard, spec, topo, rank):
         if topo.pad_mode != "blocked":
@@ -328,8 +361,8 @@ def test_etp_merge_without_split_is_located(monkeypatch):
     killed(lambda case: conformance(case, ["packed"]), SQUARE, "projection=", "row=")
 
 
-@pytest.mark.parametrize("case", [SQUARE, BLOCKED, RECIPE, matrix.ANCHORS[6]],
-                         ids=lambda case: case.id)
+@pytest.mark.parametrize("case", [SQUARE, BLOCKED, RECIPE, matrix.ANCHORS[6],
+                                  *matrix.UNEVEN_EP_CASES], ids=lambda case: case.id)
 def test_unmutated_reference_passes_both_checks(case):
     """The control: the same checks on the unmutated reference pass, so every kill above is
     the planted bug's."""

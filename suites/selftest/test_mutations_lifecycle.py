@@ -38,10 +38,29 @@ the update describe (``../shared/DOMAIN.md`` section 10), run through the unchan
   ``wake_up`` brings back memory that holds anything;
 - ``version_survives_discard``: after a level-2 sleep the engine still says its last version;
 - ``partial_after_discard``: after a level-2 sleep, an ``end_update`` of an update that stopped
-  short completes it (the engine trusts the weights it discarded to still be there).
+  short completes it (the engine trusts the weights it discarded to still be there);
+- ``version_moves_on_value_change``: the version moves only when some value changed, compared
+  as values (``torch.equal``: NaN != NaN), so an identity update of the full bit patterns
+  looks like a change and only a FINITE identity update shows the bug;
+- ``staged_double_begin_flushes``: a staging loader (``lifecycle_rows.Staging``) whose second
+  ``begin_update`` writes what the open update staged and then restarts, still naming its
+  last version over the mix - hidden when the restarted update completes, so the harness
+  judges the second ``begin_update`` before it does;
+- ``vllm_publishes_at_begin`` (on both vLLM-shaped engines): a vLLM-topology row
+  (``lifecycle_rows.VllmRow``) that publishes the new version at ``begin_update``;
+- ``vllm_sleep_loses_parameter``: a vLLM-topology row whose level-1 sleep keeps no offloaded
+  copy of one parameter (the last layer's ``w2_weight``);
+- ``version_kept_while_writing``: an engine that writes every bucket in place and keeps naming
+  its last version until ``end_update`` (its twin, ``lifecycle_rows.Staging``, may: it writes
+  nothing before ``end_update``);
+- ``refused_begin_writes``: a second ``begin_update`` refused as vLLM's worker refuses it
+  (``lifecycle_rows.StrictSessions``), after resetting the layer it was about to re-process;
+- ``level2_discards_router``: a level-2 sleep that also discards the router weight, which no
+  expert update carries (so nothing ever restores it).
 
 Killed means: the test raises a :class:`ConformanceError` whose first line names the bug.
-The unplanted reference passes the same tests (last test).
+Each mutant's correct twin (:data:`TWINS`; the unplanted reference unless named) passes the
+same tests.
 """
 
 from __future__ import annotations
@@ -55,6 +74,7 @@ import torch
 from ..conformance import test_lifecycle as suite
 from ..harness import cases, lifecycle
 from ..harness.judge import ConformanceError
+from .lifecycle_rows import Staging, StrictSessions, VllmRow
 from pytest_weightsync.compare import same_bits
 from pytest_weightsync.reference_impl.engine.receiver import IncompleteUpdateError
 from pytest_weightsync.reference_impl.impl import ReferenceImplementation
@@ -63,8 +83,10 @@ from pytest_weightsync.reference_impl.model.layout import fused_name, receiver_s
 
 pytestmark = pytest.mark.weightsync_property("mutation_detected")
 
-CHECKPOINT, TRTLLM = cases.LIFECYCLE_CASES
+CHECKPOINT, TRTLLM = cases.LIFECYCLE_CASES[:2]
 assert TRTLLM.receiver.engine_layout == "trtllm_block"
+VLLM_EP, VLLM_TP = cases.VLLM_LIFECYCLE_CASES
+assert VLLM_EP.receiver.moe_ep == VLLM_EP.receiver.tp > 1 and VLLM_TP.receiver.moe_tp > 1
 
 
 class _PublishAfterFailedChunk(ReferenceImplementation):
@@ -318,6 +340,84 @@ class _PartialAfterDiscard(ReferenceImplementation):
             held.usable = True
 
 
+class _VersionMovesOnValueChange(ReferenceImplementation):
+    name = "version_moves_on_value_change"
+
+    def begin_update(self, params, **kwargs):
+        super().begin_update(params, **kwargs)
+        self._before = {n: t.clone() for n, t in params.items()}
+
+    def end_update(self, params, **kwargs):
+        super().end_update(params, **kwargs)
+        if all(torch.equal(t, self._before[n]) for n, t in params.items()):
+            self._find_held(params).completed -= 1  # "no value changed": not a new version
+
+
+class _StagedDoubleBeginFlushes(Staging):
+    name = "staged_double_begin_flushes"
+
+    def begin_update(self, params, **kwargs):
+        entry = self._open.get(id(params))
+        if entry is not None:  # "keep what the open update brought": written, then restarted
+            self.write(params, entry[1])
+        super().begin_update(params, **kwargs)
+
+
+class _VllmPublishesAtBegin(VllmRow):
+    name = "vllm_publishes_at_begin"
+
+    def begin_update(self, params, **kwargs):
+        super().begin_update(params, **kwargs)
+        held = self._find_held(params)
+        held.completed += 1  # the new version is announced as the update opens
+        held.usable = True
+
+    def weight_version(self, params, **kwargs):
+        held = self._find_held(params)
+        return None if held is None or not held.usable else held.completed
+
+
+class _VllmSleepLosesParameter(VllmRow):
+    name = "vllm_sleep_loses_parameter"
+
+    def wake_up(self, params, *, spec, **kwargs):
+        level = self._asleep.get(id(params), (None,))[0]
+        super().wake_up(params, spec=spec, **kwargs)
+        if level == 1:  # one parameter was never offloaded: it holds what the memory held
+            with torch.no_grad():
+                params[fused_name(spec.num_layers - 1, "w2")].fill_(float("nan"))
+
+
+class _VersionKeptWhileWriting(ReferenceImplementation):
+    name = "version_kept_while_writing"
+
+    def weight_version(self, params, **kwargs):
+        held = self._find_held(params)
+        if held is not None and self._find_open(params) is not None and held.completed:
+            return held.completed  # "the update is not complete yet: still the last version"
+        return super().weight_version(params, **kwargs)
+
+
+class _RefusedBeginWrites(StrictSessions):
+    name = "refused_begin_writes"
+
+    def begin_update(self, params, **kwargs):
+        if self._find_open(params) is not None:
+            with torch.no_grad():
+                params[fused_name(0, "w2")].zero_()  # reset, then found the update active
+        super().begin_update(params, **kwargs)
+
+
+class _Level2DiscardsRouter(ReferenceImplementation):
+    name = "level2_discards_router"
+
+    def sleep(self, params, *, level, **kwargs):
+        super().sleep(params, level=level, **kwargs)
+        if level == 2:  # every parameter discarded, the router weight too
+            with torch.no_grad():
+                params["model.layers.0.mlp.gate.weight"].fill_(float("nan"))
+
+
 #: mutant -> (conformance test, its arguments but the implementation, the name it must get)
 MUTANTS = {
     "publish_after_failed_chunk/refused_bucket": (
@@ -357,7 +457,7 @@ MUTANTS = {
         _EndWithoutBeginReprocesses, suite.test_misuse_of_the_session_is_refused_or_harmless,
         (TRTLLM, "end_without_begin"), "misuse corrupted the weights: an end_update without"),
     "version_per_bucket": (
-        _VersionPerBucket, suite.test_the_version_moves_once_per_completed_update, (TRTLLM,),
+        _VersionPerBucket, suite.test_the_version_moves_once_per_completed_update, (CHECKPOINT,),
         "version published without a completed update"),
     "outside_session_keeps_version": (
         _OutsideSessionKeepsVersion, suite.test_misuse_of_the_session_is_refused_or_harmless,
@@ -394,6 +494,40 @@ MUTANTS = {
     "partial_after_discard": (
         _PartialAfterDiscard, suite.test_sleep_and_wake_between_updates, (CHECKPOINT, 2),
         "partial update accepted after a level-2 sleep"),
+    "version_moves_on_value_change": (
+        _VersionMovesOnValueChange, suite.test_the_version_moves_once_per_completed_update,
+        (CHECKPOINT,), "version did not move"),
+    "staged_double_begin_flushes": (
+        _StagedDoubleBeginFlushes, suite.test_misuse_of_the_session_is_refused_or_harmless,
+        (CHECKPOINT, "double_begin"),
+        "silent mix at a second begin_update (accepted as a restart)"),
+    "vllm_publishes_at_begin/ep": (
+        _VllmPublishesAtBegin, suite.test_the_version_moves_once_per_completed_update,
+        (VLLM_EP,), "version published without a completed update"),
+    "vllm_publishes_at_begin/tp": (
+        _VllmPublishesAtBegin, suite.test_the_version_moves_once_per_completed_update,
+        (VLLM_TP,), "version published without a completed update"),
+    "vllm_sleep_loses_parameter": (
+        _VllmSleepLosesParameter, suite.test_sleep_and_wake_between_updates, (VLLM_EP, 1),
+        "weights lost across a level-1 sleep"),
+    "version_kept_while_writing": (
+        _VersionKeptWhileWriting, suite.test_the_version_moves_once_per_completed_update,
+        (CHECKPOINT,), "stale version during an update"),
+    "refused_begin_writes": (
+        _RefusedBeginWrites, suite.test_misuse_of_the_session_is_refused_or_harmless,
+        (VLLM_TP, "double_begin"), "misuse corrupted the weights: a refused second begin_update"),
+    "level2_discards_router": (
+        _Level2DiscardsRouter, suite.test_sleep_and_wake_between_updates, (CHECKPOINT, 2),
+        "level-2 sleep discarded what no update carries"),
+}
+#: mutant -> its correct twin, where it is not the unplanted reference.
+TWINS = {
+    "staged_double_begin_flushes": Staging,
+    "version_kept_while_writing": Staging,
+    "vllm_publishes_at_begin/ep": VllmRow,
+    "vllm_publishes_at_begin/tp": VllmRow,
+    "vllm_sleep_loses_parameter": VllmRow,
+    "refused_begin_writes": StrictSessions,
 }
 #: What else each mutant's message must say (the bug located, the engine pattern named).
 ALSO = {
@@ -408,6 +542,15 @@ ALSO = {
     "version_skips_identity": ("an identity update",),
     "warns_on_reload": ("Failed to load weights",),
     "wake_loses_weights": ("layer=0 expert=",),
+    "version_moves_on_value_change": ("an identity update", "no bit changed"),
+    "staged_double_begin_flushes": ("weight_version still says 1",
+                                    "element(s) hold version 2"),
+    "vllm_publishes_at_begin/ep": ("at begin_update", "-R.tp1ep2dp1gu"),
+    "vllm_publishes_at_begin/tp": ("at begin_update", "-R.tp4ep1dp1gu"),
+    "vllm_sleep_loses_parameter": ("model.layers.1.mlp.experts.w2_weight", "layer=1 expert="),
+    "level2_discards_router": ("model.layers.0.mlp.gate.weight",),
+    "refused_begin_writes": ("model.layers.0.mlp.experts.w2_weight", "already active"),
+    "version_kept_while_writing": ("at bucket", "element(s) hold the update's weights"),
 }
 
 
@@ -438,15 +581,17 @@ def test_the_coverage_record_names_the_ranks_covered():
 
 
 def test_reference_passes_the_same_tests():
-    """Every test a mutant fails is passed by the unplanted reference, same arguments (each
-    test and arguments once, however many mutants share them)."""
+    """Every test a mutant fails is passed by its correct twin - the unplanted reference unless
+    :data:`TWINS` names another - same arguments (each twin, test and arguments once, however
+    many mutants share them)."""
     ran = set()
     for mutant in sorted(MUTANTS):
         _, test, args, _ = MUTANTS[mutant]
-        key = (test.__name__, tuple(a for a in args if not callable(a)))
+        twin = TWINS.get(mutant, ReferenceImplementation)
+        key = (twin, test.__name__, tuple(a for a in args if not callable(a)))
         if key not in ran:
             ran.add(key)
-            test(ReferenceImplementation(), *args)
+            test(twin(), *args)
 
 
 def test_a_lifecycle_claim_needs_its_methods_and_a_known_word():

@@ -8,8 +8,10 @@ and run on CPU (:mod:`vllm_engine`):
   ``RoutedExperts.load_weights`` on every modelled topology (MoE-TP, DP-flattened TP, even
   and uneven EP) must give :func:`vllm_layout.expert_shard`'s placement, names and shapes, and
   load each expert format the model says it loads into exactly the modelled rows (the
-  formats it says vLLM ignores: nothing written, nothing raised); where a placement is even,
-  it is SGLang's default layout (``receiver_topology``);
+  formats it says vLLM ignores: nothing written, nothing raised); every placement is a
+  harness engine (``receiver_topology``): SGLang's default layout where it is even, the
+  ``expert_placement="linear_uneven"`` engine where it is not, whose expected state is what
+  vLLM's own loading leaves;
 * whole models (Qwen3-MoE, Qwen3.5-MoE with its MTP draft, tied and untied, KV replication):
   the engine built from vLLM's layer classes has exactly the layout's names, shapes and
   dtypes, and the checkpoint streamed through the models' own ``load_weights`` renaming and
@@ -33,6 +35,7 @@ from pytest_weightsync.reference_impl.backends import vllm as facts
 from pytest_weightsync.reference_impl.model import vllm_layout as v
 from pytest_weightsync.reference_impl.model.layout import (
     MoESpec,
+    ReceiverTopology,
     TopologyError,
     receiver_param_shapes,
     receiver_shard,
@@ -189,10 +192,16 @@ def test_vllm_loads_each_expert_format_where_the_model_says(spec, topo):
     assert check_expert_loads(spec, topo) == []
 
 
-@pytest.mark.parametrize("spec,topo", [c for c in EXPERT_CASES
-                                       if c.values[0].num_experts % c.values[1].moe_ep == 0])
-def test_an_even_vllm_expert_placement_is_sglangs_default_layout(spec, topo):
+@pytest.mark.parametrize("spec,topo", EXPERT_CASES)
+def test_every_vllm_expert_placement_is_a_harness_engine(spec, topo):
+    """Even placements are SGLang's default layout; uneven ones (E % EP != 0) the harness's
+    ``expert_placement="linear_uneven"`` engine. Either way the harness's placement, shapes
+    and expected state are what vLLM's own code allocates and loads, rank by rank."""
     receiver = v.receiver_topology(spec, topo)
+    even = spec.num_experts % topo.moe_ep == 0
+    assert receiver.expert_placement == ("even" if even else "linear_uneven")
+    if even:
+        assert receiver == ReceiverTopology(tp=topo.world_size, moe_ep=topo.moe_ep)
     for rank in range(topo.world_size):
         mine, sglang = v.expert_shard(spec, topo, rank), receiver_shard(spec, receiver, rank)
         assert (mine.experts, mine.row_start, mine.rows, mine.buffer_rows) == (
@@ -209,8 +218,8 @@ def test_an_even_vllm_expert_placement_is_sglangs_default_layout(spec, topo):
 
 def test_uneven_ep_has_no_sglang_topology_and_blocked_padding_is_refused():
     spec = EXPERT_SPECS["E4"]
-    with pytest.raises(TopologyError, match="uneven"):
-        v.receiver_topology(spec, v.VllmTopology(tp=3, expert_parallel=True))
+    with pytest.raises(TopologyError, match="divisible"):  # SGLang's even placement refuses it
+        receiver_shard(spec, ReceiverTopology(tp=3, moe_ep=3), 0)
     with pytest.raises(TopologyError, match="intermediate"):
         v.expert_shard(MoESpec(1, 4, 8, 6), v.VllmTopology(tp=4), 0)
     post = src.method_node("model_executor/layers/fused_moe/config.py", "FusedMoEConfig",
