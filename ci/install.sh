@@ -30,9 +30,12 @@ else
   pipq "${C[@]}" -r ci/requirements-test.txt
   echo "install: megatron-core"
   pipq "${C[@]}" -r ci/requirements-megatron.txt
-  echo "install: sglang (no deps) and what its MoE layer imports"
-  pipq --no-deps -r ci/requirements-sglang.txt
+  # what SGLang's MoE layer imports first, then SGLang itself without its dependencies: in the
+  # other order pip's resolver would list every SGLang dependency left out on purpose as a
+  # 60-line "ERROR: ... dependency conflicts" block on a successful install
+  echo "install: what SGLang's MoE layer imports, then sglang (no deps)"
   pipq "${C[@]}" -r ci/requirements-sglang-deps.txt
+  pipq --no-deps -r ci/requirements-sglang.txt
   echo "install: megatron-bridge (no deps; only its weight mappings are used)"
   pipq --no-deps "${C[@]}" -r ci/requirements-bridge.txt
   echo "install: pytest-weightsync (editable)"
