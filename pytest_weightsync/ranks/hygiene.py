@@ -35,21 +35,9 @@ MAX_LISTED = 3
 def warm_up(device: str) -> None:
     """Create what torch and the backend create lazily, so a later call that merely uses them
     is not blamed: the default group's communicator (one collective), the intra-op thread
-    pool (one parallel op), the autograd engine (one backward), torch's shared-memory manager
-    (a helper process and its socket, started once per process by the first CPU tensor shared
-    under the ``file_system`` strategy, which many RL senders choose)."""
+    pool (one parallel op), the autograd engine (one backward)."""
     import torch
     import torch.distributed as dist
-    import torch.multiprocessing as tmp
-
-    previous = tmp.get_sharing_strategy()
-    try:
-        tmp.set_sharing_strategy("file_system")
-        torch.ones(1).share_memory_()
-    except (RuntimeError, OSError, ValueError):  # no manager on this platform: nothing to warm
-        pass
-    finally:
-        tmp.set_sharing_strategy(previous)
 
     if dist.is_initialized():
         probe = torch.zeros(1, device=device)
@@ -155,6 +143,30 @@ def _resource_sharer() -> tuple:
     return thread.ident, fd
 
 
+def _shm_managers() -> int:
+    """How many torch shared-memory managers this process started (the first CPU tensor it
+    shared under the ``file_system`` strategy starts one, and keeps one socket to it for the
+    life of the process - a library's service, like :func:`_resource_sharer`)."""
+    count = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                children = f.read().split()
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                with open(f"/proc/{pid}/comm", "rb") as f:
+                    count += f.read().strip() == b"torch_shm_manag"
+            except OSError:
+                continue
+    return count
+
+
 def _os_threads() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
@@ -209,6 +221,7 @@ def snapshot() -> dict:
         "python threads": {t.ident: t.name for t in threading.enumerate()
                            if t.ident != sharer_thread},
         "fds": fds,
+        "shm managers": _shm_managers(),
         "torch": _torch_state(),
         "stack-dump handler": _stack_dump_handler(),
     }
@@ -239,8 +252,13 @@ def differences(baseline: dict, now: dict) -> list[str]:
         listed = f" (Python threads {', '.join(map(repr, new[:MAX_LISTED]))}" \
                  f"{', ...' if len(new) > MAX_LISTED else ''})" if new else ""
         out.append(_delta("thread", baseline["threads"], now["threads"], listed))
-    if len(now["fds"]) != len(baseline["fds"]):
-        new = [target for fd, target in now["fds"].items() if baseline["fds"].get(fd) != target]
+    new = [target for fd, target in now["fds"].items() if baseline["fds"].get(fd) != target]
+    # one socket to each shared-memory manager started since: the manager's, not a leak
+    managers = max(0, now.get("shm managers", 0) - baseline.get("shm managers", 0))
+    service = [t for t in new if t.startswith("socket:")][:managers]
+    for target in service:
+        new.remove(target)
+    if len(now["fds"]) - len(service) != len(baseline["fds"]):
         kinds: dict[str, int] = {}
         for target in new:
             kinds[_fd_kind(target)] = kinds.get(_fd_kind(target), 0) + 1

@@ -20,6 +20,12 @@ from collections.abc import Iterable
 
 #: A process: (pid, start time in the kernel's own unit). Stable for the process's life.
 Identity = tuple[int, float]
+#: Helper processes a library starts once per process and that end by themselves once their
+#: clients are gone: torch's shared-memory manager (started by the first CPU tensor shared
+#: under the ``file_system`` strategy, which many RL senders choose) exits a few seconds after
+#: its last client and removes its directory then - killed, it leaves the directory behind.
+#: They are never counted as left behind nor ended here (``/proc``'s 15-character names).
+SERVICES = (b"torch_shm_manag",)
 
 
 def process_table() -> dict[int, tuple[int, float]]:
@@ -34,6 +40,11 @@ def process_table() -> dict[int, tuple[int, float]]:
     for proc in psutil.process_iter(["ppid", "create_time", "status"]):
         info = proc.info
         if info.get("ppid") is None or info.get("status") == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            if proc.name().encode()[:15] in SERVICES:
+                continue
+        except psutil.Error:
             continue
         table[proc.pid] = (info["ppid"], info["create_time"])
     return table
@@ -53,6 +64,8 @@ def _proc_table() -> dict[int, tuple[int, float]]:
         # the last ")". Fields after it start at field 3 (state); starttime is field 22.
         fields = data[data.rfind(b")") + 2 :].split()
         if len(fields) < 20 or fields[0] == b"Z":
+            continue
+        if data[data.find(b"(") + 1 : data.rfind(b")")] in SERVICES:
             continue
         table[int(name)] = (int(fields[1]), float(fields[19]))
     return table

@@ -176,11 +176,15 @@ class EngineRank:
     def not_moved(self, what: str, *, bits_unchanged: bool, new=2,
                   open_update: bool = False, stale: Optional[str] = None) -> object:
         """Where no update completed (mid-update, after a failure, a refused call, a second
-        ``begin_update``): the version is ``None``, or the last complete one while the
-        parameters still hold it bit for bit (``bits_unchanged``). ``open_update``: an update
-        is open (its buckets may have been written in place); ``stale`` heads the failure of
-        a version kept over changed bits instead of the default pattern name; ``new`` is what
-        the step was writing (:meth:`mix_summary`). Returns what the version said."""
+        ``begin_update``): the version is ``None`` or the last complete one, never a new one.
+        Once no update is open, the last complete one only while the parameters still hold it
+        bit for bit (``bits_unchanged``). ``open_update``: an update is open - its buckets may
+        be written in place while the engine still names the version it last completed (as
+        SGLang's ``weight_version`` label does until the update is published), unless
+        ``stale`` heads the failure: then ``bits_unchanged`` says whether the step being
+        judged itself left the bits alone (a second ``begin_update`` that flushes what was
+        staged). ``new`` is what the step was writing (:meth:`mix_summary`). Returns what the
+        version said."""
         if not self.versioned:
             return None
         now = self.version()
@@ -192,15 +196,15 @@ class EngineRank:
                 f"{self.last_version!r} -> {now!r} at {what} on {self.where} (it may move only "
                 f"when an update completes, never at begin_update, a bucket or a failed "
                 f"update; tokenspeed#672: a version published after a failed chunk)")
+        if open_update and stale is None:
+            return now  # mid-refit: the label of the last completed update
         if not bits_unchanged:
             if stale is None:
-                stale = ("stale version during an update" if open_update else
-                         "partial advance")
-            why = ("an engine that writes buckets in place says None from its first write "
-                   "until end_update completes; only one that stages the update and writes "
-                   "nothing before end_update may keep naming the last complete version"
-                   if open_update else "NeMo-RL#2444: a failed sync left the weights partly "
-                   "advanced; answer None until a full update")
+                stale = "partial advance"
+            why = ("the step itself wrote the update's buckets while the engine still names a "
+                   "complete version; a restart writes nothing of what the abandoned update "
+                   "staged" if open_update else "NeMo-RL#2444: a failed sync left the weights "
+                   "partly advanced; answer None until a full update")
             raise ConformanceError(
                 f"{stale}: weight_version still says {now!r} (a complete version) at {what} "
                 f"on {self.where}, while the parameters no longer hold it: "

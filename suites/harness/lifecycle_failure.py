@@ -133,7 +133,7 @@ def _double_begin(engine: EngineRank, held) -> None:
         how = "accepted (the update restarted)"
         engine.not_moved(
             "a second begin_update, accepted as a restart", open_update=True,
-            bits_unchanged=not changed(held, engine.params),
+            bits_unchanged=not changed(open_bits, engine.params),
             stale="silent mix at a second begin_update (accepted as a restart)")
 
     def rest():

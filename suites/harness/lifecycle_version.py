@@ -29,7 +29,7 @@ def check_version(impl, case, fmt: str) -> None:
     finite weights again (an identity update: no bit changes, a completed update all the
     same); version 3 abandoned mid-stream by the sender (``end_update`` in its ``finally``);
     version 4 in full. Each completed update moves the version exactly once, nothing else
-    moves it, and mid-update it names the last version only while the bits still hold it."""
+    moves it, and mid-update it is None or the last complete version, never a new one."""
     engine = start(impl, case, fmt)
     held = engine.before_step = compare.snapshot(engine.params)
     stream = identity_stream(engine, "tensor")
