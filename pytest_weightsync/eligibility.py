@@ -2,8 +2,8 @@
 
 ``--weightsync-eligibility module:attr`` (repeatable) names a function that decides whether a
 training config may reuse the training forward's log-probs as old-policy log-probs. Every test
-that asks for the ``eligibility_impl`` fixture runs once against the reference
-(:func:`pytest_weightsync.reference_impl.rl.inline_logprob.inline_logprob_eligibility`) and once per function given.
+that asks for the ``eligibility_impl`` fixture runs once against the reference (registered by
+its ``"module:attr"`` name, :data:`REFERENCE_TARGET`) and once per function given.
 
 Adapter contract for a third-party function ``f(config)``:
 
@@ -14,8 +14,10 @@ Adapter contract for a third-party function ``f(config)``:
   ``TypeError`` naming the function.
 
 On disagreement the test fails with a table of the configs where the function differs from
-the expected decision, then a hint naming the field that decided each difference, found by
-re-running the function and the reference with one field changed at a time:
+the expected decision, then a hint naming the field that decided each difference. The hint is
+the suite's harness's to find (each case carries its :class:`Explainer`; the harness compares
+with the reference, this plugin imports no decision of its own), by re-running the function
+and the reference with one field changed at a time:
 
 - a field whose change alone moves the reference's decision but not the function's (the
   function ignores it, e.g. a negative ``kl_coef``), or moves the function's decision to the
@@ -26,18 +28,25 @@ re-running the function and the reference with one field changed at a time:
   a default that IS the right value (``getattr(args, "max_staleness", 0)`` on slime) is never
   blamed: it did not decide anything.
 
-This module imports neither torch nor the reference at import time.
+A case without an explainer (one built by hand) names every absent field the function read.
+This module imports neither torch nor the reference.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Optional, Protocol
 
 import pytest
 
 REFERENCE_NAME = "reference"
+#: The reference's decision, the first row of every eligibility test: imported by name, as the
+#: registry imports its built-in defaults.
+REFERENCE_TARGET = ("pytest_weightsync.reference_impl.rl.inline_logprob:"
+                    "inline_logprob_eligibility")
 MAX_TABLE_ROWS = 20
 
 _SPECS_KEY = pytest.StashKey[dict]()
@@ -60,13 +69,27 @@ class Verdict:
         return f"raised {self.error}" if self.error is not None else str(self.eligible)
 
 
+class Explainer(Protocol):
+    """What explains a disagreement: the suite's harness supplies one with its cases."""
+
+    #: The fields the decision reads, in the order a failure table shows them.
+    fields: Sequence[str]
+
+    def deciding_fields(self, func: Callable[[object], object], case: "Case",
+                        verdict: Verdict) -> tuple[list[str], list[str]]:
+        """``(fields whose value decided the difference, absent fields whose default did)``
+        for one case where ``func`` answered ``verdict``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """A config with its expected decision; ``label`` names it in failure tables."""
+    """A config with its expected decision; ``label`` names it in failure tables,
+    ``explainer`` (from the harness) finds the fields that decided a disagreement."""
 
     label: str
     config: argparse.Namespace
     expected: bool
+    explainer: Optional[Explainer] = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def normalize_result(result: object, name: str) -> tuple[bool, tuple[str, ...]]:
@@ -137,94 +160,6 @@ class EligibilityImpl:
         return verdicts
 
 
-# -- which field decided a difference ---------------------------------------------------------
-
-#: Values tried for a field no FIELDS entry describes (one the frameworks do not define).
-_UNKNOWN_FIELD_PROBES = (False, True, 0, 1, None)
-
-
-def _probes(field, value: object, fields: Mapping[str, object]) -> list[object]:
-    """Other valid values of a FIELDS entry ``field`` currently holding ``value``: the ones the
-    decision turns on (booleans flipped, 0/1/2 and neighbours of ints, zero and both signs of
-    floats, the one-step global batch)."""
-    if field.kind == "bool":
-        candidates = [not value]
-    elif field.kind == "float":
-        candidates = [0.0, 0.001, -0.001, -value if isinstance(value, (int, float)) else 0.0]
-    else:
-        candidates = [0, 1, 2]
-        if isinstance(value, int):
-            candidates += [value - 1, value + 1]
-        if field.kind == "optional_int":
-            candidates.append(None)
-            rbs, n = fields.get("rollout_batch_size"), fields.get("n_samples_per_prompt", 1)
-            if isinstance(rbs, int) and isinstance(n, int):
-                candidates.append(rbs * n)
-        low = field.minimum
-        candidates = [c for c in candidates if c is None or low is None or c >= low]
-        if field.kind == "int":
-            candidates = [c for c in candidates if c is not None]
-    return [c for c in dict.fromkeys(candidates) if c != value or type(c) is not type(value)]
-
-
-def _other_probes(value: object) -> list[object]:
-    """Other values of a config field the reference does not read (it must not matter)."""
-    if isinstance(value, bool):
-        return [not value]
-    if isinstance(value, int):
-        return [c for c in (0, 1, 2, value + 1) if c != value]
-    if isinstance(value, float):
-        return [c for c in (0.0, 0.01, -0.01) if c != value]
-    return []
-
-
-def _answer(func: Callable[[object], object], fields: Mapping[str, object]) -> bool | None:
-    """``func``'s decision on a Namespace of ``fields``; ``None`` when it raised (or returned
-    something unusable): such a probe says nothing."""
-    try:
-        return normalize_result(func(argparse.Namespace(**fields)), "probe")[0]
-    except Exception:  # a probe the function (or the reference) refuses is skipped
-        return None
-
-
-def deciding_fields(func: Callable[[object], object], case: Case, verdict: Verdict
-                    ) -> tuple[list[str], list[str]]:
-    """``(fields whose value decided the difference, absent fields whose default did)`` for one
-    disagreeing case. See the module docstring for the rules."""
-    from pytest_weightsync.reference_impl.rl.inline_logprob import FIELDS, inline_logprob_eligibility
-
-    base = dict(vars(case.config))
-    expected, got = case.expected, verdict.eligible
-    by_name = {f.name: f for f in FIELDS}
-    deciding = []
-    if got is not None:
-        for name, value in base.items():
-            field = by_name.get(name)
-            probes = _probes(field, value, base) if field is not None else _other_probes(value)
-            for probe in probes:
-                changed = {**base, name: probe}
-                ref = _answer(inline_logprob_eligibility, changed)
-                fn = _answer(func, changed)
-                if ref is None or fn is None:
-                    continue
-                ignored = ref is not expected and fn is got  # reference moves, function stays
-                objects = fn is expected and ref is expected  # function moves to the expected
-                if ignored or objects:
-                    deciding.append(name)
-                    break
-    blamed_absent = []
-    for name in verdict.absent_reads:
-        field = by_name.get(name)
-        if got is None:  # it raised on the absent field: that field decided
-            blamed_absent.append(name)
-            continue
-        probes = (field.default,) if field is not None and not field.required \
-            else _UNKNOWN_FIELD_PROBES
-        if any(_answer(func, {**base, name: p}) is expected for p in probes):
-            blamed_absent.append(name)
-    return deciding, blamed_absent
-
-
 def _uniq(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
@@ -237,11 +172,14 @@ def _cell(config: argparse.Namespace, key: str) -> str:
 def disagreement_report(name: str, wrong: Sequence[tuple[Case, Verdict]], total: int,
                         impl: EligibilityImpl | None = None) -> str:
     """The failure message: a table of (config fields, expected, got), then the fields that
-    decided the differences (re-run through ``impl`` when given; otherwise every absent read)."""
-    from pytest_weightsync.reference_impl.rl.inline_logprob import FIELDS
-
-    # The columns are the fields the decision depends on; fields it ignores are left out.
-    columns = [f.name for f in FIELDS if any(f.name in vars(c.config) for c, _ in wrong)]
+    decided the differences (found by each case's explainer through ``impl`` when both are
+    given; otherwise every absent read)."""
+    explainer = next((c.explainer for c, _ in wrong if c.explainer is not None), None)
+    # The columns are the fields the decision depends on; fields it ignores are left out
+    # (without an explainer, every field of the configs).
+    names = (explainer.fields if explainer is not None
+             else dict.fromkeys(k for c, _ in wrong for k in vars(c.config)))
+    columns = [n for n in names if any(n in vars(c.config) for c, _ in wrong)]
     header = ["case", *columns, "expected", "got"]
     rows = [
         [case.label]
@@ -262,10 +200,10 @@ def disagreement_report(name: str, wrong: Sequence[tuple[Case, Verdict]], total:
     absent: dict[str, int] = {}
     deciding: dict[str, int] = {}
     for case, verdict in wrong[:MAX_TABLE_ROWS]:
-        if impl is None:
+        if impl is None or case.explainer is None:
             fields, absent_fields = [], list(verdict.absent_reads)
         else:
-            fields, absent_fields = deciding_fields(impl.func, case, verdict)
+            fields, absent_fields = case.explainer.deciding_fields(impl.func, case, verdict)
         for field in fields:
             deciding[field] = deciding.get(field, 0) + 1
         for field in absent_fields:
@@ -304,10 +242,11 @@ def load_eligibility_function(spec: str) -> EligibilityImpl:
     return EligibilityImpl(spec, obj)
 
 
+@functools.lru_cache(maxsize=None)
 def _reference() -> EligibilityImpl:
-    from pytest_weightsync.reference_impl.rl.inline_logprob import inline_logprob_eligibility
+    from pytest_weightsync.registry import import_target
 
-    return EligibilityImpl(REFERENCE_NAME, inline_logprob_eligibility)
+    return EligibilityImpl(REFERENCE_NAME, import_target(REFERENCE_TARGET, "built-in default"))
 
 
 def pytest_configure(config: pytest.Config) -> None:

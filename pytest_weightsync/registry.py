@@ -17,6 +17,8 @@ installed). Stock SGLang's model loaders (``sglang-qwen3-moe``, ``sglang-qwen3.5
 ``pytest_weightsync.reference_impl.backends.sglang_models``) are built-in defaults too, added
 only when SGLang imports (probed when a test first asks for implementations, never at plugin
 import), so a conformance run shows how the real engine fares next to the loaders under test.
+Built-in rows and their probes are reached by their ``"module:attr"`` names, as entry points
+are: the plugin decides verdicts and imports nothing it judges.
 Two registrations of the same name are one implementation when they are of the same class and
 a usage error otherwise; ``--weightsync-only NAME`` narrows the set (and, naming no SGLang row,
 spares the probe).
@@ -63,6 +65,12 @@ OPTIONAL_BUILTINS = {
         "sglang-qwen3.5-moe":
             "pytest_weightsync.reference_impl.backends.sglang_models:Qwen35MoeLoader",
     },
+}
+#: Backend -> ``"module:attr"`` of a function of no arguments saying whether the backend's rows
+#: can run here: an object with a bool ``available`` and a ``reason`` sentence. The rows' own
+#: module answers (imported by name, like the rows; importing it must not import the backend).
+OPTIONAL_PROBES = {
+    "sglang": "pytest_weightsync.reference_impl.backends.sglang_models:backend_status",
 }
 OPTIONAL_BUILTINS_ENV = "WEIGHTSYNC_OPTIONAL_BUILTINS"
 #: Fixtures parametrized with implementations, and the role each requires (None: any).
@@ -240,11 +248,9 @@ def optional_names() -> dict[str, str]:
 def optional_targets() -> list[tuple[str, str]]:
     """``(target, source)`` of the optional built-in rows available here: those of each
     allowed backend that probes as importable (a missing backend adds none)."""
-    from pytest_weightsync.reference_impl.backends import probe
-
     targets = []
     for backend in optional_backends():
-        status = probe(backend)
+        status = import_target(OPTIONAL_PROBES[backend], "built-in default")()
         if status.available:
             source = f"built-in default (stock {backend}: {status.reason})"
             targets += [(t, source) for t in OPTIONAL_BUILTINS[backend].values()]

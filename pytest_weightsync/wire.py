@@ -179,13 +179,13 @@ def checked_shape(shape, what: str) -> tuple:
 def _flat_problem(flat) -> Optional[str]:
     """Why the bytes of a 1-D uint8 ``flat`` cannot be read (a tensor subclass, the meta
     device, storage freed or smaller than the tensor); ``None`` if they can."""
-    from pytest_weightsync.reference_impl.engine import tensor_checks
+    from pytest_weightsync import readable
 
-    problem = tensor_checks.kind_problem(flat)
+    problem = readable.kind_problem(flat)
     if problem is None and flat.device.type == "meta":
         return "on the meta device: it has no bytes to read"
     if problem is None:
-        problem = tensor_checks.storage_problem(flat)
+        problem = readable.storage_problem(flat)
     return None if problem is None else problem[1]
 
 

@@ -1,8 +1,13 @@
 """The house keeps its plan: rooms of ``reference_impl`` import only what they may, the oracle
-shares no code with what it judges, and no module of the repository is part of an import cycle.
+shares no code with what it judges, the plugin (the judge) imports nothing of the reference it
+judges, no room imports the suites, and no module or room of the repository is part of an
+import cycle; the room table of ``docs/architecture.md`` says what ``MAY_IMPORT`` says.
 
 Imports are read from the source (every ``import``, lazy ones inside functions included), so a
-cycle or a forbidden import is caught before anything runs it.
+cycle or a forbidden import is caught before anything runs it. The registry's loading of a
+registered ``"module:attr"`` string (how entry points, built-in rows and the reference's
+eligibility decision are reached) is no import statement, and is how the plugin reaches what it
+judges.
 """
 
 from __future__ import annotations
@@ -171,3 +176,67 @@ def test_the_room_check_sees_a_planted_import():
     assert sender in MODULES
     planted = dict(GRAPH, **{name: GRAPH[name] + [sender]})
     assert _forbidden(planted, "oracle") == [f"{name} imports {sender}"]
+
+
+def _part(name: str) -> str:
+    """``"plugin"``, ``"suites"`` or the reference room (``"reference.<room>"``) of a module."""
+    folder = MODULES[name].relative_to(ROOT).parts[0]
+    if folder == "reference_impl":
+        return f"reference.{_room(name) or '__init__'}"
+    return {"pytest_weightsync": "plugin", "suites": "suites"}[folder]
+
+
+def _crossings(graph: dict, source: str, target: str) -> list[str]:
+    """``"module imports module"`` for every import from a module of part ``source`` into one of
+    part ``target`` (a prefix: ``"reference"`` is every room)."""
+    return [f"{name} imports {t}" for name in graph if _part(name).startswith(source)
+            for t in graph[name] if _part(t).startswith(target)]
+
+
+def test_the_plugin_imports_nothing_of_the_reference_it_judges():
+    assert _crossings(GRAPH, "plugin", "reference") == []
+
+
+def test_no_room_of_the_reference_imports_the_suites():
+    assert _crossings(GRAPH, "reference", "suites") == []
+
+
+def test_no_room_is_part_of_an_import_cycle():
+    rooms: dict[str, set] = {}
+    for name, targets in GRAPH.items():
+        rooms.setdefault(_part(name), set()).update(
+            _part(t) for t in targets if _part(t) != _part(name))
+    assert _cycles({room: sorted(targets) for room, targets in rooms.items()}) == []
+
+
+def test_the_judge_check_sees_a_planted_lazy_import(tmp_path):
+    plugin, reference = "pytest_weightsync.wire", f"{REFERENCE}.engine.tensor_checks"
+    assert plugin in MODULES and reference in MODULES
+    planted = tmp_path / "wire.py"
+    planted.write_text(MODULES[plugin].read_text() + "\n\ndef planted():\n    from "
+                       "pytest_weightsync.reference_impl.engine import tensor_checks\n")
+    graph = dict(GRAPH, **{plugin: sorted(set(_imports(plugin, planted)))})
+    assert _crossings(graph, "plugin", "reference") == [f"{plugin} imports {reference}"]
+
+
+def _room_table() -> dict[str, set]:
+    """Room -> the rooms its row of ``docs/architecture.md``'s room table says it may import
+    (the last column, words before any parenthesis)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("| room | what it holds | may import |", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+        may = cells[-1].split("(", 1)[0]
+        rows[cells[0].strip("`/")] = {w.strip() for w in may.split(",") if w.strip()}
+    return rows
+
+
+def test_the_room_table_in_the_docs_says_what_may_import_says():
+    rows = _room_table()
+    assert sorted(rows) == sorted(ROOMS)
+    for room in ROOMS:
+        may = set(importlib.import_module(f"{REFERENCE}.{room}").MAY_IMPORT)
+        assert rows[room] | {"errors"} == may | {"errors"}, room

@@ -98,6 +98,7 @@ from collections import OrderedDict
 from typing import Optional
 
 from pytest_weightsync.protocols import Capabilities
+from pytest_weightsync.reference_impl.backends import probe
 from pytest_weightsync.reference_impl.backends.sglang import engine_context, runner_for
 
 def _flashinfer_importable() -> bool:
@@ -538,8 +539,10 @@ class Qwen35MoeLoader(_SGLangModelLoader):
         model.enable_shared_expert_fusion = False
 
 
-#: ``"module:attr"`` of every stock SGLang row, registered when SGLang imports.
-BUILTIN_ROWS = (
-    "pytest_weightsync.reference_impl.backends.sglang_models:Qwen3MoeLoader",
-    "pytest_weightsync.reference_impl.backends.sglang_models:Qwen35MoeLoader",
-)
+
+def backend_status():
+    """Whether stock SGLang imports here (:func:`~pytest_weightsync.reference_impl.backends.probe`
+    of ``"sglang"``). The plugin's registry asks this by its registered name
+    (``registry.OPTIONAL_PROBES``), as it reaches the rows themselves, before adding the rows of
+    this module: the judge imports nothing it judges."""
+    return probe("sglang")

@@ -2,40 +2,32 @@
 
 A loader copies a payload tensor's elements straight out of its storage (``copy_``,
 ``torch.cat(out=)``, integer views of the bits). That is only meaningful, and only safe, for a
-dense tensor that owns readable memory: a plain ``torch.Tensor`` or an ``nn.Parameter`` over
-one. Everything else that still passes ``isinstance(t, torch.Tensor)`` fails somewhere inside
-the copy, after earlier copies and padding zeroing already ran, or worse:
+dense tensor that owns readable memory; tensor subclasses (``DTensor``, ``FakeTensor``,
+functionalized and functorch-wrapped tensors ...), nested tensors, lazy neg/conj views and
+freed or shrunk storage fail somewhere inside the copy, after earlier copies and padding
+zeroing already ran, or worse (a freed ``direct`` bucket copied with ``torch.cat`` segfaults
+the process).
 
-* tensor subclasses: ``DTensor`` (what FSDP2 trainers hold: ``copy_`` into a plain tensor
-  raises "mixed torch.Tensor and DTensor"), ``FakeTensor`` (no data at all, from
-  ``FakeTensorMode`` / ``torch.compile`` tracing), wrapper subclasses, uninitialized lazy
-  parameters; functionalized and functorch-wrapped tensors are plain ``Tensor`` objects whose
-  storage is not their data;
-* nested tensors (``torch.nested``): strided layout, but ``shape`` itself raises;
-* lazy negation / conjugation views (``_neg_view``, ``conj()``): the stored bits are not the
-  values, and bit views of them raise;
-* storage that was freed (``untyped_storage().resize_(0)``, what FSDP resharding and CPU
-  offloading do to a parameter's flat buffer) or is smaller than the view: reading it is a
-  use after free, and a ``direct`` bucket copied with ``torch.cat`` segfaults the process.
-
-:func:`kind_problem` is asked first (it needs nothing but the tensor's type and flags; a
-nested tensor's ``shape`` would raise), :func:`storage_problem` after the device check (a meta
-tensor is a wrong device, not a freed one). Both return the error class and the reason, so
-the receiver words a :class:`~pytest_weightsync.reference_impl.errors.PayloadError` for a
-payload entry and a ``ReceiverParamsError`` for a parameter it was handed.
+The rule itself is :mod:`pytest_weightsync.readable`, the one home the judge (which must not
+import the reference it judges) and the receiver share; this module words its problems as the
+receiver's errors. :func:`kind_problem` is asked first (it needs nothing but the tensor's type
+and flags; a nested tensor's ``shape`` would raise), :func:`storage_problem` after the device
+check (a meta tensor is a wrong device, not a freed one). Both return the error class and the
+reason, so the receiver words a :class:`~pytest_weightsync.reference_impl.errors.PayloadError`
+for a payload entry and a ``ReceiverParamsError`` for a parameter it was handed.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
-import torch
-
+from pytest_weightsync import readable
+from pytest_weightsync.readable import PLAIN_TYPES, view_bytes
 from pytest_weightsync.reference_impl.errors import PayloadError
 
-#: The only tensor types whose bytes a receiver reads directly.
-PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+__all__ = ["ERRORS", "PLAIN_TYPES", "LazyViewError", "NestedTensorError", "Problem",
+           "TensorStorageError", "TensorSubclassError", "UnloadableTensorError", "kind_problem",
+           "storage_problem", "view_bytes"]
 
 
 class UnloadableTensorError(PayloadError):
@@ -61,93 +53,19 @@ class TensorStorageError(UnloadableTensorError):
 
 Problem = Optional[tuple[type, str]]
 
-
-def _type_name(tensor) -> str:
-    cls = type(tensor)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _is_dtensor(tensor) -> bool:
-    module = sys.modules.get("torch.distributed.tensor")  # loaded whenever a DTensor exists
-    cls = getattr(module, "DTensor", None) if module is not None else None
-    return cls is not None and isinstance(tensor, cls)
+#: :data:`pytest_weightsync.readable.KINDS` -> the error the receiver raises for it.
+ERRORS = {"subclass": TensorSubclassError, "nested": NestedTensorError,
+          "lazy_view": LazyViewError, "storage": TensorStorageError}
 
 
-def _is_fake(tensor) -> bool:
-    module = sys.modules.get("torch._subclasses.fake_tensor")
-    cls = getattr(module, "FakeTensor", None) if module is not None else None
-    return cls is not None and isinstance(tensor, cls)
-
-
-def _subclass_reason(tensor) -> str:
-    if _is_dtensor(tensor):
-        placements = getattr(tensor, "placements", None)
-        return (f"a DTensor (torch.distributed.tensor, placements {placements}): its local "
-                f"shard is not the tensor; send full_tensor() (or the shard a per-rank format "
-                f"asks for, as a plain tensor)")
-    if _is_fake(tensor):
-        return ("a FakeTensor (FakeTensorMode / torch.compile tracing): it has no data; "
-                "export outside the fake mode")
-    if isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin):
-        return f"an uninitialized lazy parameter ({_type_name(tensor)}): it has no data yet"
-    return (f"a tensor subclass ({_type_name(tensor)}); only plain torch.Tensor and "
-            f"nn.Parameter can be loaded (their bytes are read directly): send "
-            f"torch.Tensor(...) of its data")
-
-
-def kind_problem(tensor: torch.Tensor) -> Problem:
+def kind_problem(tensor) -> Problem:
     """Why ``tensor`` is no plain dense tensor, from its type and flags only; ``None`` if it is."""
-    if type(tensor) not in PLAIN_TYPES:
-        return TensorSubclassError, _subclass_reason(tensor)
-    if torch._is_functional_tensor(tensor):
-        return (TensorSubclassError, "a functionalized tensor (a wrapper whose storage is not "
-                                     "its data); send the tensor outside functionalization")
-    if torch._C._functorch.is_functorch_wrapped_tensor(tensor):
-        return (TensorSubclassError, "a functorch-wrapped tensor (inside vmap / grad "
-                                     "transforms); send the tensor outside the transform")
-    if tensor.is_nested:
-        return (NestedTensorError, "a nested tensor (torch.nested): it has no single shape; "
-                                   "send each component as its own tensor")
-    if tensor.is_neg():
-        return (LazyViewError, "a lazy negation view (is_neg()): its stored bits are the "
-                               "negated values; send tensor.resolve_neg()")
-    if tensor.is_conj():
-        return (LazyViewError, "a lazy conjugation view (is_conj()): its stored bits are the "
-                               "unconjugated values; send tensor.resolve_conj()")
-    return None
+    problem = readable.kind_problem(tensor)
+    return None if problem is None else (ERRORS[problem[0]], problem[1])
 
 
-def view_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of storage the view needs: up to one past its furthest element (0 when empty)."""
-    if tensor.is_contiguous():  # its furthest element is numel - 1 past its offset
-        return (tensor.storage_offset() * tensor.element_size() + tensor.nbytes
-                if tensor.numel() else 0)
-    if tensor.numel() == 0:
-        return 0
-    span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
-    return (tensor.storage_offset() + span) * tensor.element_size()
-
-
-def storage_problem(tensor: torch.Tensor) -> Problem:
+def storage_problem(tensor) -> Problem:
     """Why ``tensor``'s storage cannot be read (freed, too small, no data); ``None`` if it can.
     Call it on plain dense tensors (after :func:`kind_problem`) off the meta device."""
-    needed = view_bytes(tensor)
-    if needed == 0:
-        return None
-    try:
-        storage = tensor.untyped_storage()
-        held = storage.nbytes()
-        address = storage.data_ptr()
-    except (RuntimeError, NotImplementedError) as exc:
-        return TensorStorageError, f"its storage cannot be read ({type(exc).__name__}: {exc})"
-    if held == 0 or address == 0:
-        return (TensorStorageError,
-                f"its storage was freed ({held} bytes left, the view needs {needed}; e.g. "
-                f"untyped_storage().resize_(0) by FSDP resharding or CPU offloading): reading "
-                f"it would be a use after free")
-    if held < needed:
-        return (TensorStorageError,
-                f"its storage holds {held} bytes but the view (storage offset "
-                f"{tensor.storage_offset()}, shape {tuple(tensor.shape)}, strides "
-                f"{tensor.stride()}) reaches byte {needed}: the storage was shrunk under it")
-    return None
+    problem = readable.storage_problem(tensor)
+    return None if problem is None else (ERRORS[problem[0]], problem[1])

@@ -13,8 +13,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from pytest_weightsync.eligibility import Case
-
 from ..harness.eligibility import (
     FRAMEWORKS,
     ON_POLICY_RECIPE,
@@ -22,12 +20,10 @@ from ..harness.eligibility import (
     RELAX_ON_POLICY_RECIPE,
     SLIME_OFF_POLICY_RECIPE,
     every_combination,
+    generated_case,
     generated_configs,
-    oracle,
-    parse,
     recipe_case,
     table_cases,
-    to_argv,
 )
 
 pytestmark = pytest.mark.weightsync_property("inline_logprob_eligibility")
@@ -50,9 +46,7 @@ def test_every_combination_of_conditions(eligibility_impl, framework):
 @given(generated=generated_configs())
 def test_generated_configs_agree_with_the_truth_tables(eligibility_impl, generated):
     framework, values = generated
-    argv = to_argv(values)
-    case = Case(f"{framework}: {' '.join(argv)}", parse(framework, argv), oracle(values))
-    eligibility_impl.assert_agrees([case])
+    eligibility_impl.assert_agrees([generated_case(framework, values)])
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,11 @@ A decision that reads a field the real Namespace lacks (``getattr(args, "rl_part
 True)``) therefore shows up as a disagreement, which a hand-built config would hide.
 
 Expected decisions come from the truth tables below, written from the on-policy argument in
-docs/inline-logprob.md; no code under test is consulted.
+docs/inline-logprob.md; no code under test is consulted for them. Every case carries
+:data:`REFERENCE_EXPLAINER`: when a function disagrees with the tables, it re-runs the function
+and the reference with one field changed at a time to name the field that decided the
+difference (the comparison with the reference lives here, in the harness: the plugin that
+decides the verdict imports no decision).
 """
 
 from __future__ import annotations
@@ -14,10 +18,131 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+from collections.abc import Callable, Mapping
 
 from hypothesis import strategies as st
 
-from pytest_weightsync.eligibility import Case
+from pytest_weightsync.eligibility import Case, Verdict, normalize_result
+from pytest_weightsync.reference_impl.rl.inline_logprob import FIELDS, inline_logprob_eligibility
+
+# ----------------------------------------------------------------------------------------------
+# Which field decided a difference: the reference re-run with one field changed at a time.
+
+#: Values tried for a field no FIELDS entry describes (one the frameworks do not define).
+_UNKNOWN_FIELD_PROBES = (False, True, 0, 1, None)
+
+
+def _probes(field, value: object, fields: Mapping[str, object]) -> list[object]:
+    """Other valid values of a FIELDS entry ``field`` currently holding ``value``: the ones the
+    decision turns on (booleans flipped, 0/1/2 and neighbours of ints, zero and both signs of
+    floats, the one-step global batch)."""
+    if field.kind == "bool":
+        candidates = [not value]
+    elif field.kind == "float":
+        candidates = [0.0, 0.001, -0.001, -value if isinstance(value, (int, float)) else 0.0]
+    else:
+        candidates = [0, 1, 2]
+        if isinstance(value, int):
+            candidates += [value - 1, value + 1]
+        if field.kind == "optional_int":
+            candidates.append(None)
+            rbs, n = fields.get("rollout_batch_size"), fields.get("n_samples_per_prompt", 1)
+            if isinstance(rbs, int) and isinstance(n, int):
+                candidates.append(rbs * n)
+        low = field.minimum
+        candidates = [c for c in candidates if c is None or low is None or c >= low]
+        if field.kind == "int":
+            candidates = [c for c in candidates if c is not None]
+    return [c for c in dict.fromkeys(candidates) if c != value or type(c) is not type(value)]
+
+
+def _other_probes(value: object) -> list[object]:
+    """Other values of a config field the reference does not read (it must not matter)."""
+    if isinstance(value, bool):
+        return [not value]
+    if isinstance(value, int):
+        return [c for c in (0, 1, 2, value + 1) if c != value]
+    if isinstance(value, float):
+        return [c for c in (0.0, 0.01, -0.01) if c != value]
+    return []
+
+
+def _answer(func: Callable[[object], object], fields: Mapping[str, object]) -> bool | None:
+    """``func``'s decision on a Namespace of ``fields``; ``None`` when it raised (or returned
+    something unusable): such a probe says nothing."""
+    try:
+        return normalize_result(func(argparse.Namespace(**fields)), "probe")[0]
+    except Exception:  # a probe the function (or the reference) refuses is skipped
+        return None
+
+
+class ReferenceExplainer:
+    """Finds the fields that decided a disagreement by comparing with the reference decision
+    (:func:`~pytest_weightsync.reference_impl.rl.inline_logprob.inline_logprob_eligibility`)
+    over its table of fields; the rules are in :mod:`pytest_weightsync.eligibility`:
+
+    - a field whose change alone moves the reference's decision but not the function's, or
+      moves the function's decision to the expected one while the reference's stays;
+    - a field the function looked up that the config does not carry, but only when supplying it
+      (at its parser default, for a field of the reference's table; at any simple value for one
+      the frameworks do not define) moves the function to the expected decision."""
+
+    #: The fields the reference reads, in its table's order (the failure table's columns).
+    fields = tuple(f.name for f in FIELDS)
+
+    def deciding_fields(self, func: Callable[[object], object], case: Case, verdict: Verdict
+                        ) -> tuple[list[str], list[str]]:
+        """``(fields whose value decided the difference, absent fields whose default did)``
+        for one disagreeing case."""
+        base = dict(vars(case.config))
+        expected, got = case.expected, verdict.eligible
+        by_name = {f.name: f for f in FIELDS}
+        deciding = []
+        if got is not None:
+            for name, value in base.items():
+                field = by_name.get(name)
+                probes = (_probes(field, value, base) if field is not None
+                          else _other_probes(value))
+                for probe in probes:
+                    changed = {**base, name: probe}
+                    ref = _answer(inline_logprob_eligibility, changed)
+                    fn = _answer(func, changed)
+                    if ref is None or fn is None:
+                        continue
+                    ignored = ref is not expected and fn is got  # reference moves, function stays
+                    objects = fn is expected and ref is expected  # function moves to the expected
+                    if ignored or objects:
+                        deciding.append(name)
+                        break
+        blamed_absent = []
+        for name in verdict.absent_reads:
+            field = by_name.get(name)
+            if got is None:  # it raised on the absent field: that field decided
+                blamed_absent.append(name)
+                continue
+            probes = (field.default,) if field is not None and not field.required \
+                else _UNKNOWN_FIELD_PROBES
+            if any(_answer(func, {**base, name: p}) is expected for p in probes):
+                blamed_absent.append(name)
+        return deciding, blamed_absent
+
+
+#: The explainer every case of the suite carries.
+REFERENCE_EXPLAINER = ReferenceExplainer()
+
+
+def config_case(label: str, config: argparse.Namespace, expected: bool) -> Case:
+    """A case of the suite: ``config`` with its expected decision, explained against the
+    reference when a function disagrees."""
+    return Case(label, config, expected, explainer=REFERENCE_EXPLAINER)
+
+
+def generated_case(framework: str, values: dict[str, object]) -> Case:
+    """The case of generated ``values`` (see :func:`generated_configs`): parsed from their
+    command line, expected from the truth tables."""
+    argv = to_argv(values)
+    return config_case(f"{framework}: {' '.join(argv)}", parse(framework, argv), oracle(values))
+
 
 # ----------------------------------------------------------------------------------------------
 # Replicas of the argument definitions (flag, type, action, default) in slime
@@ -186,7 +311,7 @@ def table_rows(framework: str):
 
 def table_cases(framework: str) -> list[Case]:
     return [
-        Case(f"{framework}:{row_id}", parse(framework, to_argv(values)), expected)
+        config_case(f"{framework}:{row_id}", parse(framework, to_argv(values)), expected)
         for row_id, values, expected, _ in table_rows(framework)
     ]
 
@@ -230,7 +355,7 @@ def every_combination(framework: str) -> tuple[Case, ...]:
             "use_kl_loss": kl_loss[0], "kl_loss_coef": kl_loss[1],
         }
         label = f"{framework}:{batch}"
-        cases.append(Case(label, parse(framework, to_argv(values)), oracle(values)))
+        cases.append(config_case(label, parse(framework, to_argv(values)), oracle(values)))
     return tuple(cases)
 
 # ----------------------------------------------------------------------------------------------
@@ -302,4 +427,4 @@ RELAX_OFF_POLICY_RECIPE = [
 ]
 
 def recipe_case(framework: str, argv: list[str], expected: bool) -> Case:
-    return Case(f"{framework}: {' '.join(argv)}", parse(framework, argv), expected)
+    return config_case(f"{framework}: {' '.join(argv)}", parse(framework, argv), expected)
