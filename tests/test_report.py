@@ -499,7 +499,8 @@ def test_verdict_counts_conformance_only_and_lists_hardening_findings(verdicts):
 
 
 def test_a_wide_matrix_is_split_into_tables_of_120_columns():
-    from pytest_weightsync.report import MATRIX_WIDTH, ConformanceReport
+    from pytest_weightsync.report_collect import ConformanceReport
+    from pytest_weightsync.report_matrix import MATRIX_WIDTH
     from pytest_weightsync.verdict import Verdict
 
     class Wide(ConformanceReport):

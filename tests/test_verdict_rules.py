@@ -6,7 +6,7 @@ The end-to-end proofs - real runs interrupted, narrowed, stopped early - are in
 
 from __future__ import annotations
 
-from pytest_weightsync.report import TestResult
+from pytest_weightsync.report_results import TestResult
 from pytest_weightsync.verdict import Outcome, decide
 
 

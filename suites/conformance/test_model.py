@@ -30,7 +30,7 @@ import pytest
 from pytest_weightsync import compare
 from pytest_weightsync.vocabulary import BUCKET_LIMITS, MODEL_FORMATS as FORMATS
 
-from ..harness import claims, coverage, judge, model_cases, model_inputs
+from ..harness import claims, coverage, judge, model_cases, model_inputs, stream_coverage
 from ..harness import exporter as exporter_harness
 
 CASES = model_cases.model_case_params()
@@ -143,8 +143,9 @@ def _exports(exporter, case, fmt, version=1):
 def test_exporter_stream_carries_every_parameter_once(weightsync_exporter, case, payload_format):
     _, exports = _exports(weightsync_exporter, case, payload_format)
     for rank, stream in exports:
-        coverage.judge_model_stream(case, rank, stream, payload_format, 1,
-                                    f"{payload_format} stream of {weightsync_exporter.name}")
+        stream_coverage.judge_model_stream(case, rank, stream, payload_format, 1,
+                                           f"{payload_format} stream of "
+                                           f"{weightsync_exporter.name}")
 
 
 @pytest.mark.weightsync_property("model_bit_exact")
@@ -165,10 +166,10 @@ def test_exporter_second_version_after_in_place_change(weightsync_exporter, case
                 tensor.copy_(new[name])
     for rank, stream in exporter_harness.exported_streams(weightsync_exporter, case,
                                                           payload_format, states):
-        coverage.judge_model_stream(case, rank, stream, payload_format, 2,
-                                    f"second version ({payload_format}, "
-                                    f"{weightsync_exporter.name})", previous_version=1,
-                                    prop="model_bit_exact")
+        stream_coverage.judge_model_stream(case, rank, stream, payload_format, 2,
+                                           f"second version ({payload_format}, "
+                                           f"{weightsync_exporter.name})", previous_version=1,
+                                           prop="model_bit_exact")
 
 
 @pytest.mark.weightsync_property("tied_embeddings")
@@ -180,7 +181,7 @@ def test_exporter_sends_the_tied_embedding_once(weightsync_exporter, case, paylo
     tensors, equal."""
     _, exports = _exports(weightsync_exporter, case, payload_format)
     for rank, stream in exports:
-        problem = coverage.tied_stream_problem(rank, stream, payload_format)
+        problem = stream_coverage.tied_stream_problem(rank, stream, payload_format)
         if problem is not None:
             raise judge.ConformanceError(problem)
 
@@ -192,6 +193,6 @@ def test_exporter_sends_the_draft(weightsync_exporter, case, payload_format):
     """The trainer's MTP block reaches the draft: every ``mtp.*`` (direct: ``draft.*``) tensor."""
     _, exports = _exports(weightsync_exporter, case, payload_format)
     for rank, stream in exports:
-        problem = coverage.draft_stream_problem(case, rank, stream, payload_format)
+        problem = stream_coverage.draft_stream_problem(case, rank, stream, payload_format)
         if problem is not None:
             raise judge.ConformanceError(problem)

@@ -9,9 +9,10 @@ written IN PLACE into the same tensors, the first format again at the end - each
 in the rank for modified or rebound inputs (:func:`pytest_weightsync.distributed.call_exporter`).
 
 In the pytest process (:func:`judge_update`): every stream is judged by the whole-model
-coverage code (:func:`suites.harness.coverage.judge_model_stream`): every tensor the update owes
-carried exactly once in its dtype, then loaded into a fresh, fully poisoned reference receiver
-and every engine parameter compared bit for bit (a value of the previous update is "stale").
+coverage code (:func:`suites.harness.stream_coverage.judge_model_stream`): every tensor the
+update owes carried exactly once in its dtype, then loaded into a fresh, fully poisoned
+reference receiver and every engine parameter compared bit for bit (a value of the previous
+update is "stale").
 Where SGLang imports, every stock SGLang row that claims the model and format loads the first
 update's streams too (:func:`judge_with_engines`), judged the same way.
 
@@ -29,7 +30,7 @@ import torch
 from pytest_weightsync.reference_impl.model.layout import ReceiverTopology, TrainerTopology
 from pytest_weightsync.reference_impl.model.model_spec import qwen3_5_moe, qwen3_moe
 
-from . import coverage, judge
+from . import coverage, judge, stream_coverage
 from . import distributed as dh
 from .cases import DeliveredCase
 from .model_cases import ModelCase
@@ -265,10 +266,10 @@ def judge_update(result: ModelDistRun, index: int) -> int:
     for who, engine_rank, stream in streams:
         head = (f"update {index + 1} (version {version}), {fmt} payload, "
                 f"{result.mcase.delivery} delivery, {who}")
-        coverage.judge_model_stream(result.mcase.case, engine_rank, stream, fmt, version, head,
-                                    previous_version=previous,
-                                    prop="coverage" if index == 0 else "model_bit_exact",
-                                    stale_copies=STALE_COPIES.get(result.mcase.trainer_state))
+        stream_coverage.judge_model_stream(
+            result.mcase.case, engine_rank, stream, fmt, version, head,
+            previous_version=previous, prop="coverage" if index == 0 else "model_bit_exact",
+            stale_copies=STALE_COPIES.get(result.mcase.trainer_state))
         if index == 0:  # real engines load the first update; later ones are the reference's
             judge_with_engines(result.mcase.case, fmt, engine_rank, stream, version, head)
     return len(streams)
@@ -303,7 +304,7 @@ def check_tied(result: ModelDistRun) -> None:
     """Every stream of every update carries the tied embedding from its one source."""
     for index, (_, fmt) in enumerate(result.updates):
         for who, engine_rank, stream in streams_of(result, index):
-            problem = coverage.tied_stream_problem(engine_rank, stream, fmt)
+            problem = stream_coverage.tied_stream_problem(engine_rank, stream, fmt)
             if problem is not None:
                 raise judge.ConformanceError(f"update {index + 1}, {who}: {problem}")
 
@@ -312,7 +313,7 @@ def check_draft(result: ModelDistRun) -> None:
     """Every stream of every update carries the whole draft (MTP) model the trainer holds."""
     for index, (version, fmt) in enumerate(result.updates):
         for who, engine_rank, stream in streams_of(result, index):
-            problem = coverage.draft_stream_problem(result.mcase.case, engine_rank, stream, fmt,
-                                                    version)
+            problem = stream_coverage.draft_stream_problem(result.mcase.case, engine_rank,
+                                                           stream, fmt, version)
             if problem is not None:
                 raise judge.ConformanceError(f"update {index + 1}, {who}: {problem}")
