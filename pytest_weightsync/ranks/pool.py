@@ -34,6 +34,9 @@ RankLeakWarning`` turns it into a failure of that test.
 
 Teardown ends everything the ranks started: their process groups, and, found by parentage,
 processes a test started in a new session (see :mod:`pytest_weightsync.ranks.reaper`).
+
+The words for what a rank said (its stack, its crash, the processes it left) are found by
+:mod:`pytest_weightsync.ranks.diagnosis`; this module decides when to ask.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, Callable
 
+from pytest_weightsync.ranks import diagnosis as _diagnosis
 from pytest_weightsync.ranks import launch as _launch
 from pytest_weightsync.ranks import leftovers as _leftovers
 from pytest_weightsync.ranks import reaper as _reaper
@@ -418,7 +422,7 @@ class RankPool:
         inherit leaked groups, threads, descriptors, child processes or changed torch settings.
         """
         children = _reaper.descendants(self.pids) - self._baseline_children
-        for rank, words in _children_by_rank(children, self.pids).items():
+        for rank, words in _diagnosis.children_by_rank(children, self.pids).items():
             left.setdefault(rank, []).append(words)
         if not left:
             return
@@ -495,31 +499,10 @@ class RankPool:
             if rank in stacks:
                 outcomes.append(RankOutcome(rank, kind, summary + "; its Python stack:", stacks[rank]))
             else:
-                why = self._why_no_stack(rank)
+                why = _diagnosis.why_no_stack(self._procs[rank].pid)
                 outcomes.append(RankOutcome(rank, kind, f"{summary}; rank {rank} did not answer the "
                                             f"stack-dump signal (SIGUSR1){why}, so its stack is unknown"))
         return outcomes
-
-    def _why_no_stack(self, rank: int) -> str:
-        """What the kernel says about a rank that wrote no stack for SIGUSR1: ignored or
-        blocked there, or a process that cannot run (stopped, in uninterruptible sleep)."""
-        pid = self._procs[rank].pid
-        status = _proc_status(pid)
-        if not status:
-            return ""
-        bit = 1 << (signal.SIGUSR1 - 1)
-        reasons = []
-        if int(status.get("SigIgn", "0"), 16) & bit:
-            reasons.append("it ignores SIGUSR1 (the code under test set SIG_IGN)")
-        elif int(status.get("SigBlk", "0"), 16) & bit:
-            reasons.append("SIGUSR1 is blocked in its main thread")
-        elif int(status.get("SigCgt", "0"), 16) & bit:
-            reasons.append("a handler caught SIGUSR1 but wrote no stack: the code under test "
-                           "may have replaced faulthandler's")
-        state = status.get("State", "")
-        if state and not state.startswith(("S", "R")):
-            reasons.append(f"process state {state}")
-        return f": {'; '.join(reasons)}" if reasons else ""
 
     def _stack_path(self, rank: int) -> str:
         assert self._tmpdir is not None
@@ -529,142 +512,22 @@ class RankPool:
         assert self._tmpdir is not None
         return os.path.join(self._tmpdir, f"crash-rank{rank}.txt")
 
-    def _crash_report(self, rank: int) -> str:
-        """What faulthandler wrote when the rank crashed (segfault, abort), trimmed; or ''."""
-        if self._tmpdir is None:
-            return ""
-        try:
-            with open(self._crash_path(rank), errors="replace") as f:
-                text = f.read()
-        except OSError:
-            return ""
-        return _trim_stack(text).strip("\n") if text.strip() else ""
-
     def _outcome(self, rank: int, message: tuple) -> RankOutcome:
-        outcome = _outcome(rank, message)
-        if outcome.kind != "died":
+        outcome = _diagnosis.outcome(rank, message)
+        if outcome.kind != "died" or self._tmpdir is None:
             return outcome
-        crash = self._crash_report(rank)
+        crash = _diagnosis.crash_report(self._crash_path(rank))
         if not crash:
             return outcome
         return dataclasses.replace(outcome, summary=outcome.summary + "; its Python stack at the crash:", detail=crash)
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
-        """Ask each rank's faulthandler for its Python stacks (SIGUSR1) and read them back."""
+        """The Python stacks of ``ranks`` (:func:`~pytest_weightsync.ranks.diagnosis.dump_stacks`)."""
         if self._tmpdir is None:
             return {}
-        # A rank creates its stack file right before arming faulthandler: without the file
-        # there is nobody to answer (a rank still importing torch), so do not wait for it.
-        ranks = [rank for rank in ranks if os.path.exists(self._stack_path(rank))]
-        if not ranks:
-            return {}
-        offsets = {}
-        for rank in ranks:
-            path = self._stack_path(rank)
-            offsets[rank] = os.path.getsize(path) if os.path.exists(path) else 0
-            try:
-                os.kill(self._procs[rank].pid, signal.SIGUSR1)
-            except (ProcessLookupError, TypeError):
-                pass
-        stacks: dict[int, str] = {}
-        deadline = time.monotonic() + 2.0
-        last_sizes: dict[int, int] = {}
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            settled = True
-            for rank in ranks:
-                path = self._stack_path(rank)
-                size = os.path.getsize(path) if os.path.exists(path) else 0
-                if size == offsets[rank] or last_sizes.get(rank) != size:
-                    settled = False
-                last_sizes[rank] = size
-            if settled:
-                break
-        for rank in ranks:
-            try:
-                with open(self._stack_path(rank)) as f:
-                    f.seek(offsets[rank])
-                    text = f.read()
-            except OSError:
-                continue
-            if text.strip():  # nothing written: the rank did not answer (see _why_no_stack)
-                stacks[rank] = _trim_stack(text)
-        return stacks
-
-
-def _trim_stack(text: str) -> str:
-    """Drop the frames of the rank's serving loop and interpreter bootstrap from a dump.
-
-    What is left starts at the user's function, so the report shows where *it* is stuck.
-    """
-    from pytest_weightsync.ranks import worker
-
-    plumbing = (f'File "{os.path.abspath(worker.__file__)}"', f"{os.sep}multiprocessing{os.sep}", 'File "<string>"')
-    lines = [line for line in text.splitlines() if not any(p in line for p in plumbing)]
-    # A crash dump ends with the list of loaded extension modules: long, and no help here.
-    return "\n".join(line for line in lines if not line.startswith("Extension modules:")) + "\n"
-
-
-def _proc_status(pid) -> dict[str, str]:
-    """``/proc/PID/status`` as a dict (empty where there is none)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
-    except (OSError, ValueError, TypeError):
-        return {}
-
-
-def _command_line(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            words = f.read().split(b"\0")
-    except OSError:
-        return "?"
-    text = " ".join(w.decode(errors="replace") for w in words if w)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _children_by_rank(children, rank_pids: list[int]) -> dict[int, str]:
-    """``{rank: "+N child processes (pid P: CMD, ...)"}`` for processes left below each rank."""
-    if not children:
-        return {}
-    table = _reaper.process_table()
-    out = {}
-    for rank, pid in enumerate(rank_pids):
-        mine = sorted(p for p, _ in _reaper.descendants([pid], table) & children)
-        if mine:
-            shown = ", ".join(f"pid {p}: {_command_line(p)}" for p in mine[:3])
-            more = ", ..." if len(mine) > 3 else ""
-            plural = "es" if len(mine) != 1 else ""
-            out[rank] = f"+{len(mine)} child process{plural} still running ({shown}{more})"
-    return out
-
-
-def _outcome(rank: int, message: tuple) -> RankOutcome:
-    kind = message[0]
-    if kind == "error":
-        _, summary, detail, exc_bytes = message
-        exception = None
-        if exc_bytes is not None:
-            try:
-                exception = pickle.loads(exc_bytes)
-            except Exception:
-                exception = None
-        return RankOutcome(rank, "error", summary, detail, exception)
-    if kind == "died":
-        code = message[1]
-        how = f"killed by signal {_signal_name(-code)}" if isinstance(code, int) and code < 0 else f"exit code {code}"
-        return RankOutcome(rank, "died", f"process died without answering ({how})")
-    if kind == "skip":
-        return RankOutcome(rank, "error", f"skipped while starting: {message[1]}")
-    return RankOutcome(rank, "error", f"unexpected reply {kind!r}")
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return f"{number} ({signal.Signals(number).name})"
-    except ValueError:
-        return str(number)
+        return _diagnosis.dump_stacks(
+            {rank: self._stack_path(rank) for rank in ranks}, {rank: self._procs[rank].pid for rank in ranks}
+        )
 
 
 def _ranks(ranks) -> str:

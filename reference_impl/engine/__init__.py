@@ -1,7 +1,9 @@
 """Receivers as SGLang builds them, and what they copy with.
 
 The checkpoint-layout expert receiver (:mod:`.receiver`: SGLang ``FusedMoE`` placement,
-stricter on bad input), its engine-layout and EPLB variants (:mod:`.engine_receivers`), the FP8
+stricter on bad input), the entry checks and payload errors every receiver shares
+(:mod:`.payload_checks`), the records of a planned bucket and an open update
+(:mod:`.load_plan`), its engine-layout and EPLB variants (:mod:`.engine_receivers`), the FP8
 block receiver (:mod:`.fp8_receiver`), the whole-model receiver (:mod:`.model_receiver`), the
 checks that decide whether a tensor can be read at all (:mod:`.tensor_checks`), the plan cache
 that replays a validated bucket (:mod:`.plan_cache`), the memo that checks a receiver's

@@ -41,21 +41,23 @@ from pytest_weightsync.reference_impl.model.model_layout import (
     split_engine_name,
 )
 from pytest_weightsync.reference_impl.model.model_spec import MTP_PREFIX, ModelSpec, expert_spec_of, hf_params
-from pytest_weightsync.reference_impl.engine.receiver import (
-    MAX_LISTED,
+from pytest_weightsync.reference_impl.engine.payload_checks import (
+    CHECKED,
     DuplicateEntryError,
-    IncompleteUpdateError,
     MemoryOverlapError,
     PayloadDtypeError,
     PayloadTypeError,
-    ReferenceReceiver,
     UnknownNameError,
-    _extent,
-    CHECKED,
     checked_params,
     entry_fits,
     entry_pair,
     entry_readable_on,
+    extent,
+)
+from pytest_weightsync.reference_impl.engine.receiver import (
+    MAX_LISTED,
+    IncompleteUpdateError,
+    ReferenceReceiver,
 )
 from pytest_weightsync.vocabulary import LOAD_FORMATS
 
@@ -240,7 +242,7 @@ class ModelReceiver:
 
     def plan(self, payload, load_format=None):
         """``(dense plan, {target: expert plan})`` of a bucket, after every check."""
-        from pytest_weightsync.reference_impl.engine.receiver import LoadPlan
+        from pytest_weightsync.reference_impl.engine.load_plan import LoadPlan
 
         if load_format not in LOAD_FORMATS:
             raise PayloadError(f"unknown load_format {shown(load_format)}; expected one of "
@@ -346,12 +348,12 @@ class ModelReceiver:
 
     def _check_overlap(self, sources, touched) -> None:
         spans = sorted((*span, name) for name in touched
-                       if (span := _extent(self.params[name])) is not None)
+                       if (span := extent(self.params[name])) is not None)
         if not spans:
             return
         starts = [start for start, _, _ in spans]
         for index, name, tensor in sources:
-            src = _extent(tensor)
+            src = extent(tensor)
             if src is None:
                 continue
             k = bisect.bisect_left(starts, src[1]) - 1

@@ -56,21 +56,48 @@ Atomicity promise:
   carried (a bounded list and the count); those elements still hold the previous version;
 * :meth:`ReferenceReceiver.load` without :meth:`~ReferenceReceiver.begin_update` is a one-bucket
   update whose completeness is not checked (a partial update on purpose, e.g. one layer).
+
+This module is the placement; the entry checks and payload errors every receiver shares are
+in :mod:`~pytest_weightsync.reference_impl.engine.payload_checks` and the records of a planned
+bucket and an open update in :mod:`~pytest_weightsync.reference_impl.engine.load_plan`, both
+re-exported here.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
-import weakref
-from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
 import torch
 
 from pytest_weightsync.reference_impl.kernels import fastcopy
-from pytest_weightsync.reference_impl.engine import tensor_checks
-from pytest_weightsync.reference_impl.engine.checked_memo import CheckedMemo
+# The entry checks, payload errors and update records every receiver shares, re-exported so
+# every payload error of the receiver is reachable from this module.
+from pytest_weightsync.reference_impl.engine.load_plan import LoadPlan, UpdateState
+from pytest_weightsync.reference_impl.engine.payload_checks import (
+    CHECKED,
+    DuplicateEntryError,
+    ExpertOutOfRangeError,
+    LazyViewError,
+    MemoryOverlapError,
+    MixedFormatError,
+    NestedTensorError,
+    PayloadDtypeError,
+    PayloadShapeError,
+    PayloadTypeError,
+    ReceiverParamsError,
+    TensorLayoutError,
+    TensorStorageError,
+    TensorSubclassError,
+    UnknownNameError,
+    UnloadableTensorError,
+    checked_params,
+    entry_fits,
+    entry_pair,
+    entry_readable_on,
+    extent,
+)
 from pytest_weightsync.vocabulary import LOAD_FORMATS
 from pytest_weightsync.reference_impl.errors import MAX_NAME_CHARS, PayloadError, shown
 from pytest_weightsync.reference_impl.model.layout import (
@@ -95,103 +122,6 @@ _OWED: dict = {}
 _SCHEME = {"expert": "compat", "fused": "packed", "hf_fused": "hf_fused"}
 
 
-class PayloadTypeError(PayloadError, TypeError):
-    """The payload, or an entry of it, is not a ``(str, torch.Tensor)`` pair."""
-
-
-class UnknownNameError(PayloadError):
-    """A name that is no expert weight of this model (or not valid for the load format)."""
-
-
-class ExpertOutOfRangeError(PayloadError):
-    """An expert id ``>= num_experts`` (or a layer id ``>= num_layers``)."""
-
-
-class DuplicateEntryError(PayloadError):
-    """The same (layer, expert, projection) carried twice in one update."""
-
-
-class MixedFormatError(PayloadError):
-    """Names of two formats (per-expert, packed, hf_fused) in one bucket."""
-
-
-class PayloadDtypeError(PayloadError):
-    """A tensor whose dtype differs from the receiver parameter's."""
-
-
-class PayloadShapeError(PayloadError):
-    """A tensor whose shape differs from what its name requires."""
-
-
-class TensorLayoutError(PayloadError):
-    """A sparse tensor, a tensor on the wrong device, or a non-contiguous one where the format
-    needs contiguity."""
-
-
-class MemoryOverlapError(PayloadError):
-    """A source tensor sharing memory with a receiver parameter the same bucket writes: copying
-    would read bytes it has already overwritten."""
-
-
-# Refusals of tensors that are no plain dense tensor over readable memory (subclasses such as
-# DTensor and FakeTensor, nested tensors, lazy neg/conj views, freed storage); re-exported so
-# every payload error of the receiver is reachable from this module.
-UnloadableTensorError = tensor_checks.UnloadableTensorError
-TensorSubclassError = tensor_checks.TensorSubclassError
-NestedTensorError = tensor_checks.NestedTensorError
-LazyViewError = tensor_checks.LazyViewError
-TensorStorageError = tensor_checks.TensorStorageError
-
-
-def _refuse(problem, where: str) -> None:
-    """Raise the payload error of a :mod:`tensor_checks` problem, prefixed by the entry."""
-    if problem is not None:
-        cls, reason = problem
-        raise cls(f"{where}: {reason}")
-
-
-def entry_pair(index: int, item, where_of) -> tuple[str, "torch.Tensor", str]:
-    """``(name, tensor, where)`` of payload entry ``index`` once it is a ``(str, Tensor)`` pair
-    of a dense, readable kind (every receiver asks this first, before reading the name);
-    ``where_of(index[, name])`` words the entry for messages."""
-    if not (isinstance(item, tuple) and len(item) == 2):
-        raise PayloadTypeError(f"{where_of(index)} is a {type(item).__name__}, not a "
-                               f"(name, tensor) pair")
-    name, tensor = item
-    if not isinstance(name, str):
-        raise PayloadTypeError(f"{where_of(index)}: the name is a {type(name).__name__} "
-                               f"{shown(name)}, not a str")
-    where = where_of(index, name)
-    if not isinstance(tensor, torch.Tensor):
-        raise PayloadTypeError(f"{where} is a {type(tensor).__name__}, not a torch.Tensor")
-    _refuse(tensor_checks.kind_problem(tensor), where)
-    if tensor.layout != torch.strided:
-        raise TensorLayoutError(f"{where}: {tensor.layout} tensor; only dense (strided) "
-                                f"tensors can be loaded")
-    return name, tensor, where
-
-
-def entry_fits(tensor, shape, load_format: str, where: str, what: str = "") -> None:
-    """Refuse an entry whose shape is not ``shape`` (``what`` says whose), or that is not
-    contiguous where ``load_format='direct'`` copies it whole."""
-    if tuple(tensor.shape) != tuple(shape):
-        raise PayloadShapeError(f"{where}: shape {tuple(tensor.shape)}, expected "
-                                f"{tuple(shape)}{what}")
-    if load_format == "direct" and not tensor.is_contiguous():
-        raise TensorLayoutError(f"{where}: non-contiguous tensor (strides {tensor.stride()}); "
-                                f"load_format='direct' needs contiguous tensors")
-
-
-def entry_readable_on(tensor, device, rank: int, where: str) -> None:
-    """Refuse an entry on another device than receiver ``rank``'s parameters, or whose storage
-    cannot be read (freed, too small): asked after the device, since a meta tensor is a wrong
-    device and not a freed one."""
-    if tensor.device != device:
-        raise TensorLayoutError(f"{where}: tensor on device {tensor.device}, receiver rank "
-                                f"{rank} parameters are on {device}")
-    _refuse(tensor_checks.storage_problem(tensor), where)
-
-
 @functools.lru_cache(maxsize=64)
 def _cached_layout(spec: MoESpec, topo: ReceiverTopology, rank: int, shard_of,
                    shapes_of) -> tuple:
@@ -211,10 +141,6 @@ def rank_layout(spec: MoESpec, topo: ReceiverTopology, rank: int) -> tuple:
                 tuple(receiver_param_shapes(spec, topo, rank).items()))
 
 
-class ReceiverParamsError(WeightSyncError):
-    """Existing parameters handed to :class:`ReferenceReceiver` do not match its topology."""
-
-
 class IncompleteUpdateError(WeightSyncError):
     """``end_update`` found an update that did not carry every piece, or no update was open."""
 
@@ -222,71 +148,6 @@ class IncompleteUpdateError(WeightSyncError):
 class MissingExpertError(IncompleteUpdateError):
     """``end_update``: (layer, expert, projection) pieces this rank owns that no bucket of the
     update carried; they still hold the previous version."""
-
-
-def _extent(tensor: torch.Tensor) -> Optional[tuple[int, int]]:
-    """Byte range ``[start, end)`` the elements of ``tensor`` can occupy; ``None`` if empty."""
-    if tensor.numel() == 0:
-        return None
-    span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
-    start = tensor.data_ptr()
-    return start, start + span * tensor.element_size()
-
-
-@dataclass
-class LoadPlan:
-    """What one bucket will do: zero ``zero`` views, then copy each ``(dst, src)`` pair.
-    ``touched`` names the receiver parameters written, ``units`` the (layer, expert,
-    projection) pieces the bucket carries (global expert ids, other ranks' included)."""
-
-    pairs: list = field(default_factory=list)
-    zero: list = field(default_factory=list)
-    touched: set = field(default_factory=set)
-    ignored: int = 0
-    units: dict = field(default_factory=dict)
-    #: ``(owed, whether units cover it)`` for the last ``owed`` asked (see :meth:`covers`).
-    covering: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
-
-    def covers(self, owed: frozenset) -> bool:
-        """Whether this bucket alone carried every piece of ``owed``; answered once per
-        ``owed`` set, so a cached bucket replayed every update (the same plan object) closes
-        its update without comparing every piece again."""
-        memo = self.covering
-        if memo is None or memo[0] is not owed:
-            memo = self.covering = (owed, owed <= self.units.keys())
-        return memo[1]
-
-
-@dataclass
-class UpdateState:
-    """State of an open update: which pieces earlier buckets carried, and where. Buckets are
-    numbered the way the sender numbers them: every bucket offered counts, refused ones
-    included, so after a refused bucket 1 the next one is bucket 2 in every message."""
-
-    seen: dict = field(default_factory=dict)  # (layer, expert, projection) -> (bucket, entry, name)
-    offered: int = 0  # buckets offered so far; the next one is bucket number `offered`
-    refused: int = 0
-    #: Weak references to the plans whose pieces ``seen`` took (``end_update`` asks each
-    #: plan still alive - a plan cache keeps its buckets' - whether it alone covered the
-    #: update; ``seen`` decides when none did). Weak: a plan holds views of its bucket's
-    #: tensors, which must not outlive the bucket's load because an update is open.
-    carried: list = field(default_factory=list)
-
-    def carry(self, plan: "LoadPlan") -> None:
-        """One more bucket offered, written: its pieces are seen."""
-        self.seen.update(plan.units)
-        self.carried.append(weakref.ref(plan))
-        self.offered += 1
-
-    def covered(self, owed: frozenset) -> bool:
-        """Whether one plan this update carried, still alive, covered ``owed`` alone."""
-        return any(plan is not None and plan.covers(owed)
-                   for plan in (ref() for ref in self.carried))
-
-    def count_refused(self) -> None:
-        """One more bucket offered, and refused."""
-        self.offered += 1
-        self.refused += 1
 
 
 class ReferenceReceiver:
@@ -654,7 +515,7 @@ class ReferenceReceiver:
         included): the copy order would decide what lands."""
         spans = []
         for name in plan.touched:
-            span = _extent(self.params[name])
+            span = extent(self.params[name])
             if span is not None:
                 spans.append((span[0], span[1], name))
         if not spans:
@@ -666,7 +527,7 @@ class ReferenceReceiver:
             furthest = max(furthest, end)
             reach.append(furthest)
         for index, name, _, tensor in entries:
-            src = _extent(tensor)
+            src = extent(tensor)
             if src is None:
                 continue
             k = bisect.bisect_left(starts, src[1]) - 1
@@ -677,46 +538,6 @@ class ReferenceReceiver:
                         f"{self._where(index, name)}: its memory overlaps receiver parameter "
                         f"{param!r}, which this bucket writes; send a copy")
                 k -= 1
-
-
-#: Receivers built per call over the same parameters check them once
-#: (:mod:`~pytest_weightsync.reference_impl.engine.checked_memo`).
-CHECKED = CheckedMemo()
-
-
-def checked_params(params: Mapping[str, torch.Tensor], wants: Mapping[str, tuple],
-                   rank: int, needs: str) -> dict[str, torch.Tensor]:
-    """``params`` restricted to the names of ``wants`` (``{name: (shape, dtype)}``), each a
-    dense, readable tensor of its shape and dtype, all on one device (``needs`` words what asks
-    for them). Raises :class:`ReceiverParamsError` naming the first misfit."""
-    if type(params) is not dict and not isinstance(params, Mapping):
-        raise ReceiverParamsError(f"receiver rank {rank} params is a {type(params).__name__}, "
-                                  f"not a mapping of name -> tensor")
-    checked = {}
-    for name, (shape, dtype) in wants.items():
-        if name not in params:
-            raise ReceiverParamsError(f"receiver rank {rank} has no parameter {name!r}")
-        tensor = params[name]
-        if not isinstance(tensor, torch.Tensor):
-            raise ReceiverParamsError(f"receiver rank {rank} parameter {name!r} is a "
-                                      f"{type(tensor).__name__}, not a torch.Tensor")
-        problem = tensor_checks.kind_problem(tensor)
-        if problem is None and tensor.layout != torch.strided:
-            problem = (None, f"a {tensor.layout} tensor; parameters must be dense (strided)")
-        if problem is None and not tensor.is_meta:
-            problem = tensor_checks.storage_problem(tensor)
-        if problem is not None:
-            raise ReceiverParamsError(f"receiver rank {rank} parameter {name!r}: {problem[1]}")
-        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-            raise ReceiverParamsError(
-                f"receiver rank {rank} parameter {name!r} is {tuple(tensor.shape)} "
-                f"{tensor.dtype}; {needs} needs {tuple(shape)} {dtype}")
-        checked[name] = tensor
-    devices = {t.device for t in checked.values()} if len(checked) > 1 else ()
-    if len(devices) > 1:
-        raise ReceiverParamsError(f"receiver rank {rank} parameters are spread over devices "
-                                  f"{sorted(map(str, devices))}; they must share one")
-    return checked
 
 
 def make_receivers(spec: MoESpec, topo: ReceiverTopology, device="cpu") -> list[ReferenceReceiver]:
