@@ -101,15 +101,7 @@ class ExpertsPart:
 
         self.spec, self.seed = spec, seed
         self.full = synth.grouped_full_weights(spec, 0, seed, device=device)
-        buffers = {}
-        for layer in self.full.values():
-            for w in layer:
-                for t in (w.gate, w.down):
-                    storage = t.untyped_storage()
-                    if storage.data_ptr() not in buffers:
-                        flat = torch.empty(0, dtype=torch.int16, device=t.device)
-                        buffers[storage.data_ptr()] = flat.set_(storage, 0, (storage.nbytes() // 2,), (1,))
-        self.buffers = list(buffers.values())
+        self.buffers = synth.storage_words(self.full)
         self.mask = 0
 
     def set_mask(self, mask: int) -> None:

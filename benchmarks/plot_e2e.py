@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from plotting import plot_main
+from plotting import script_main
 
 STAGES = ("export_s", "serialize_s", "receive_s", "load_s", "synchronize_s")
 
@@ -63,9 +63,8 @@ def draw(plt, data):
     return fig
 
 
-def main(argv=None) -> int:
-    return plot_main(argv, __doc__.split("\n\n")[0], "bench_e2e.py", draw,
-                     lambda data: f"e2e-{data.get('device', 'cpu').split(':')[0]}.png")
+main = script_main(__doc__, "bench_e2e.py", draw,
+                   lambda data: f"e2e-{data.get('device', 'cpu').split(':')[0]}.png")
 
 
 if __name__ == "__main__":

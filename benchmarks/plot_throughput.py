@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from plotting import plot_main
+from plotting import script_main
 
 
 def draw(plt, data):
@@ -53,9 +53,8 @@ def draw(plt, data):
     return fig
 
 
-def main(argv=None) -> int:
-    return plot_main(argv, __doc__.split("\n\n")[0], "bench_expert_sync.py", draw,
-                     lambda data: f"throughput-{data['device']}.png")
+main = script_main(__doc__, "bench_expert_sync.py", draw,
+                   lambda data: f"throughput-{data['device']}.png")
 
 
 if __name__ == "__main__":

@@ -36,3 +36,9 @@ def plot_main(argv, description: str, source: str, draw: Callable, default_name:
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
     return 0
+
+
+def script_main(doc: str, source: str, draw: Callable, default_name: Callable) -> Callable:
+    """A plot script's ``main(argv=None)``: :func:`plot_main` described by the first paragraph of
+    the script's docstring ``doc``, so each script states only what it draws."""
+    return lambda argv=None: plot_main(argv, doc.split("\n\n")[0], source, draw, default_name)

@@ -207,6 +207,28 @@ run_pytest() {
     fi
 }
 
+# run_bench NAME LIMIT_S MIN_S TITLE PATTERN ARGS...: one bounded run of benchmarks/NAME.py on GPU 0
+# (its JSON and log under $RESULTS), the log's lines matching PATTERN and its exit in the summary;
+# not run when less than MIN_S of the overall limit is left. The benchmarks share this so each
+# states only its arguments, its time and what of its log to show.
+run_bench() {
+    local name=$1 limit=$2 min=$3 title=$4 pattern=$5 left rc start
+    shift 5
+    left=$(remaining); [ "$left" -lt "$limit" ] && limit=$((left - 5))
+    if [ "$limit" -lt "$min" ]; then
+        say "   $name.py: not run, the overall limit is spent"; STATUS=1
+        return
+    fi
+    say "-- $name.py $title""limit ${limit}s)"
+    start=$(date +%s)
+    CUDA_VISIBLE_DEVICES=0 timeout -k 15 "$limit" "$PYTHON" "benchmarks/$name.py" \
+        "$@" --json "$RESULTS/$name.json" >"$RESULTS/$name.log" 2>&1
+    rc=$?
+    grep -E "$pattern" "$RESULTS/$name.log" | sed 's/^/    /' | tee -a "$SUMMARY"
+    say "   $name.py: exit $rc after $(( $(date +%s) - start )) s"
+    [ "$rc" -ne 0 ] && STATUS=1
+}
+
 # File and per-file wall-clock limit (seconds). Any other suites/{selftest,conformance}/test_*.py with GPU tests
 # (e.g. the Megatron-Bridge / DeepEP suites, which skip unless those packages are installed) is
 # appended with the default limit, so a new GPU suite cannot be forgotten.
@@ -310,36 +332,13 @@ if has_stage bench; then
     say ""
     say "== benchmarks"
     if [ -f benchmarks/bench_expert_sync.py ]; then
-        left=$(remaining); limit=180; [ "$left" -lt "$limit" ] && limit=$((left - 5))
-        if [ "$limit" -lt 30 ]; then
-            say "   bench_expert_sync.py: not run, the overall limit is spent"; STATUS=1
-        else
-            say "-- bench_expert_sync.py --device cuda (1 GPU, limit ${limit}s)"
-            start=$(date +%s)
-            CUDA_VISIBLE_DEVICES=0 timeout -k 15 "$limit" "$PYTHON" benchmarks/bench_expert_sync.py \
-                --device cuda --json "$RESULTS/bench_expert_sync.json" >"$RESULTS/bench_expert_sync.log" 2>&1
-            rc=$?
-            grep -E "GB/s|x[0-9]|ratio|limit" "$RESULTS/bench_expert_sync.log" | sed 's/^/    /' | tee -a "$SUMMARY"
-            say "   bench_expert_sync.py: exit $rc after $(( $(date +%s) - start )) s"
-            [ "$rc" -ne 0 ] && STATUS=1
-        fi
+        run_bench bench_expert_sync 180 30 "--device cuda (1 GPU, " "GB/s|x[0-9]|ratio|limit" --device cuda
     else
         say "   benchmarks/bench_expert_sync.py not present"
     fi
     if [ -f benchmarks/bench_e2e.py ]; then
-        left=$(remaining); limit=480; [ "$left" -lt "$limit" ] && limit=$((left - 5))
-        if [ "$limit" -lt 60 ]; then
-            say "   bench_e2e.py: not run, the overall limit is spent"; STATUS=1
-        else
-            say "-- bench_e2e.py --device cuda --per-update (1 GPU, 40 Qwen3.5-35B-A3B layers, ~130 GiB; limit ${limit}s)"
-            start=$(date +%s)
-            CUDA_VISIBLE_DEVICES=0 timeout -k 15 "$limit" "$PYTHON" benchmarks/bench_e2e.py \
-                --device cuda --per-update --json "$RESULTS/bench_e2e.json" >"$RESULTS/bench_e2e.log" 2>&1
-            rc=$?
-            grep -E "^(registered|per_update|per_tensor|per_storage)|BIT CHECK|Error" "$RESULTS/bench_e2e.log" | sed 's/^/    /' | tee -a "$SUMMARY"
-            say "   bench_e2e.py: exit $rc after $(( $(date +%s) - start )) s"
-            [ "$rc" -ne 0 ] && STATUS=1
-        fi
+        run_bench bench_e2e 480 60 "--device cuda --per-update (1 GPU, 40 Qwen3.5-35B-A3B layers, ~130 GiB; " \
+            "^(registered|per_update|per_tensor|per_storage)|BIT CHECK|Error" --device cuda --per-update
     fi
     if [ -f benchmarks/bench_gather.py ]; then
         if [ "$NGPU" -ge 2 ]; then

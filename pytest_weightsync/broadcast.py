@@ -431,12 +431,7 @@ class BroadcastEngine:
         :class:`BroadcastError` naming the first call an engine rank could not receive (a
         :class:`BroadcastMismatchError` for a broadcast refused in the sender)."""
         pending = list(self._expected)
-        if pending and self._refusal is None and self._group is not None:
-            self._drain(self._unchecked_send)
-        for thread in self._ranks:
-            thread.calls.put(None)
-        for thread in self._ranks:
-            thread.join(self.timeout + 5)
+        self._stop_ranks(drain=self._refusal is None)
         if self._refusal is not None:
             raise BroadcastMismatchError(f"broadcast refused in the sender: {self._refusal} "
                                          f"(nothing of it, nor of any later broadcast, reached "
@@ -463,6 +458,17 @@ class BroadcastEngine:
                                      f"shape)")
         return {thread.rank: thread.stream for thread in self._ranks}
 
+    def _stop_ranks(self, drain: bool) -> None:
+        """Give the engine ranks the broadcasts announced and never sent (when ``drain``), so
+        that none waits out its timeout, then end each rank's thread and wait for it: the one
+        ending that :meth:`finish` and :meth:`close` share."""
+        if drain and self._expected and self._group is not None:
+            self._drain(self._unchecked_send)
+        for thread in self._ranks:
+            thread.calls.put(None)
+        for thread in self._ranks:
+            thread.join(self.timeout + 5)
+
     def _unchecked_send(self, *args, **kwargs):
         import torch.distributed as dist
 
@@ -474,12 +480,7 @@ class BroadcastEngine:
         ranks first, so that none waits out its timeout."""
         from torch.distributed import distributed_c10d as c10d
 
-        if self._expected and self._group is not None:
-            self._drain(self._unchecked_send)
-        for thread in self._ranks:
-            thread.calls.put(None)
-        for thread in self._ranks:
-            thread.join(self.timeout + 5)
+        self._stop_ranks(drain=True)
         if self._group is not None:
             self._group.engine = None
             c10d._world.pg_group_ranks.pop(self._group, None)

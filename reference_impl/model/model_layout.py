@@ -53,6 +53,7 @@ from pytest_weightsync.reference_impl.model.layout import (
     fused_name,
     receiver_param_shapes,
 )
+from pytest_weightsync.reference_impl.model.moe_spec import _require
 from pytest_weightsync.reference_impl.model.model_spec import ModelSpec, hf_params, layer_prefix
 
 #: Prefix of the draft model's engine parameter names (``draft.fc.weight``,
@@ -60,12 +61,6 @@ from pytest_weightsync.reference_impl.model.model_spec import ModelSpec, hf_para
 DRAFT_PREFIX = "draft."
 #: SGLang's ``DEFAULT_VOCAB_PADDING_SIZE`` (``layers/vocab_parallel_embedding.py``).
 VOCAB_PADDING = 64
-
-
-def _require(ok: bool, constraint: str, **values) -> None:
-    if not ok:
-        shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
-        raise TopologyError(f"{constraint} (got {shown})")
 
 
 class Segment(NamedTuple):

@@ -39,17 +39,12 @@ from typing import Mapping, NamedTuple, Optional
 
 import torch
 
-from pytest_weightsync.reference_impl.model.layout import MoESpec, TopologyError
+from pytest_weightsync.reference_impl.model.layout import MoESpec
+from pytest_weightsync.reference_impl.model.moe_spec import _require
 from pytest_weightsync.vocabulary import MODEL_FAMILIES, MODEL_PARTS, TARGETS
 
 #: Checkpoint prefix of the draft (MTP) model's tensors.
 MTP_PREFIX = "mtp."
-
-
-def _require(ok: bool, constraint: str, **values) -> None:
-    if not ok:
-        shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
-        raise TopologyError(f"{constraint} (got {shown})")
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,7 @@ from pytest_weightsync.reference_impl.model.model_layout import (
 )
 from pytest_weightsync.reference_impl.model.model_layout import engine_params as sglang_params
 from pytest_weightsync.reference_impl.model.model_layout import vocab_shard as sglang_vocab_shard
+from pytest_weightsync.reference_impl.model.moe_spec import _require
 from pytest_weightsync.reference_impl.model.model_spec import ModelSpec
 
 #: The vLLM release modelled here, and the torch it pins (why it does not run in this
@@ -132,12 +133,6 @@ LOADED_FORMATS = frozenset({"compat", "hf_fused"})
 IGNORED_FORMATS = frozenset({"packed", "direct"})
 #: Expert placements modelled (``ExpertPlacementStrategy``); see the module docstring.
 PLACEMENTS = ("linear",)
-
-
-def _require(ok: bool, constraint: str, **values) -> None:
-    if not ok:
-        shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
-        raise TopologyError(f"{constraint} (got {shown})")
 
 
 @dataclass(frozen=True)

@@ -296,6 +296,21 @@ def grouped_full_weights(spec: MoESpec, version: int, seed: int = 0, layers=None
     return out
 
 
+def storage_words(full: dict[int, tuple[ExpertWeights, ...]]) -> list[torch.Tensor]:
+    """Every buffer under :func:`grouped_full_weights`' result once, as a flat int16 view, so an
+    in-place change between updates (a bitwise xor, as a trainer step would write) touches each
+    element exactly once however many expert tensors share a buffer."""
+    seen = {}
+    for layer in full.values():
+        for w in layer:
+            for t in (w.gate, w.down):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    flat = torch.empty(0, dtype=torch.int16, device=t.device)
+                    seen[storage.data_ptr()] = flat.set_(storage, 0, (storage.nbytes() // 2,), (1,))
+    return list(seen.values())
+
+
 def expected_receiver_params(spec: MoESpec, topo: ReceiverTopology, rank: int, version: int,
                              seed: int = 0, *, device=None,
                              finite: bool = False) -> dict[str, torch.Tensor]:

@@ -58,11 +58,11 @@ from pytest_weightsync.reference_impl.trainer.component_gather import (
     split_megatron_qkv,
 )
 from pytest_weightsync.reference_impl.model.layout import (
-    TopologyError,
     TrainerTopology,
     stage_layers,
     trainer_shard,
 )
+from pytest_weightsync.reference_impl.model.moe_spec import _require
 from pytest_weightsync.reference_impl.model.model_spec import ModelSpec, hf_params, layer_prefix
 from pytest_weightsync.reference_impl.model.model_spec import ModelWeights
 
@@ -91,11 +91,6 @@ class TrainerParam(NamedTuple):
     dtype: torch.dtype
     layer: object       # (target, layer inside the target) or None
     unused: bool = False  # allocated but never read: it holds its initial values
-
-
-def _require(ok, constraint, **values):
-    if not ok:
-        raise TopologyError(f"{constraint} (got " + ", ".join(f"{k}={v!r}" for k, v in values.items()) + ")")
 
 
 def padded_vocab(vocab: int, tp: int) -> int:

@@ -21,6 +21,8 @@ per implementation.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -49,52 +51,68 @@ def _ranks(data, case):
     return sorted({world - 1, other})
 
 
+class _Draws:
+    """The claim bookkeeping both tests share: a draw ``impl`` does not claim as ``role`` is not
+    run (its reason is kept), and a test where no draw was claimed skips with the last reason."""
+
+    def __init__(self, impl, role: str):
+        self.impl, self.role, self.refusals, self.ran = impl, role, [], []
+
+    def claimed(self, case, fmt) -> bool:
+        reason = claims.unclaimed(self.impl, self.role, case, fmt)
+        if reason is not None:
+            self.refusals.append(reason)
+            return False
+        self.ran.append(case.id)
+        return True
+
+    def skip_if_none_claimed(self) -> None:
+        if not self.ran:
+            claims.skip_unclaimed(self.refusals[-1] if self.refusals else "no draw was claimed")
+
+
+@contextlib.contextmanager
+def _judged(draw: str):
+    """A failed check becomes the :class:`ConformanceError` the report shows, led by the draw
+    (Hypothesis reproduces it from the same draw)."""
+    try:
+        yield
+    except AssertionError as error:
+        raise judge.ConformanceError(f"{draw}:\n{error}") from None
+
+
 @pytest.mark.weightsync_property("bit_exact")
 def test_loader_on_drawn_topologies_and_buckets(weightsync_loader):
-    impl, refusals, ran = weightsync_loader, [], []
+    impl, draws = weightsync_loader, _Draws(weightsync_loader, "loader")
 
     @PROFILE
     @given(case=cases.cases(), fmt=st.sampled_from(FORMATS), limit=BUCKET_LIMITS,
            data=st.data())
     def run(case, fmt, limit, data):
-        reason = claims.unclaimed(impl, "loader", case, fmt)
-        if reason is not None:
-            refusals.append(reason)
+        if not draws.claimed(case, fmt):
             return
-        ran.append(case.id)
         for rank in _ranks(data, case):
             params = inputs.receiver_params(case, rank)
             before = compare.snapshot(params)
-            try:
+            with _judged(f"{case.id} format={fmt} bucket_bytes={limit!r} receiver rank {rank}"):
                 loader.load(impl, params, fmt, case, rank, version=1, bucket=limit)
                 judge.check_rank(params, case, rank, 1, before)
-            except AssertionError as error:
-                raise judge.ConformanceError(f"{case.id} format={fmt} bucket_bytes={limit!r} "
-                                          f"receiver rank {rank}:\n{error}") from None
 
     run()
-    if not ran:
-        claims.skip_unclaimed(refusals[-1] if refusals else "no draw was claimed")
+    draws.skip_if_none_claimed()
 
 
 @pytest.mark.weightsync_property("export_bit_exact")
 def test_exporter_on_drawn_topologies(weightsync_exporter):
-    impl, refusals, ran = weightsync_exporter, [], []
+    impl, draws = weightsync_exporter, _Draws(weightsync_exporter, "exporter")
 
     @PROFILE
     @given(case=cases.cases(), fmt=st.sampled_from(FORMATS), data=st.data())
     def run(case, fmt, data):
-        reason = claims.unclaimed(impl, "exporter", case, fmt)
-        if reason is not None:
-            refusals.append(reason)
+        if not draws.claimed(case, fmt):
             return
-        ran.append(case.id)
-        try:
+        with _judged(f"{case.id} trainer={case.trainer} format={fmt}"):
             exporter.export_and_check(impl, case, fmt, 1, ranks=_ranks(data, case))
-        except AssertionError as error:
-            raise judge.ConformanceError(f"{case.id} trainer={case.trainer} format={fmt}:\n"
-                                      f"{error}") from None
 
     run()
-    if not ran:
-        claims.skip_unclaimed(refusals[-1] if refusals else "no draw was claimed")
+    draws.skip_if_none_claimed()

@@ -45,6 +45,18 @@ def attempt(call, *args, **kwargs) -> Optional[Exception]:
     return None
 
 
+def end_marked(engine, silent) -> Optional[Exception]:
+    """End the update session (the sender's ``finally``); the refusal, or ``None``. An
+    end_update that completes while ``weight_version`` does not say None is a silent mix: a
+    :class:`ConformanceError` with the message ``silent()`` - built only then, since describing
+    the mix reads the engine. The one judgement the failed-update and the level-2-sleep
+    properties share."""
+    error = attempt(engine.end)
+    if error is None and not engine.says_no_version():
+        raise ConformanceError(silent())
+    return error
+
+
 def engine_side(impl) -> bool:
     """Whether ``impl`` frames updates itself (defines ``begin_update`` and ``end_update``)."""
     return frames_updates(impl)

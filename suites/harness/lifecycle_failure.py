@@ -32,6 +32,7 @@ from .lifecycle_engine import (
     attempt,
     bad_bucket,
     changed,
+    end_marked,
     failure_point,
     kind,
     named,
@@ -65,12 +66,10 @@ def check_atomic(impl, case, fmt: str, failure: str) -> None:
         if attempt(engine.load, bad) is None:  # accepted: the sender goes on
             for piece in stream[cut + 1:]:
                 engine.load(piece)
-            end_error = attempt(engine.end)
-            if end_error is None and not engine.says_no_version():
-                raise ConformanceError(
-                    f"silent mix: {impl.name} accepted a bad bucket at {at} ({what}) and "
-                    f"completed the update on {engine.where}: {engine.mix_summary()} - a loader "
-                    f"that claims 'atomic' refuses a bucket it cannot load, and the update fails")
+            end_error = end_marked(engine, lambda: (
+                f"silent mix: {impl.name} accepted a bad bucket at {at} ({what}) and "
+                f"completed the update on {engine.where}: {engine.mix_summary()} - a loader "
+                f"that claims 'atomic' refuses a bucket it cannot load, and the update fails"))
         else:
             end_error = attempt(engine.end)  # the sender's `finally`
     elif failure == "sender_exception":  # the sender raised before bucket `cut`; its

@@ -64,6 +64,15 @@ def _fp8_bucket(fmt, rank):
     return inputs.fp8_stream(fmt, FP8_CASE, rank, 2, "sender", bucket=None)[0]
 
 
+def _scale_entry(fmt, rank, name):
+    """A fresh receiver of ``rank``, its ``fmt`` bucket, the index of the block scale ``name``
+    in it and a copy of that scale: each test spoils the copy and puts it back."""
+    rec = _fp8_receiver(rank)
+    bucket = _fp8_bucket(fmt, rank)
+    index = next(i for i, (n, _) in enumerate(bucket) if n == name)
+    return rec, bucket, index, bucket[index][1].clone()
+
+
 def _refused(rec, bucket, load_format, error=PayloadError):
     before = compare.snapshot(rec.params)
     with pytest.raises(error) as info:
@@ -75,11 +84,8 @@ def _refused(rec, bucket, load_format, error=PayloadError):
 @pytest.mark.parametrize("bad", sorted(BAD_SCALES))
 def test_a_bad_block_scale_of_a_per_expert_entry_is_refused_naming_its_block(bad):
     rank = 0  # experts 0..1, MoE-TP rows 0..7
-    rec = _fp8_receiver(rank)
-    bucket = _fp8_bucket("compat", rank)
     name = "model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"
-    index = next(i for i, (n, _) in enumerate(bucket) if n == name)
-    scale = bucket[index][1].clone()
+    rec, bucket, index, scale = _scale_entry("compat", rank, name)
     assert scale.shape == (4, 3) and bool((scale > 0).all())
     scale[1, 2] = BAD_SCALES[bad]
     bucket[index] = (name, scale)
@@ -92,11 +98,8 @@ def test_a_bad_block_scale_of_a_per_expert_entry_is_refused_naming_its_block(bad
 
 def test_every_bad_block_is_counted_and_the_first_named():
     rank = 2  # experts 2..3
-    rec = _fp8_receiver(rank)
-    bucket = _fp8_bucket("compat", rank)
     name = "model.layers.0.mlp.experts.0.down_proj.weight_scale_inv"  # another rank's expert
-    index = next(i for i, (n, _) in enumerate(bucket) if n == name)
-    scale = bucket[index][1].clone()
+    rec, bucket, index, scale = _scale_entry("compat", rank, name)
     scale[2, 0], scale[0, 3] = -1.0, float("nan")
     bucket[index] = (name, scale)
     message = _refused(rec, bucket, None, BlockScaleError)
@@ -106,11 +109,8 @@ def test_every_bad_block_is_counted_and_the_first_named():
 
 def test_a_bad_block_scale_of_a_direct_entry_is_located():
     rank = 1  # experts 0..1, MoE-TP rows 8..15
-    rec = _fp8_receiver(rank)
-    bucket = _fp8_bucket("direct", rank)
     name = "model.layers.0.mlp.experts.w13_weight_scale_inv"
-    index = next(i for i, (n, _) in enumerate(bucket) if n == name)
-    scale = bucket[index][1].clone()
+    rec, bucket, index, scale = _scale_entry("direct", rank, name)
     assert scale.shape == (2, 4, 3)
     scale[1, 3, 0] = float("inf")
     bucket[index] = (name, scale)

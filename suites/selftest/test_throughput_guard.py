@@ -127,19 +127,6 @@ def _update_xor_(buffers, mask: int) -> None:
     torch.cuda.synchronize()
 
 
-def _trainer_buffers(full) -> list:
-    """Every trainer storage once, as int16 (the in-place change between updates)."""
-    seen = {}
-    for layer in full.values():
-        for w in layer:
-            for t in (w.gate, w.down):
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    flat = torch.empty(0, dtype=torch.int16, device=t.device)
-                    seen[storage.data_ptr()] = flat.set_(storage, 0, (storage.nbytes() // 2,), (1,))
-    return list(seen.values())
-
-
 def _update_copy_seconds(src, dst) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -160,7 +147,7 @@ def test_gpu_colocated_update_keeps_pace_with_a_plain_copy(tp, throughput):
 
     spec, topo = _update_spec(), ReceiverTopology(tp=tp)
     full = synth.grouped_full_weights(spec, 0, 0, device="cuda")
-    buffers = _trainer_buffers(full)
+    buffers = synth.storage_words(full)  # the trainer's in-place change between updates
     per_layer = spec.num_experts * 3 * spec.intermediate * spec.hidden * spec.dtype.itemsize
     written = per_layer * UPDATE_LAYERS
     src = torch.empty(written, dtype=torch.uint8, device="cuda").random_(0, 256)

@@ -137,31 +137,28 @@ def engine(backend: str, engine_rank: int, model: Model, insecure: bool = False)
                         ["update_weights", "parse_update_info", "parse_init_info",
                          "set_weight_update_target", "reset_weight_update_target"], ns,
                         name="EngineBase")
+    # The two backends differ only in where their info classes are defined; the engine class
+    # and its wiring are compiled the same way for both.
+    prefix, module = ("IPC", "ipc_engine.py") if backend == "ipc" else ("NCCL", "nccl_engine.py")
     if backend == "ipc":
-        src.compile_defs(WT + "ipc_engine.py", ["IPCWeightTransferInitInfo",
-                                                "IPCWeightTransferUpdateInfo"], ns,
+        src.compile_defs(WT + module, ["IPCWeightTransferInitInfo",
+                                       "IPCWeightTransferUpdateInfo"], ns,
                          bases={"WeightTransferInitInfo": "_Base",
                                 "WeightTransferUpdateInfo": "_Base"}, keep_annotations=True)
-        cls = src.compile_methods(WT + "ipc_engine.py", "IPCWeightTransferEngine",
-                                  ["init_transfer_engine", "start_weight_update",
-                                   "finish_weight_update", "receive_weights"], ns,
-                                  base="EngineBase")
-        cls.init_info_cls = ns["IPCWeightTransferInitInfo"]
-        cls.update_info_cls = ns["IPCWeightTransferUpdateInfo"]
     else:
         group = Group()
         ns["worker_init_process_group"] = lambda info, parallel: group
         src.compile_defs(WT + "nccl_common.py", ["NCCLWeightTransferInitInfo"], ns,
                          bases={"WeightTransferInitInfo": "_Base"}, keep_annotations=True)
         ns["decode_nccl_unique_id"] = lambda **kw: None  # rendezvous: not this model's
-        src.compile_defs(WT + "nccl_engine.py", ["NCCLWeightTransferUpdateInfo"], ns,
+        src.compile_defs(WT + module, ["NCCLWeightTransferUpdateInfo"], ns,
                          bases={"WeightTransferUpdateInfo": "_Base"}, keep_annotations=True)
-        cls = src.compile_methods(WT + "nccl_engine.py", "NCCLWeightTransferEngine",
-                                  ["init_transfer_engine", "start_weight_update",
-                                   "finish_weight_update", "receive_weights"], ns,
-                                  base="EngineBase")
-        cls.init_info_cls = ns["NCCLWeightTransferInitInfo"]
-        cls.update_info_cls = ns["NCCLWeightTransferUpdateInfo"]
+    cls = src.compile_methods(WT + module, f"{prefix}WeightTransferEngine",
+                              ["init_transfer_engine", "start_weight_update",
+                               "finish_weight_update", "receive_weights"], ns,
+                              base="EngineBase")
+    cls.init_info_cls = ns[f"{prefix}WeightTransferInitInfo"]
+    cls.update_info_cls = ns[f"{prefix}WeightTransferUpdateInfo"]
     eng = cls.__new__(cls)
     eng.model = eng._default_model = model
     eng.model_config = eng._default_model_config = None
