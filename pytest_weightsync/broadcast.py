@@ -45,6 +45,11 @@ from typing import NamedTuple, Optional, Sequence
 
 from pytest_weightsync.wire import WireFormatError, checked_shape, entry_bytes
 
+__all__ = [
+    "BroadcastEngine", "BroadcastError", "BroadcastMismatchError", "LOAD_FORMATS", "TIMEOUT_S",
+    "announced", "dense_offsets",
+]
+
 #: Seconds an engine rank waits for a broadcast the sender announced before the update fails
 #: (one nobody announced is refused in the sender at once).
 TIMEOUT_S = 30.0

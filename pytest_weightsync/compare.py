@@ -25,6 +25,14 @@ from typing import Callable, Iterable, Mapping, Optional
 
 from pytest_weightsync.failures import LocatedFailure
 
+__all__ = [
+    "BitMismatchError", "ComparisonError", "DifferenceKinds", "Locate",
+    "MetadataMismatchError", "Snapshot", "StorageChangedError", "TensorRecord",
+    "assert_bitwise_equal", "assert_loaded", "assert_same_storage", "assert_state_equal",
+    "assert_unchanged", "difference_kinds", "first_difference", "raw_bits", "same_bits",
+    "snapshot",
+]
+
 Locate = Callable[[str, tuple], object]
 
 _INT_BY_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}

@@ -47,6 +47,10 @@ from pytest_weightsync.deadline import THREAD_PREFIX
 from pytest_weightsync.ranks import hygiene, reaper
 from pytest_weightsync.registry import registered_of
 
+__all__ = [
+    "ImplementationLeakWarning", "LEFT_BEHIND", "MEMORY_GROWTH", "harness_keeps", "left_behind",
+]
+
 #: Growth of the resident set (bytes) over one test that is reported.
 MEMORY_GROWTH = 128 * 2**20
 #: The user property a test's report carries what it left behind in.

@@ -19,6 +19,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+__all__ = [
+    "Measurement", "interleaved_samples", "machine_info", "measure",
+    "median_seconds_interleaved", "plain_copy",
+]
+
 
 @dataclass(frozen=True)
 class Measurement:

@@ -9,6 +9,17 @@ Nothing here imports torch: the plugin reads it at collection time.
 
 from __future__ import annotations
 
+__all__ = [
+    "BUCKET_LIMIT", "BUCKET_LIMITS", "BUCKET_OVER", "BUCKET_WITHIN", "CONFORMANCE_MODULES",
+    "DELIVERIES", "ENGINE_LAYOUTS", "EXPERT_IMPLS", "EXPERT_MODULES", "EXPERT_PLACEMENTS",
+    "FAIL", "FORMATS", "FORMAT_PARAMS", "HARDENING", "INTERRUPTED", "LAYER_SPECS", "LIFECYCLE",
+    "LOADER_TRANSPORTS", "LOAD_FORMAT", "LOAD_FORMATS", "MODEL_FAMILIES", "MODEL_FORMATS",
+    "MODEL_PARTS", "NOT_RUN", "ORDERS", "OUTCOME_WAIVED", "PAD_MODES", "PARTIAL", "PASS",
+    "PROPERTIES", "QUANTIZERS", "RANKS_COVERED", "RECEIVER_AXES", "REPORT_PROPERTIES", "ROLES",
+    "SKIP_NOT_APPLICABLE", "SKIP_NOT_RUN", "SKIP_NO_DEVICE", "SKIP_OUTSIDE", "SKIP_UNCLAIMED",
+    "SPEED", "TARGETS", "TRAINER_AXES", "TRANSPORTS", "VERDICTS", "WAIVED", "WEIGHT_QUANTS",
+]
+
 #: Payload (wire) formats, fastest first (the order path selection falls back along):
 #:
 #: ``direct``   each receiver rank's own parameter names and exact shapes (SGLang

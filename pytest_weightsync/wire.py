@@ -54,6 +54,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
 
+__all__ = [
+    "FLATTENED_KEYS", "FlattenedEntry", "SAFE_GLOBALS", "SERIALIZED_LOAD_FORMATS",
+    "TensorUpdate", "UnsafePayloadError", "WireFormatError", "checked_shape", "decode_bucket",
+    "decode_flattened", "decode_serialized", "entry_bytes", "flattened_bucket",
+    "metadata_type", "serialize", "serialized_update", "tensor_bytes", "transport_of",
+]
+
 #: The two keys of a flattened bucket, as ``ModelRunner`` reads them.
 FLATTENED_KEYS = ("flattened_tensor", "metadata")
 #: ``load_format`` values a serialized update may carry (``None``: the model's own

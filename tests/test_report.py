@@ -1,9 +1,10 @@
 """The conformance matrix report: terminal table, JSON file and junit properties, built from
-reports alone (so it is the same with and without xdist); and what it says of a run that ran
-nothing (``--collect-only``) or was cut short (Ctrl-C).
+reports alone (so it is the same with and without xdist); claims and verdicts (conformance
+against hardening findings, "not run"). How a run ends (``--collect-only``, Ctrl-C) is in
+``test_report_run_end.py``.
 
-The runs use a toy implementation and toy topology cases defined in the test's own conftest,
-so what each cell must say is known here, independently of the real suites.
+The runs use a toy implementation and toy topology cases (:mod:`report_toy`, or the test's own
+conftest), so what each cell must say is known here, independently of the real suites.
 """
 
 from __future__ import annotations
@@ -12,88 +13,8 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
-from toy_sources import LOADER_BASE, TOY_CASES
-
-CONFTEST = LOADER_BASE + '''
-
-class Toy(_Loader):
-    name = "toy"
-
-''' + TOY_CASES
-
-TESTS = '''
-import pytest
-
-
-class NotClaimed(pytest.skip.Exception):
-    kind = "unclaimed"  # what the suites' harness raises for a case outside the claims
-
-
-@pytest.mark.weightsync_property("bit_exact")
-@pytest.mark.parametrize("payload_format", ["compat", "packed"])
-def test_bit_exact(weightsync_loader, case, payload_format):
-    if payload_format not in weightsync_loader.capabilities.formats:
-        raise NotClaimed(f"{weightsync_loader.name} does not claim {payload_format}")
-    if weightsync_loader.name == "toy" and case.id == "topoB":
-        raise AssertionError("gate/up halves swapped\\nfirst at layer=0 expert=1 projection=gate")
-
-
-@pytest.mark.weightsync_property("in_place")
-def test_in_place(weightsync_loader, case):
-    pass
-
-
-@pytest.mark.weightsync_property("hardening")
-def test_hardening(weightsync_loader, case, weightsync_record_property):
-    strict = weightsync_loader.name == "reference"
-    weightsync_record_property("weightsync_bad_kind", "wrong_dtype")
-    weightsync_record_property("weightsync_finding", "refused (ValueError)" if strict else
-                               "accepted, wrong values written")
-    weightsync_record_property("weightsync_finding_detail", "dtype float32" if strict else "")
-
-
-@pytest.mark.weightsync_backend("sglang")
-@pytest.mark.weightsync_property("receiver_layout")
-def test_backend_one():
-    pass
-
-
-@pytest.mark.weightsync_backend("sglang")
-@pytest.mark.weightsync_property("receiver_layout")
-def test_backend_two():
-    pytest.skip("sglang missing")
-
-
-def test_untagged():
-    pass
-'''
-
-
-def _stand_ins() -> int:
-    """Tests the shipped modules other than the toy's add to a run (one stand-in each)."""
-    from pytest_weightsync.vocabulary import CONFORMANCE_MODULES
-
-    return len(CONFORMANCE_MODULES) - 1
-
-
-def _conformance_package(pytester: pytest.Pytester, tests: str) -> None:
-    """The toy tests as the loader module of a package named like the shipped one; the other
-    shipped modules a verdict needs (vocabulary.CONFORMANCE_MODULES) are collected, empty of
-    implementation tests."""
-    from pytest_weightsync.vocabulary import CONFORMANCE_MODULES
-
-    pytester.mkpydir("conformance")
-    for module in CONFORMANCE_MODULES:
-        text = tests if module == "test_loader" else f"def {module}_stand_in():\n    pass\n"
-        (pytester.path / "conformance" / f"{module}.py").write_text(text)
-
-
-@pytest.fixture
-def toy(pytester: pytest.Pytester):
-    pytester.makeconftest(CONFTEST)
-    _conformance_package(pytester, TESTS)
-    pytester.makeini("[pytest]\nmarkers =\n    weightsync_backend(name): backend\n")
-    return pytester
+from report_toy import conformance_package, stand_ins, toy  # noqa: F401  (a fixture)
+from toy_sources import LOADER_BASE
 
 
 def _check_json(data: dict) -> None:
@@ -141,7 +62,7 @@ def test_matrix_json_and_junit_from_one_run(toy: pytest.Pytester):
     # junit under its default family (xunit2): recording findings must not warn
     result = toy.runpytest("--weightsync-report", "out/report.json", "--junitxml", "junit.xml",
                            "-W", "error::pytest.PytestWarning")
-    result.assert_outcomes(passed=15 + _stand_ins(), failed=1, skipped=3)
+    result.assert_outcomes(passed=15 + stand_ins(), failed=1, skipped=3)
     assert "record_property is incompatible" not in result.stdout.str()
     result.stdout.re_match_lines([
         r".*weightsync conformance matrix.*",
@@ -273,7 +194,7 @@ def test_version(weightsync_loader, case):
 @pytest.fixture
 def claims_toy(pytester: pytest.Pytester):
     pytester.makeconftest(CLAIMS_CONFTEST)
-    _conformance_package(pytester, CLAIMS_TESTS)
+    conformance_package(pytester, CLAIMS_TESTS)
     return pytester
 
 
@@ -348,7 +269,7 @@ def test_topologies_are_described_from_the_case_objects():
 def test_matrix_is_the_same_under_xdist(toy: pytest.Pytester):
     pytest.importorskip("xdist")
     result = toy.runpytest_subprocess("-n", "2", "--weightsync-report", "report.json")
-    result.assert_outcomes(passed=15 + _stand_ins(), failed=1, skipped=3)
+    result.assert_outcomes(passed=15 + stand_ins(), failed=1, skipped=3)
     result.stdout.re_match_lines([r"toy\s+1/1/0\s+2/0/0\s+refused 0/1\s+FAIL",
                                   r"    - wrong_dtype\s+accepted, wrong values written"],
                                  consecutive=False)
@@ -439,7 +360,7 @@ def test_hardening(weightsync_loader, case, payload_format, kind, weightsync_rec
 @pytest.fixture
 def verdicts(pytester: pytest.Pytester):
     pytester.makeconftest(VERDICT_CONFTEST)
-    _conformance_package(pytester, VERDICT_TESTS)
+    conformance_package(pytester, VERDICT_TESTS)
     return pytester
 
 
@@ -489,7 +410,7 @@ VERDICT_LINES = [
 
 def test_verdict_counts_conformance_only_and_lists_hardening_findings(verdicts):
     result = verdicts.runpytest("--weightsync-report", "report.json")
-    result.assert_outcomes(passed=28 + _stand_ins(), failed=2, skipped=2)
+    result.assert_outcomes(passed=28 + stand_ins(), failed=2, skipped=2)
     result.stdout.re_match_lines(VERDICT_LINES, consecutive=False)
     _check_verdict_json(json.loads((verdicts.path / "report.json").read_text()))
     out = result.stdout.lines
@@ -536,206 +457,3 @@ def test_shipped_suites_record_properties_without_junit_warnings():
                     "record_property" in [a.arg for a in node.args.args + node.args.kwonlyargs]:
                 asking.append(f"{path.relative_to(suites)}::{node.name}")
     assert not asking, asking
-
-
-# --- how a run ends: --collect-only, Ctrl-C -----------------------------------------------------
-
-
-def test_collect_only_lists_the_tests_and_exits_zero_without_a_verdict(toy: pytest.Pytester):
-    for flag in ("--co", "--collect-only"):
-        result = toy.runpytest(flag, "-q", "--weightsync-report", "report.json")
-        assert result.ret == pytest.ExitCode.OK, result.stdout.str()
-        out = result.stdout.str()
-        result.stdout.fnmatch_lines(
-            ["conformance/test_loader.py::test_bit_exact[[]toy-topoB-compat[]]"])
-        for word in ("conformance matrix", "INTERRUPTED", "verdict", "exit status"):
-            assert word not in out, out
-        data = json.loads((toy.path / "report.json").read_text())
-        assert data["exitstatus"] == 0 and data["interrupted"] is None
-        assert data["selection"]["collect_only"] is True
-        assert {i["name"]: i["verdict"] for i in data["implementations"]} == {
-            "reference": "NOT RUN (--collect-only: no test ran)",
-            "toy": "NOT RUN (--collect-only: no test ran)"}
-
-
-INTERRUPTING_TESTS = '''
-import pytest
-
-
-@pytest.mark.weightsync_property("bit_exact")
-def test_first(weightsync_loader, case):
-    pass
-
-
-@pytest.mark.weightsync_property("in_place")
-def test_ctrl_c(weightsync_loader, case):
-    raise KeyboardInterrupt
-'''
-
-
-def _interrupted_json(data: dict) -> None:
-    assert data["exitstatus"] == pytest.ExitCode.INTERRUPTED == 2, data["exitstatus"]
-    assert data["interrupted"] == "interrupted: KeyboardInterrupt"
-    assert {i["name"]: i["verdict_word"] for i in data["implementations"]} == {
-        "reference": "INTERRUPTED", "toy": "INTERRUPTED"}
-
-
-def test_ctrl_c_in_a_test_is_interrupted_with_pytest_exit_status(pytester: pytest.Pytester):
-    pytester.makeconftest(CONFTEST)
-    _conformance_package(pytester, INTERRUPTING_TESTS)
-    result = pytester.runpytest("--weightsync-report", "report.json", no_reraise_ctrlc=True)
-    assert result.ret == pytest.ExitCode.INTERRUPTED
-    result.stdout.re_match_lines([r"toy\s+.*INTERRUPTED \(", r"the run was interrupted: .*"],
-                                 consecutive=False)
-    _interrupted_json(json.loads((pytester.path / "report.json").read_text()))
-
-
-SECOND_CTRL_C = '''
-import pytest
-
-
-@pytest.hookimpl(tryfirst={tryfirst})
-def pytest_keyboard_interrupt(excinfo):
-    raise KeyboardInterrupt("pressed again while pytest formatted the first")
-'''
-
-
-@pytest.mark.parametrize("tryfirst", [False, True], ids=["after-the-report", "before-the-report"])
-def test_a_second_ctrl_c_while_pytest_reports_the_first_is_still_interrupted(
-        pytester: pytest.Pytester, tryfirst: bool):
-    """A second Ctrl-C while pytest formats the first one's traceback ends pytest's handling
-    before it sets the exit status: the report still says interrupted, with status 2."""
-    pytester.makeconftest(CONFTEST + SECOND_CTRL_C.format(tryfirst=tryfirst))
-    _conformance_package(pytester, INTERRUPTING_TESTS)
-    # a subprocess: the second KeyboardInterrupt leaves pytest's main loop
-    result = pytester.runpytest_subprocess("-p", "weightsync", "-p", "no:cacheprovider",
-                                           "--weightsync-report", "report.json")
-    assert "pressed again while pytest formatted the first" in result.stderr.str()
-    _interrupted_json(json.loads((pytester.path / "report.json").read_text()))
-
-
-def test_tests_are_selected_by_property_and_format(toy: pytest.Pytester):
-    # the property name is a -k keyword even where the test's name does not carry it
-    by_keyword = toy.runpytest("-k", "receiver_layout", "--co", "-q")
-    assert by_keyword.ret == 0
-    ids = [line for line in by_keyword.stdout.lines if "::" in line]
-    assert sorted(i.split("::")[1] for i in ids) == ["test_backend_one", "test_backend_two"]
-    exact = toy.runpytest("--weightsync-property", "bit_exact", "--weightsync-format", "compat",
-                          "--co", "-q")
-    ids = [line for line in exact.stdout.lines if "::" in line]
-    assert ids and all("test_bit_exact" in line and "compat" in line for line in ids)
-    # a narrowed run is a narrower run: PARTIAL, never PASS
-    ran = toy.runpytest("--weightsync-property", "in_place", "--weightsync-only", "reference",
-                        "--weightsync-report", "r.json")
-    verdicts = {i["name"]: i["verdict_word"]
-                for i in json.loads((toy.path / "r.json").read_text())["implementations"]}
-    assert verdicts["reference"] == "PARTIAL", ran.stdout.str()[-2000:]
-
-
-HANGING_TESTS = '''
-import os
-import time
-
-import pytest
-
-
-@pytest.mark.weightsync_property("bit_exact")
-@pytest.mark.parametrize("n", range(10))
-def test_quick(weightsync_loader, case, n):
-    pass
-
-
-@pytest.mark.weightsync_property("in_place")
-def test_hangs(weightsync_loader, case):
-    with open(os.environ["WEIGHTSYNC_TEST_HANGING"], "a") as f:
-        f.write("hanging\\n")
-    time.sleep(120)
-'''
-
-
-def test_ctrl_c_under_xdist_counts_the_selection_not_what_reported(pytester: pytest.Pytester,
-                                                                    tmp_path):
-    """Ctrl-C (SIGINT to the process group, as a terminal sends it) while both xdist workers
-    hang: the workers never finish their session, so the selection they collected must have
-    reached the controller before - the verdict says how many of all the selected tests ran,
-    not "k/k ran" of the k that reported."""
-    pytest.importorskip("xdist")
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    pytester.makeconftest(CONFTEST)
-    _conformance_package(pytester, HANGING_TESTS)
-    hanging = tmp_path / "hanging"
-    env = dict(os.environ, WEIGHTSYNC_TEST_HANGING=str(hanging))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "weightsync", "-n", "2", "-p", "no:randomly",
-         "-p", "no:cacheprovider", "--weightsync-report", "report.json"],
-        cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while (not hanging.exists() or len(hanging.read_text().split()) < 2) \
-                and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        assert hanging.exists(), "no test hung"
-        os.killpg(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    data = json.loads((pytester.path / "report.json").read_text())
-    assert data["interrupted"], out
-    # 2 implementations x 2 topologies x (10 quick + 1 hanging), stand-ins aside
-    per_impl = 2 * (10 + 1)
-    assert data["selection"]["known"] is True, out
-    assert data["selection"]["selected"] == 2 * per_impl + _stand_ins(), data["selection"]
-    for impl in data["implementations"]:
-        assert impl["verdict_word"] == "INTERRUPTED", impl
-        assert impl["total"] == per_impl, impl
-        assert impl["ran"] < per_impl, impl
-        assert impl["verdict"].startswith(f"INTERRUPTED ({impl['ran']}/{per_impl} ran"), impl
-
-
-LOCATED_TESTS = '''
-import pytest
-
-
-class Located(AssertionError):
-    """As the suites' conformance errors: the first differing element's location."""
-
-    location = "layer=0 expert=1 projection=gate row=0 col=0 receiver_rank=1"
-
-
-@pytest.mark.weightsync_property("bit_exact")
-@pytest.mark.parametrize("rank", [4, 1])
-def test_bit_exact(weightsync_loader, case, rank):
-    if weightsync_loader.name != "toy" or case.id != "topoA":
-        return
-    if rank == 4:
-        raise IndexError("list assignment index out of range")
-    raise Located("experts misplaced: receiver rank 1's slot for expert 1 holds expert 2's "
-                  "values\\nfirst at layer=0 expert=1")
-'''
-
-
-def test_the_first_failure_shown_is_a_located_difference(pytester: pytest.Pytester):
-    """One run, one property: a loader's raw IndexError on one rank first, the located
-    difference on another next - the matrix's failure line and the JSON show the located one."""
-    pytester.makeconftest(CONFTEST)
-    _conformance_package(pytester, LOCATED_TESTS)
-    result = pytester.runpytest("-p", "no:randomly", "--weightsync-report", "report.json")
-    result.assert_outcomes(failed=2, passed=6 + _stand_ins())
-    out = result.stdout.str()
-    assert out.index("test_bit_exact[toy-topoA-4]") < out.index("test_bit_exact[toy-topoA-1]")
-    result.stdout.re_match_lines([
-        r"failures \(2 tests; first per implementation and property, a located difference "
-        r"before a raw exception.*",
-        r"  toy / bit_exact / topoA: conformance\.test_loader\.Located: experts misplaced: "
-        r"receiver rank 1's slot for expert 1 holds expert 2's values",
-        r"    rerun: .*test_bit_exact\[toy-topoA-1\]"], consecutive=True)
-    (failure,) = json.loads((pytester.path / "report.json").read_text())["failures"]
-    assert failure["nodeid"].endswith("test_bit_exact[toy-topoA-1]") and failure["located"]

@@ -22,6 +22,10 @@ import multiprocessing
 import os
 import threading
 
+__all__ = [
+    "InheritedFd", "PRELOAD", "adopt", "context", "server_pid", "start_state", "want_preloaded",
+]
+
 #: Imported once in the fork server, in order: what every rank imports before it can serve a
 #: call (``server`` first: it quiets what the imports say about the machine).
 PRELOAD = ("pytest_weightsync.ranks.server", "torch", "torch.distributed")

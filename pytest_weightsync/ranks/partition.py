@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+__all__ = [
+    "devices_for_pool", "parse_visible", "partition_gpus", "xdist_worker_index",
+]
+
 
 def xdist_worker_index(worker_id: str | None) -> int | None:
     """``"gw3"`` -> 3; None (or ``"master"``) when not running inside an xdist worker."""

@@ -43,6 +43,11 @@ from pytest_weightsync.reference_impl.model.layout import MoESpec
 from pytest_weightsync.reference_impl.model.moe_spec import _require
 from pytest_weightsync.vocabulary import MODEL_FAMILIES, MODEL_PARTS, TARGETS
 
+__all__ = [
+    "HFParam", "MTP_PREFIX", "ModelSpec", "ModelWeights", "expert_spec_of", "hf_params",
+    "layer_prefix", "qwen3_5_35b_a3b", "qwen3_5_moe", "qwen3_moe", "value_layer",
+]
+
 #: Checkpoint prefix of the draft (MTP) model's tensors.
 MTP_PREFIX = "mtp."
 

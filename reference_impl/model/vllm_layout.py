@@ -102,6 +102,16 @@ from pytest_weightsync.reference_impl.model.model_layout import vocab_shard as s
 from pytest_weightsync.reference_impl.model.moe_spec import _require
 from pytest_weightsync.reference_impl.model.model_spec import ModelSpec
 
+__all__ = [
+    "DRAFT_CLASS", "FUSED_CHUNK_DIM", "FUSED_GATE_UP", "IGNORED_FORMATS", "LOADED_FORMATS",
+    "MODEL_CLASSES", "MODULE_TREE", "PARAMETERS", "PER_EXPERT_FUSED_CHUNK_DIM", "PLACEMENTS",
+    "ROOTS", "ROUTED_EXPERTS", "SERVED_PREFIXES", "SHARDED_DIM", "SHARD_IDS", "STACKED",
+    "VLLM_TORCH_PIN", "VLLM_VERSION", "VOCAB_PADDING", "VllmTopology", "W13_HALVES",
+    "checkpoint_route", "engine_params", "expert_mapping", "expert_param_shapes",
+    "expert_range", "expert_shard", "receiver_topology", "vllm_name", "vllm_topology",
+    "vocab_shard",
+]
+
 #: The vLLM release modelled here, and the torch it pins (why it does not run in this
 #: project's environment: ``docs/backends.md``).
 VLLM_VERSION = "0.33.0"

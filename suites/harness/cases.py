@@ -21,6 +21,14 @@ from typing import Optional
 from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology, TrainerTopology
 from pytest_weightsync.vocabulary import EXPERT_IMPLS, ORDERS
 
+__all__ = [
+    "ANCHORS", "CASES", "Case", "DIST_CASES", "DeliveredCase", "DistCase", "ENGINE_CASES",
+    "ENGINE_REPLICAS", "ENGINE_UPDATES", "FP8_CASES", "LIFECYCLE_CASES", "QWEN35_LAYER",
+    "REALISTIC", "REPLICA_CASES", "UNEVEN_EP_CASES", "VLLM_LIFECYCLE_CASES",
+    "VLLM_UNEVEN_LIFECYCLE_CASES", "case_params", "cases", "dist_case_params",
+    "engine_updates", "rebalanced",
+]
+
 #: Factor -> values. Sizes kept small (CPU suites).
 FACTORS = {
     "t_tp": (1, 2, 4),
