@@ -189,42 +189,33 @@ def _items(result):
     return list(result) if hasattr(result, "__iter__") else result
 
 
-def _drain_other_entries(bucket, *, engine_rank: int, engine_tp: int, where: str) -> None:
-    """Decode, and drop, every entry of serialized update ``bucket`` but ``engine_rank``'s.
+def _read_entries(bucket, entries=None, *, where: Optional[str] = None) -> None:
+    """Read, and drop, the entries ``entries`` (engine ranks; default all) of serialized update
+    ``bucket`` that exist.
 
     In a real engine every TP worker reads its own entry; each CPU tensor of an entry travels
     as a descriptor its sender keeps registered (``multiprocessing.resource_sharer``, or a
     shared-memory file it keeps a reference on) until a receiver fetches it. An entry nobody
     fetches would hold its sender's descriptors for the life of that process, so the harness
-    reads every entry it receives exactly once, as the engine would - and never stops the
-    process-wide sharer, which the code under test may still need."""
-    from pytest_weightsync.wire import decode_serialized
-
-    entries = getattr(bucket, "serialized_named_tensors", None)
-    count = len(entries) if hasattr(entries, "__len__") else 0
-    for other in range(min(count, engine_tp)):
-        if other != engine_rank:
-            decode_serialized(bucket, engine_rank=other, engine_tp=engine_tp, where=where)
-
-
-def _release_refused(bucket, entries=None) -> None:
-    """After a serialized update was refused: read, and drop, what an engine would still have
-    fetched of it - each entry of ``entries`` (engine ranks; default all) that exists -
-    ignoring what cannot be read, so the sender's descriptors of a refused update are not held
-    for ever in a warm process (its TP workers would each have read their own entry before
-    failing)."""
+    reads every entry it receives exactly once, as the engine would - also of an update it
+    refused, what the TP workers would still have read - and never stops the process-wide
+    sharer, which the code under test may still need. ``where``: what cannot be read is raised
+    naming it; ``None`` (after a refusal, which is what is reported): best effort."""
     from pytest_weightsync.wire import decode_serialized
 
     payloads = getattr(bucket, "serialized_named_tensors", None)
     if not isinstance(payloads, (list, tuple)):
         return
     for index in range(len(payloads)) if entries is None else entries:
-        if 0 <= index < len(payloads):
-            try:
-                with harness_sockets():
-                    decode_serialized(bucket, engine_rank=index, engine_tp=len(payloads))
-            except Exception:  # noqa: BLE001 - best effort: the refusal is what is reported
-                pass
+        if not 0 <= index < len(payloads):
+            continue
+        try:
+            with harness_sockets():
+                decode_serialized(bucket, engine_rank=index, engine_tp=len(payloads),
+                                  where=where or "refused update")
+        except Exception:  # noqa: BLE001 - best effort only after a refusal
+            if where is not None:
+                raise
 
 
 def decoded_stream(result, *, engine_rank: int, engine_tp: int, source: str,
@@ -234,7 +225,7 @@ def decoded_stream(result, *, engine_rank: int, engine_tp: int, source: str,
     the transports met are added to ``transports``. Anything else is left for
     :func:`pytest_weightsync.protocols.as_stream` to judge. With ``drain`` (the default) the
     other engine ranks' entries of a serialized update are read too, and dropped: nobody else
-    will read them (:func:`_drain_other_entries`)."""
+    will read them (:func:`_read_entries`)."""
     items = _items(result)
     if not isinstance(items, list):
         return items
@@ -261,14 +252,14 @@ def decoded_stream(result, *, engine_rank: int, engine_tp: int, source: str,
                 pairs, _ = decode_bucket(bucket, engine_rank=engine_rank, engine_tp=engine_tp,
                                          where=where)
                 if drain and kind == "serialized":
-                    _drain_other_entries(bucket, engine_rank=engine_rank, engine_tp=engine_tp,
-                                         where=where)
+                    _read_entries(bucket, [k for k in range(engine_tp) if k != engine_rank],
+                                  where=where)
         except WireFormatError as error:
             if kind == "serialized":
-                _release_refused(bucket, None if drain else [engine_rank])
+                _read_entries(bucket, None if drain else [engine_rank])
             for later in items[index + 1:]:  # no engine rank reads the rest of this stream now
                 if transport_of(later) == "serialized":
-                    _release_refused(later, None if drain else [engine_rank])
+                    _read_entries(later, None if drain else [engine_rank])
             raise DistributedExportError(str(error)) from None
         transports.add(kind)
         out.append(list(pairs))
@@ -374,8 +365,8 @@ def _colocated_streams(result, *, own: int, engine_tp: int, source: str,
                     pairs, _ = decode_bucket(bucket, engine_rank=engine_rank,
                                              engine_tp=engine_tp, where=where)
             except WireFormatError as error:
-                _release_refused(bucket, sorted(every if readers is None else
-                                                readers.get(index, ())))
+                _read_entries(bucket, sorted(every if readers is None else
+                                             readers.get(index, ())))
                 raise DistributedExportError(str(error)) from None
             transports.add(kind)
             if pairs or engine_rank == own:
@@ -431,7 +422,7 @@ def normalize_result(result, *, delivery: str, rank: int, receiver, source: str,
             for _, rest in pending:  # what no engine rank will read now: released
                 for bucket in (_items(rest) or ()) if isinstance(_items(rest), list) else ():
                     if transport_of(bucket) == "serialized":
-                        _release_refused(bucket)
+                        _read_entries(bucket)
             raise DistributedExportError(str(error)) from None
     for engine_rank, stream in streams.items():
         check_tensors(stream, f"{source} (engine rank {engine_rank})")

@@ -26,6 +26,8 @@ import signal
 import threading
 import time
 
+from pytest_weightsync.ranks.reaper import SERVICES
+
 #: Seconds a changed count may take to settle back before it counts as left behind.
 SETTLE = 0.5
 #: Most names (threads, files) listed per kind in a message.
@@ -144,7 +146,8 @@ def _resource_sharer() -> tuple:
 
 
 def _shm_managers() -> int:
-    """How many torch shared-memory managers this process started (the first CPU tensor it
+    """How many library service helpers (:data:`~pytest_weightsync.ranks.reaper.SERVICES`: torch's
+    shared-memory manager) this process started (the first CPU tensor it
     shared under the ``file_system`` strategy starts one, and keeps one socket to it for the
     life of the process - a library's service, like :func:`_resource_sharer`)."""
     count = 0
@@ -161,7 +164,7 @@ def _shm_managers() -> int:
         for pid in children:
             try:
                 with open(f"/proc/{pid}/comm", "rb") as f:
-                    count += f.read().strip() == b"torch_shm_manag"
+                    count += f.read().strip() in SERVICES
             except OSError:
                 continue
     return count
