@@ -279,7 +279,7 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
 def release(device) -> None:
     """Give staging memory back between formats (IPC blocks the engines let go, then the
     allocator's cache)."""
-    from pytest_weightsync.reference_impl.transport import ipc
+    from pytest_weightsync.reference_impl.sharing import ipc
 
     if torch.device(device).type == "cuda":
         ipc.collect(device)
@@ -296,7 +296,7 @@ def per_tensor_rows(part, engines, topo, tp, args, masks, ptrs, failures) -> lis
     SGLang's per-tensor wire (``ipc.serialize``: one share per tensor) with the engines' plan
     cache off and on, and one share per storage (``shared_payload.serialize_storages``). Digests after
     every update, every bit after the last."""
-    from pytest_weightsync.reference_impl.transport import ipc, shared_payload
+    from pytest_weightsync.reference_impl.sharing import ipc, shared_payload
     from pytest_weightsync.reference_impl.senders import formats as senders
 
     rows = []
@@ -384,7 +384,7 @@ def print_row(r) -> None:
 def run(args) -> dict:
     from pytest_weightsync.reference_impl.engine import process as engine_process
     from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology
-    from pytest_weightsync.reference_impl.transport import share_chain
+    from pytest_weightsync.reference_impl.sharing import share_chain
 
     torch.set_num_threads(1)
     device = torch.device(args.device)

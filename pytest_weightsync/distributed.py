@@ -20,7 +20,7 @@ there, before anything is pickled back, that
 * every bucket sent on a wire format (a flattened bucket, a serialized update:
   :mod:`pytest_weightsync.wire`) decodes, with the harness's own decoder, into what the engine
   rank it was sent to reads - an offset, size or dtype-grouping bug of the encoder is named
-  here, by bucket and entry. Broadcasts (:mod:`pytest_weightsync.broadcast`) are received by
+  here, by bucket and entry. Broadcasts (:mod:`pytest_weightsync.transports.broadcast`) are received by
   engine ranks played in the sender's process, and what they received is the stream.
 
 The bucket limit is judged apart, in the pytest process, from the streams that come back
@@ -39,7 +39,8 @@ from typing import Mapping, Optional
 
 from pytest_weightsync.protocols import DELIVERIES, as_stream, colocated_engine_rank
 from pytest_weightsync.ranks.hygiene import harness_sockets
-from pytest_weightsync.wire import WireFormatError, decode_bucket, transport_of
+from pytest_weightsync import transports
+from pytest_weightsync.transports.base import WireFormatError
 
 
 class DistributedExportError(AssertionError):
@@ -184,118 +185,90 @@ def _copied(stream) -> list:
 def _items(result):
     """``result`` as a list of buckets (one bucket alone becomes a list of one), or as it is
     when it is no stream at all (left for :func:`~pytest_weightsync.protocols.as_stream`)."""
-    if result is None or isinstance(result, (str, bytes)) or transport_of(result) != "tensors":
+    if result is None or isinstance(result, (str, bytes)) or \
+            transports.of(result).name != transports.FALLBACK:
         return None if result is None else [result]
     return list(result) if hasattr(result, "__iter__") else result
 
 
-def _read_entries(bucket, entries=None, *, where: Optional[str] = None) -> None:
-    """Read, and drop, the entries ``entries`` (engine ranks; default all) of serialized update
-    ``bucket`` that exist.
-
-    In a real engine every TP worker reads its own entry; each CPU tensor of an entry travels
-    as a descriptor its sender keeps registered (``multiprocessing.resource_sharer``, or a
-    shared-memory file it keeps a reference on) until a receiver fetches it. An entry nobody
-    fetches would hold its sender's descriptors for the life of that process, so the harness
-    reads every entry it receives exactly once, as the engine would - also of an update it
-    refused, what the TP workers would still have read - and never stops the process-wide
-    sharer, which the code under test may still need. ``where``: what cannot be read is raised
-    naming it; ``None`` (after a refusal, which is what is reported): best effort."""
-    from pytest_weightsync.wire import decode_serialized
-
-    payloads = getattr(bucket, "serialized_named_tensors", None)
-    if not isinstance(payloads, (list, tuple)):
-        return
-    for index in range(len(payloads)) if entries is None else entries:
-        if not 0 <= index < len(payloads):
-            continue
-        try:
-            with harness_sockets():
-                decode_serialized(bucket, engine_rank=index, engine_tp=len(payloads),
-                                  where=where or "refused update")
-        except Exception:  # noqa: BLE001 - best effort only after a refusal
-            if where is not None:
-                raise
+def _release(items, entries=None) -> None:
+    """What no engine rank will read now of ``items`` (a stream, or anything else), let go by
+    its transport (:meth:`~pytest_weightsync.transports.base.Transport.release`)."""
+    for item in items if isinstance(items, list) else ():
+        transport = transports.of(item)
+        if transport.replica_wide:
+            transport.release(item, entries)
 
 
 def decoded_stream(result, *, engine_rank: int, engine_tp: int, source: str,
-                   transports: set, drain: bool = True) -> object:
+                   transports_met: set, drain: bool = True) -> object:
     """``result`` (a stream, or one bucket) with every wire-format bucket decoded into the
-    ``(name, tensor)`` pairs engine rank ``engine_rank`` reads (:mod:`pytest_weightsync.wire`);
-    the transports met are added to ``transports``. Anything else is left for
-    :func:`pytest_weightsync.protocols.as_stream` to judge. With ``drain`` (the default) the
-    other engine ranks' entries of a serialized update are read too, and dropped: nobody else
-    will read them (:func:`_read_entries`)."""
+    ``(name, tensor)`` pairs engine rank ``engine_rank`` reads, each by its transport
+    (:mod:`pytest_weightsync.transports`); the transports met are added to ``transports_met``.
+    Anything else is left for :func:`pytest_weightsync.protocols.as_stream` to judge. With
+    ``drain`` (the default) the other engine ranks' entries of a replica-wide bucket are read
+    too, and dropped: nobody else will read them."""
     items = _items(result)
     if not isinstance(items, list):
         return items
-    if any(transport_of(bucket) == "weight_transfer" for bucket in items):
-        from pytest_weightsync import weight_transfer
-
-        try:  # vLLM's calls: the whole session decoded and checked before any bucket
-            out = weight_transfer.decode_stream(items, engine_rank=engine_rank,
-                                                engine_world=engine_tp,
-                                                where=f"{source} (weight_transfer)")
-        except WireFormatError as error:
+    whole = next((t for t in map(transports.of, items) if t.whole_stream), None)
+    if whole is not None:  # a session of calls, decoded and checked before any bucket
+        try:
+            out = whole.decode_stream(items, engine_rank=engine_rank, engine_tp=engine_tp,
+                                      where=source)
+        except _refusals(whole) as error:
             raise DistributedExportError(str(error)) from None
-        transports.add("weight_transfer")
+        transports_met.add(whole.name)
         return out
     out = []
     for index, bucket in enumerate(items):
-        kind = transport_of(bucket)
-        if kind == "tensors":
+        transport = transports.of(bucket)
+        if transport.name == transports.FALLBACK:
             out.append(bucket)
             continue
-        where = f"{source}: bucket {index} ({kind})"
+        where = f"{source}: bucket {index} ({transport.name})"
         try:
             with harness_sockets():
-                pairs, _ = decode_bucket(bucket, engine_rank=engine_rank, engine_tp=engine_tp,
+                pairs = transport.decode(bucket, engine_rank=engine_rank, engine_tp=engine_tp,
                                          where=where)
-                if drain and kind == "serialized":
-                    _read_entries(bucket, [k for k in range(engine_tp) if k != engine_rank],
-                                  where=where)
-        except WireFormatError as error:
-            if kind == "serialized":
-                _read_entries(bucket, None if drain else [engine_rank])
-            for later in items[index + 1:]:  # no engine rank reads the rest of this stream now
-                if transport_of(later) == "serialized":
-                    _read_entries(later, None if drain else [engine_rank])
+                for k in range(engine_tp) if drain and transport.replica_wide else ():
+                    if k != engine_rank:  # read and dropped: nobody else will fetch them
+                        transport.decode(bucket, engine_rank=k, engine_tp=engine_tp,
+                                         where=where)
+        except _refusals(transport) as error:
+            entries = None if drain else [engine_rank]
+            _release(items[index:], entries)  # no engine rank reads the rest of it now
             raise DistributedExportError(str(error)) from None
-        transports.add(kind)
+        transports_met.add(transport.name)
         out.append(list(pairs))
     return out
 
 
-def _serialized_digests(result) -> dict:
-    """``{bucket index: digest}`` of the serialized updates in ``result``: what identifies one
-    update returned by several ranks (its entries' bytes and its load format). An update whose
-    entries are not bytes gets no digest of its own: it is this rank's alone."""
-    import hashlib
+def _refusals(transport) -> tuple:
+    """What ``transport``'s decoder raises for a bucket an engine would refuse."""
+    return (WireFormatError, *transport.errors)
 
+
+def _identities(result) -> dict:
+    """``{bucket index: identity}`` of the replica-wide buckets in ``result``: what identifies
+    one update returned by several ranks (:meth:`~pytest_weightsync.transports.base.Transport.identity`;
+    ``None``: this rank's alone)."""
     items = _items(result)
     if not isinstance(items, list):
         return {}
     out = {}
     for index, bucket in enumerate(items):
-        if transport_of(bucket) != "serialized":
-            continue
-        entries = getattr(bucket, "serialized_named_tensors", None)
-        digest = hashlib.sha1(repr(getattr(bucket, "load_format", None)).encode())
-        try:
-            for entry in entries:
-                digest.update(entry.encode() if isinstance(entry, str) else bytes(entry))
-                digest.update(b"\0")
-        except (TypeError, ValueError):  # not bytes: judged by the decoder, in this rank
-            out[index] = None
-            continue
-        out[index] = digest.hexdigest()
+        transport = transports.of(bucket)
+        if transport.replica_wide:
+            out[index] = transport.identity(bucket)
     return out
 
 
 def serialized_readers(result, *, rank: int, engine_tp: int) -> dict:
-    """``{bucket index: engine ranks}``: which entries of each serialized update in this
-    colocated trainer rank's ``result`` this rank reads. Collective over the default process
-    group (every rank calls it once per export call, whatever its exporter returned).
+    """``{bucket index: engine ranks}``: which entries of each replica-wide bucket (a serialized
+    update) in this colocated trainer rank's ``result`` this rank reads. Collective over the
+    default process group (every rank calls it once per export call, whatever its exporter
+    returned).
 
     A serialized update reaches every engine TP rank of its replica, each reading its own entry
     (SGLang's TP workers). Trainer rank ``k`` plays engine rank ``k % tp``: where the replica's
@@ -304,7 +277,7 @@ def serialized_readers(result, *, rank: int, engine_tp: int) -> dict:
     another process than the one that serialized it, as in the real flow; an entry whose own
     rank did not return the update is read by the first rank that did. So every entry is read
     exactly once in the replica (a descriptor can be fetched once)."""
-    digests = _serialized_digests(result)
+    digests = _identities(result)
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -327,21 +300,21 @@ def serialized_readers(result, *, rank: int, engine_tp: int) -> dict:
 
 
 def _colocated_streams(result, *, own: int, engine_tp: int, source: str,
-                       transports: set, readers: Optional[dict] = None) -> dict:
+                       transports_met: set, readers: Optional[dict] = None) -> dict:
     """``{engine rank: stream}`` of one colocated trainer rank's ``result``: its pairs and
-    flattened buckets (and vLLM's calls) reach ``own``, its colocated engine rank; a serialized
-    update reaches every engine TP rank of its replica, each reading its own entry, as
-    SGLang's TP workers do: this rank reads the entries ``readers`` gives it
-    (:func:`serialized_readers`; default every entry). ``None`` or an empty result is nothing
-    from this rank: an empty stream for ``own``, judged with what the other ranks sent it."""
+    flattened buckets (and vLLM's calls) reach ``own``, its colocated engine rank; a
+    replica-wide bucket (a serialized update) reaches every engine TP rank of its replica, each
+    reading its own entry, as SGLang's TP workers do: this rank reads the entries ``readers``
+    gives it (:func:`serialized_readers`; default every entry). ``None`` or an empty result is
+    nothing from this rank: an empty stream for ``own``, judged with what the other ranks sent
+    it."""
     if result is None or (isinstance(result, (list, tuple)) and not result):
         return {own: []}
     items = _items(result)
-    serialized = isinstance(items, list) and bool(items) and \
-        any(transport_of(bucket) == "serialized" for bucket in items)
-    if not serialized:
+    wide = isinstance(items, list) and any(transports.of(b).replica_wide for b in items)
+    if not wide:
         result = decoded_stream(result, engine_rank=own, engine_tp=engine_tp, source=source,
-                                transports=transports)
+                                transports_met=transports_met)
         try:
             return {own: as_stream(result, source=source)}
         except TypeError as error:
@@ -352,23 +325,23 @@ def _colocated_streams(result, *, own: int, engine_tp: int, source: str,
     every = set(range(engine_tp))
     kept: dict = {}
     for index, bucket in enumerate(items):
-        kind = transport_of(bucket)
-        if kind != "serialized":  # pairs and flattened buckets reach the own engine rank
+        transport = transports.of(bucket)
+        if not transport.replica_wide:  # pairs and flattened buckets reach the own engine rank
             kept.setdefault(own, []).extend(decoded_stream(
                 [bucket], engine_rank=own, engine_tp=engine_tp, source=source,
-                transports=transports))
+                transports_met=transports_met))
             continue
-        where = f"{source}: bucket {index} ({kind})"
-        for engine_rank in sorted(every if readers is None else readers.get(index, ())):
+        where = f"{source}: bucket {index} ({transport.name})"
+        mine = sorted(every if readers is None else readers.get(index, ()))
+        for engine_rank in mine:
             try:
                 with harness_sockets():
-                    pairs, _ = decode_bucket(bucket, engine_rank=engine_rank,
+                    pairs = transport.decode(bucket, engine_rank=engine_rank,
                                              engine_tp=engine_tp, where=where)
-            except WireFormatError as error:
-                _read_entries(bucket, sorted(every if readers is None else
-                                             readers.get(index, ())))
+            except _refusals(transport) as error:
+                transport.release(bucket, mine)
                 raise DistributedExportError(str(error)) from None
-            transports.add(kind)
+            transports_met.add(transport.name)
             if pairs or engine_rank == own:
                 kept.setdefault(engine_rank, []).append(list(pairs))
     kept.setdefault(own, [])
@@ -382,19 +355,19 @@ def _colocated_streams(result, *, own: int, engine_tp: int, source: str,
 
 
 def normalize_result(result, *, delivery: str, rank: int, receiver, source: str,
-                     transports: set = None, readers: Optional[dict] = None) -> dict:
+                     transports_met: set = None, readers: Optional[dict] = None) -> dict:
     """The exporter's ``result`` in trainer rank ``rank`` as ``{engine_rank: stream}``
     (wire buckets decoded, tensors copied), or :class:`DistributedExportError` naming what is
-    wrong with it. The wire formats met are added to ``transports``; ``readers``: which
+    wrong with it. The wire formats met are added to ``transports_met``; ``readers``: which
     entries of each serialized update this rank reads under colocated delivery
     (:func:`serialized_readers`; default every entry)."""
-    transports = set() if transports is None else transports
+    transports_met = set() if transports_met is None else transports_met
     if delivery not in DELIVERIES:
         raise ValueError(f"delivery must be one of {DELIVERIES}, got {delivery!r}")
     if delivery == "colocated":
         streams = _colocated_streams(result, own=colocated_engine_rank(rank, receiver.tp),
                                      engine_tp=receiver.tp, source=source,
-                                     transports=transports, readers=readers)
+                                     transports_met=transports_met, readers=readers)
     elif rank != 0:
         if result:
             raise DistributedExportError(f"{source}: distributed delivery returns streams from "
@@ -417,29 +390,27 @@ def normalize_result(result, *, delivery: str, rank: int, receiver, source: str,
                 k, v = pending.pop(0)
                 streams[int(k)] = as_stream(decoded_stream(
                     v, engine_rank=int(k), engine_tp=receiver.tp, source=f"{source} (engine "
-                    f"rank {k})", transports=transports), source=f"{source} (engine rank {k})")
+                    f"rank {k})", transports_met=transports_met), source=f"{source} (engine rank {k})")
         except (TypeError, DistributedExportError) as error:
             for _, rest in pending:  # what no engine rank will read now: released
-                for bucket in (_items(rest) or ()) if isinstance(_items(rest), list) else ():
-                    if transport_of(bucket) == "serialized":
-                        _read_entries(bucket)
+                _release(_items(rest))
             raise DistributedExportError(str(error)) from None
     for engine_rank, stream in streams.items():
         check_tensors(stream, f"{source} (engine rank {engine_rank})")
     return {k: _copied(v) for k, v in streams.items()}
 
 
-def _broadcast_streams(engine, result, *, source: str) -> dict:
-    """The streams the engine ranks of ``engine`` received (the exporter broadcast instead of
-    returning streams), or :class:`DistributedExportError` naming what went wrong."""
-    from pytest_weightsync.broadcast import BroadcastError
-
+def _channel_streams(channel_transport, channel, result, *, source: str) -> dict:
+    """The streams the engine ranks of ``channel`` received (the exporter sent on the channel
+    transport - a broadcast - instead of returning streams), or :class:`DistributedExportError`
+    naming what went wrong."""
     if result:
-        raise DistributedExportError(f"{source}: it broadcast to the engine AND returned "
+        raise DistributedExportError(f"{source}: it sent on the engine channel "
+                                     f"({channel_transport.name}) AND returned "
                                      f"{type(result).__name__}; a sender does one of the two")
     try:
-        streams = engine.finish()
-    except BroadcastError as error:
+        streams = channel_transport.received(channel)
+    except _refusals(channel_transport) as error:
         raise DistributedExportError(f"{source}: {error}") from None
     return {k: _copied(v) for k, v in streams.items()}
 
@@ -450,7 +421,7 @@ def call_exporter(exporter, model_state: Mapping, *, config, format: str, spec, 
                   settled: Optional[dict] = None) -> RankExport:
     """One update: call ``exporter.export_weights_distributed`` in this rank (``model``, the
     list of model chunks, reaches exporters that take the optional keyword; so does
-    ``engine``, a :class:`pytest_weightsync.broadcast.BroadcastEngine` in every source rank of
+    ``engine``, a :class:`pytest_weightsync.transports.broadcast.BroadcastEngine` in every source rank of
     distributed delivery - ``source_rank``: the first rank of a pipeline stage, default
     trainer rank 0 only - and ``None`` elsewhere), check that it left ``model_state`` alone -
     values and storage - and return its streams. Collective (every rank calls it).
@@ -458,7 +429,6 @@ def call_exporter(exporter, model_state: Mapping, *, config, format: str, spec, 
     ``settled``: a :func:`snapshot` of ``model_state`` as the trainer's own deferred work
     would leave it (the param all-gather a distributed-optimizer step defers to the next
     forward): an exporter that completes that work has not modified its inputs."""
-    from pytest_weightsync.broadcast import BroadcastEngine
     from pytest_weightsync.protocols import SIGNATURES, accepts_keyword
 
     call = f"export call for update {update} ({format}, {delivery} delivery) in trainer rank {rank}"
@@ -472,12 +442,13 @@ def call_exporter(exporter, model_state: Mapping, *, config, format: str, spec, 
     optional = SIGNATURES["export_weights_distributed"][2]
     if model is not None and "model" in optional and accepts_keyword(method, "model"):
         kwargs["model"] = model
-    engine = None
+    engine, channel_transport = None, transports.get("broadcast")
     if accepts_keyword(method, "engine"):
         sends = rank == 0 if source_rank is None else source_rank
-        engine = BroadcastEngine(receiver.tp) if delivery == "distributed" and sends else None
+        engine = channel_transport.open_channel(receiver.tp) \
+            if delivery == "distributed" and sends else None
         kwargs["engine"] = engine
-    transports: set = set()
+    transports_met: set = set()
     try:
         failed = None
         try:
@@ -492,12 +463,13 @@ def call_exporter(exporter, model_state: Mapping, *, config, format: str, spec, 
         if settled is None or first_modification(settled, model_state) is not None:
             check_inputs_unchanged(before, model_state, call=call, owner=owner)
         if engine is not None and engine.used:
-            streams = _broadcast_streams(engine, result, source=source)
-            transports.add("broadcast")
+            streams = _channel_streams(channel_transport, engine, result, source=source)
+            transports_met.add(channel_transport.name)
         else:
             streams = normalize_result(result, delivery=delivery, rank=rank, receiver=receiver,
-                                       source=source, transports=transports, readers=readers)
+                                       source=source, transports_met=transports_met,
+                                       readers=readers)
     finally:
         if engine is not None:
             engine.close()
-    return RankExport(rank, streams, frozenset(transports))
+    return RankExport(rank, streams, frozenset(transports_met))

@@ -115,7 +115,7 @@ bucket_bytes[, model][, engine]) -> streams``
     with its own decoder into what the engine rank reads. ``engine`` (optional keyword) is,
     in each pipeline stage's source rank under distributed delivery (TP rank 0 of DP rank 0;
     trainer rank 0 without PP), a
-    :class:`pytest_weightsync.broadcast.BroadcastEngine` (``None`` elsewhere): an exporter
+    :class:`pytest_weightsync.transports.broadcast.BroadcastEngine` (``None`` elsewhere): an exporter
     that calls its ``update_weights_from_distributed(names, dtypes, shapes[, load_format])``
     and then ``torch.distributed.broadcast(tensor, src=0, group=engine.group)`` for each tensor
     returns ``None``, and what the engine ranks received is its stream.

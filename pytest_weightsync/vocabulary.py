@@ -93,9 +93,9 @@ DELIVERIES = ("colocated", "distributed")
 #: (``(name, tensor)`` pairs), ``flattened_bucket`` (one uint8 tensor plus SGLang's
 #: ``FlattenedTensorMetadata``), ``serialized`` (``update_weights_from_tensor``'s
 #: ``serialized_named_tensors``, one entry per engine TP rank) and ``broadcast`` (names,
-#: dtypes and shapes, then a broadcast from the sender: ``pytest_weightsync.broadcast``) and
+#: dtypes and shapes, then a broadcast from the sender: ``pytest_weightsync.transports.broadcast``) and
 #: ``weight_transfer`` (vLLM's protocol: init, start, ``update_weights`` calls carrying IPC
-#: handles or announcing NCCL broadcasts, finish: ``pytest_weightsync.weight_transfer``).
+#: handles or announcing NCCL broadcasts, finish: ``pytest_weightsync.transports.weight_transfer``).
 TRANSPORTS = ("tensors", "flattened_bucket", "serialized", "broadcast", "weight_transfer")
 #: The transports a loader's ``load_weights`` can be handed (the engine's TP worker decodes
 #: the others before its loader runs); ``Capabilities.transports`` of a loader.

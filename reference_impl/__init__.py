@@ -9,8 +9,8 @@ The yardstick other implementations are measured against, in rooms by role (the 
 ``oracle/``     expected values, computed at layout coordinates: never from a sender's or
                 a receiver's code
 ``trainer/``    the trainer side as Megatron-Core / TE build it, and the gathers over it
-``senders/``    wire formats and exporters (single process, distributed, colocated)
-``transport/``  how payloads travel between processes (IPC handles, shared payloads)
+``senders/``    payload formats and exporters (single process, distributed, colocated)
+``sharing/``    how a tensor's memory is shared between processes (IPC handles, shared payloads)
 ``engine/``     receivers as SGLang builds them, and the receiver process
 ``kernels/``    copy machinery every room may use (planned copies, Triton kernels)
 ``rl/``         inline-logprob eligibility and loss inputs
@@ -48,7 +48,7 @@ _EXPORTS = {
     "ReferenceImplementation": "impl",
 }
 #: The rooms, in the order a reader meets them (``docs/architecture.md``).
-ROOMS = ("model", "oracle", "trainer", "senders", "transport", "engine", "kernels", "rl",
+ROOMS = ("model", "oracle", "trainer", "senders", "sharing", "engine", "kernels", "rl",
          "backends")
 
 __all__ = sorted(_EXPORTS) + list(ROOMS)

@@ -416,7 +416,7 @@ class ReferenceImplementation:
         """Run in every trainer rank: gather over Megatron's TP/EP/ETP/PP groups, then send on
         :attr:`transport` (:mod:`pytest_weightsync.reference_impl.senders.distributed_export`; whole
         models: :mod:`pytest_weightsync.reference_impl.senders.distributed_model_export`; ``engine``:
-        where a broadcast goes, :mod:`pytest_weightsync.broadcast`)."""
+        where a broadcast goes, :mod:`pytest_weightsync.transports.broadcast`)."""
         check_format(format)
         kwargs = dict(config=config, format=format, spec=spec, trainer=trainer,
                       receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes)

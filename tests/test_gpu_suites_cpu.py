@@ -314,7 +314,7 @@ def test_ipc_updates_on_cpu_are_exact_in_place_and_leak_no_handles(cpu_receivers
 
 def test_ipc_receiver_refuses_a_bad_payload_and_keeps_its_parameters(cpu_receivers):
     from pytest_weightsync.reference_impl.engine import process as engine_process
-    from pytest_weightsync.reference_impl.transport import ipc
+    from pytest_weightsync.reference_impl.sharing import ipc
 
     topo = ReceiverTopology(tp=1)
     process = cpu_receivers[0]

@@ -35,7 +35,7 @@ the worker's session, ``v1/worker/gpu_worker.py``):
 
 What a sender hands the engine per update (names, dtype names, shapes, IPC handles or the NCCL
 broadcasts, the calls' order) is the harness transport ``weight_transfer``
-(:mod:`pytest_weightsync.weight_transfer`), checked against the wheel in
+(:mod:`pytest_weightsync.transports.weight_transfer`), checked against the wheel in
 ``suites/selftest/test_vllm_transfer.py``.
 
 Sleep between updates (``Worker.sleep(level)`` / ``wake_up``, ``device_allocator/

@@ -15,4 +15,4 @@ fresh parameters and check them where they live when a test asks.
 
 #: Rooms of ``reference_impl`` this one may import (checked by the repository's tests;
 #: ``oracle`` by :mod:`.process` alone).
-MAY_IMPORT = ("errors", "model", "kernels", "transport", "oracle")
+MAY_IMPORT = ("errors", "model", "kernels", "sharing", "oracle")

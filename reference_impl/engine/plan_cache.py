@@ -10,7 +10,7 @@ second run: no host work or gaps between launches).
 
 Two kinds of payload:
 
-* a :class:`~pytest_weightsync.reference_impl.transport.shared_payload.ReceivedPayload` carries its key
+* a :class:`~pytest_weightsync.reference_impl.sharing.shared_payload.ReceivedPayload` carries its key
   (its table and its storages' addresses determine every tensor of it exactly), so a bucket
   whose key was seen skips validation and planning altogether;
 * any other payload (a list of ``(name, tensor)``: SGLang's per-tensor wire, a third party's

@@ -1,8 +1,8 @@
 """One receiver rank in its own spawned process, driven over a pipe like an engine.
 
 The trainer side of a test talks to :class:`ReceiverProcess` as a trainer talks to an SGLang
-engine: a serialized payload (:mod:`pytest_weightsync.reference_impl.transport.ipc`) per
-update, or payloads registered once (:mod:`~pytest_weightsync.reference_impl.transport.shared_payload`)
+engine: a serialized payload (:mod:`pytest_weightsync.reference_impl.sharing.ipc`) per
+update, or payloads registered once (:mod:`~pytest_weightsync.reference_impl.sharing.shared_payload`)
 and loaded by a message of a few bytes. The process holds a
 :class:`~pytest_weightsync.reference_impl.engine.receiver.ReferenceReceiver` and answers each
 update with what it saw (:class:`UpdateReport`).
@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology, WeightSyncError
-from pytest_weightsync.reference_impl.transport.ipc import (
+from pytest_weightsync.reference_impl.sharing.ipc import (
     MemoryStats,
     deserialize,
     memory_stats,
@@ -138,7 +138,7 @@ class ReceiverProcess:
 
     def register(self, data: bytes) -> Registration:
         """Keep a serialized payload (mappings open) for :meth:`update_registered`: a payload
-        shared once per model (:class:`~pytest_weightsync.reference_impl.transport.shared_payload.SharedPayload`)
+        shared once per model (:class:`~pytest_weightsync.reference_impl.sharing.shared_payload.SharedPayload`)
         is then updated with a message of a few bytes."""
         return self._request(("register", data))
 
@@ -168,7 +168,7 @@ class ReceiverProcess:
         prepares the next bucket while this one is copied. A bucket with ``end`` is always
         waited for.
 
-        ``wait`` / ``signal`` (CUDA IPC event handles, :mod:`~pytest_weightsync.reference_impl.transport.ipc_events`):
+        ``wait`` / ``signal`` (CUDA IPC event handles, :mod:`~pytest_weightsync.reference_impl.sharing.ipc_events`):
         the engine's copies wait on the device for the trainer's record of ``wait`` (a staging
         copy the host did not wait for), and ``signal`` is recorded after them, so the trainer
         can refill what they read once its stream has waited for it - neither side blocks."""
@@ -293,7 +293,7 @@ def _receiver_main(conn, device: str) -> None:
     state = {"receiver": None, "keep": False, "kept": [], "registered": {}, "next_id": 0,
              "inflight": [], "events": None}
     if dev.type == "cuda":
-        from pytest_weightsync.reference_impl.transport.ipc_events import OpenedEvents
+        from pytest_weightsync.reference_impl.sharing.ipc_events import OpenedEvents
 
         state["events"] = OpenedEvents(dev)
     conn.send(("ok", os.getpid()))
@@ -327,7 +327,7 @@ def _on_device(rebuilt, device: torch.device):
     """A rebuilt payload as the receiver loads it: a shared payload as it is when its storages
     are on the receiver's device (its tensors are made lazily), else each tensor moved there
     (a no-op on the same device, as in SGLang's ``_unwrap_tensor``)."""
-    from pytest_weightsync.reference_impl.transport.shared_payload import ReceivedPayload
+    from pytest_weightsync.reference_impl.sharing.shared_payload import ReceivedPayload
 
     if isinstance(rebuilt, ReceivedPayload) and rebuilt.devices <= {device}:
         return rebuilt

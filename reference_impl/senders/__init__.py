@@ -11,4 +11,4 @@ import the oracle (the values they send are the trainer's) nor a receiver.
 """
 
 #: Rooms of ``reference_impl`` this one may import (checked by the repository's tests).
-MAY_IMPORT = ("errors", "model", "trainer", "transport", "kernels")
+MAY_IMPORT = ("errors", "model", "trainer", "sharing", "kernels")

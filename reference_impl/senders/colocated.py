@@ -11,7 +11,7 @@ the trainer updates its weights in place. Measured on one H200 for 8 Qwen3.5-35B
   payload's layout (no staging copy: :mod:`zerocopy`), otherwise staging tensors in one arena
   that every bucket reuses (at most ``staging_bytes``), refreshed each update by a copy plan
   built once (a CUDA graph from its second run); and one
-  :class:`~pytest_weightsync.reference_impl.transport.shared_payload.SharedPayload` each (one IPC
+  :class:`~pytest_weightsync.reference_impl.sharing.shared_payload.SharedPayload` each (one IPC
   handle per storage, the table of entries pickled once);
 * :class:`ColocatedSync` registers those payloads once with each engine rank
   (:meth:`ReceiverProcess.register`: mappings opened once) and per update stages what needs
@@ -43,7 +43,7 @@ import torch
 from pytest_weightsync.reference_impl.kernels import fastcopy
 from pytest_weightsync.reference_impl.senders import formats as senders
 from pytest_weightsync.reference_impl.errors import WeightSyncError
-from pytest_weightsync.reference_impl.transport.shared_payload import SharedPayload
+from pytest_weightsync.reference_impl.sharing.shared_payload import SharedPayload
 
 #: Alignment of staging tensors inside the arena (bytes): whole 16-byte vectors and cache lines.
 ALIGN = 512
@@ -303,7 +303,7 @@ class ColocatedSync:
         #: engine rank.
         self.events = None
         if sender.device.type == "cuda" and any(b.staged_bytes for b in sender.buckets):
-            from pytest_weightsync.reference_impl.transport.ipc_events import EventPool
+            from pytest_weightsync.reference_impl.sharing.ipc_events import EventPool
 
             self.events = EventPool(sender.device)
 

@@ -101,49 +101,23 @@ def gather_full(spec: MoESpec, model_state: Mapping, *, etp=None, ep=None, pp=No
                               None if pp == NO_PP_GATHER else pp))
 
 
+def wire_transport(transport: str) -> tuple:
+    """``(transport, options)`` of one of :data:`REFERENCE_TRANSPORTS`: a registered transport
+    (:mod:`pytest_weightsync.transports`), ``_flattened`` asking it for one flat buffer per
+    bucket."""
+    from pytest_weightsync import transports
+
+    name, flattened = (transport[:-len("_flattened")], True) \
+        if transport.endswith("_flattened") else (transport, False)
+    return transports.get(name), ({"flattened": True} if flattened else {})
+
+
 def encoded(stream: list, transport: str, *, engine_rank: int, engine_tp: int) -> list:
-    """``stream`` (buckets of ``(name, tensor)``) on the wire ``transport``
-    (:mod:`pytest_weightsync.wire`): each bucket a flattened bucket, or a serialized update
-    whose entry for ``engine_rank`` holds it (the other engine ranks' entries are empty: each
-    stream is one engine rank's)."""
-    from pytest_weightsync import wire
-
-    if transport == "tensors":
-        return stream
-    if transport == "flattened_bucket":
-        return [wire.flattened_bucket(bucket) for bucket in stream]
-    if transport in ("serialized", "serialized_flattened"):
-        return [wire.serialized_update([bucket if r == engine_rank else []
-                                        for r in range(engine_tp)],
-                                       flattened=transport == "serialized_flattened")
-                for bucket in stream]
-    raise WeightSyncError(f"unknown transport {transport!r}")
-
-
-def broadcast(engine, stream: list, *, flattened: bool) -> None:
-    """Send ``stream`` to every engine rank of ``engine`` as SGLang's distributed path takes
-    it: per bucket, names/dtypes/shapes announced, then each tensor broadcast from this rank
-    (with ``flattened``: the bucket ordered by item size, largest first, so that densely
-    packed offsets stay aligned, and broadcast as one uint8 buffer)."""
-    import torch
-    import torch.distributed as dist
-
-    from pytest_weightsync import wire
-
-    for bucket in stream:
-        if flattened:
-            bucket = sorted(bucket, key=lambda pair: -pair[1].element_size())
-        engine.update_weights_from_distributed(
-            [n for n, _ in bucket], [t.dtype for _, t in bucket],
-            [tuple(t.shape) for _, t in bucket],
-            load_format="flattened_bucket" if flattened else None)
-        if flattened:
-            flat = torch.cat([wire.tensor_bytes(t) for _, t in bucket]) if bucket else \
-                torch.empty(0, dtype=torch.uint8)
-            dist.broadcast(flat, src=0, group=engine.group)
-            continue
-        for _, tensor in bucket:
-            dist.broadcast(tensor.contiguous(), src=0, group=engine.group)
+    """``stream`` (buckets of ``(name, tensor)``) for ``engine_rank`` on the wire ``transport``,
+    encoded by the transport itself (a serialized update holds the bucket in ``engine_rank``'s
+    entry, the other ranks' entries empty: each stream is one engine rank's)."""
+    wire, options = wire_transport(transport)
+    return wire.encode(stream, engine_rank=engine_rank, engine_tp=engine_tp, **options)
 
 
 #: Formats whose payload is the same for every engine rank: the only ones a broadcast to all
@@ -172,27 +146,27 @@ def engine_streams(full, *, format, spec, receiver, delivery, bucket_bytes: Opti
     def stream_for(engine_rank):
         return split_buckets(export(format, spec, receiver, engine_rank, full), bucket_bytes)
 
-    if delivery == "colocated":
+    wire, options = wire_transport(transport)
+    if wire.channel:  # sent on the engine channel where there is one; else as pairs
+        transport = "tensors"
+    if delivery == "colocated":  # nobody to broadcast to: every rank feeds its own engine rank
         engine_rank = colocated_engine_rank(rank, receiver.tp)
-        if transport.startswith("broadcast"):
-            transport = "tensors"  # nobody to broadcast to: every rank feeds its own engine rank
         return encoded(stream_for(engine_rank), transport, engine_rank=engine_rank,
                        engine_tp=receiver.tp)
     if delivery == "distributed":
         if rank != 0:
             return None
-        if transport.startswith("broadcast") and engine is not None and \
-                format in BROADCAST_FORMATS:
-            broadcast(engine, stream_for(0), flattened=transport == "broadcast_flattened")
+        if wire.channel and engine is not None and format in BROADCAST_FORMATS:
+            wire.encode(stream_for(0), engine_rank=0, engine_tp=receiver.tp, engine=engine,
+                        **options)
             return None
-        if transport.startswith("broadcast"):
-            transport = "tensors"
         return {r: encoded(stream_for(r), transport, engine_rank=r, engine_tp=receiver.tp)
                 for r in range(receiver.tp)}
     raise WeightSyncError(f"unknown delivery {delivery!r}; expected 'colocated' or 'distributed'")
 
 
-#: The ways the reference can put its buckets on the wire (:func:`engine_streams`).
+#: The ways the reference puts its buckets on the builtin transports (:func:`engine_streams`;
+#: any transport registered under ``weightsync.transports`` is sent on as well).
 REFERENCE_TRANSPORTS = ("tensors", "flattened_bucket", "serialized", "serialized_flattened",
                         "broadcast", "broadcast_flattened")
 
@@ -204,9 +178,14 @@ def export_weights_distributed(model_state, *, config, format, spec, trainer, re
     if delivery not in ("colocated", "distributed"):
         raise WeightSyncError(f"unknown delivery {delivery!r}; expected 'colocated' or "
                               f"'distributed'")
-    if transport not in REFERENCE_TRANSPORTS:
-        raise WeightSyncError(f"unknown transport {transport!r}; expected one of "
-                              f"{REFERENCE_TRANSPORTS}")
+    from pytest_weightsync.transports import TransportRegistryError
+
+    try:
+        wire_transport(transport)
+    except TransportRegistryError as error:
+        raise WeightSyncError(f"unknown transport {transport!r} ({error}); the reference "
+                              f"sends on {REFERENCE_TRANSPORTS} and on any registered "
+                              f"transport") from None
     return engine_streams(gather_full(spec, model_state), format=format, spec=spec,
                           receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes,
                           transport=transport, engine=engine)

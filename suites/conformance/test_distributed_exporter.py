@@ -18,7 +18,7 @@ and, where SGLang imports, by every stock SGLang row that claims the format and 
 
   Buckets may travel on any transport (``pytest_weightsync.wire``: pairs, flattened buckets,
   serialized updates with one entry per engine TP rank; or broadcasts to the engine ranks of
-  ``pytest_weightsync.broadcast``): each is decoded by the harness's own decoder into what the
+  ``pytest_weightsync.transports.broadcast``): each is decoded by the harness's own decoder into what the
   engine rank reads, and a bucket no engine could decode fails naming bucket and entry. Each
   test records the transports used (``weightsync_transports``).
 

@@ -4,7 +4,7 @@ The exporter gets every trainer rank's Megatron-Core expert shards of the case; 
 call the shards are checked bit-identical - before any receiver value is judged, so the
 failure names the call that changed them - and its payload for each receiver rank (pairs, or
 buckets on a wire format: ``pytest_weightsync.wire``, or vLLM's weight-transfer calls:
-``pytest_weightsync.weight_transfer``, decoded by the harness) is loaded by the
+``pytest_weightsync.transports.weight_transfer``, decoded by the harness) is loaded by the
 reference receiver (``suites.harness.reference``) and judged bit for bit.
 """
 
@@ -51,7 +51,7 @@ def exported_streams(exporter, case, fmt, states, ranks=None, shards_before=None
             #     update are read too and dropped (each descriptor fetched once, as an engine does)
             stream = as_stream(distributed.decoded_stream(
                 result, engine_rank=rank, engine_tp=case.receiver.tp, source=source,
-                transports=set()), source=source)
+                transports_met=set()), source=source)
         except (TypeError, distributed.DistributedExportError) as error:
             raise judge.ConformanceError(f"export call for receiver rank {rank} ({fmt}): "
                                          f"{error}") from None

@@ -30,28 +30,34 @@ def frames_updates(impl) -> bool:
 def load_stream(impl, params, stream, fmt, case, rank, *, framed=True, refill=False,
                 transport="tensors") -> None:
     """Load ``stream`` (a list of buckets) into ``params`` through ``impl``; with ``refill``,
-    each bucket's tensors are overwritten as soon as its ``load_weights`` call returns. With
-    ``transport="flattened_bucket"`` each bucket is handed over as SGLang's flattened bucket
-    (:func:`pytest_weightsync.wire.flattened_bucket`), and the refill overwrites its one flat
-    buffer."""
-    from pytest_weightsync import wire
+    each bucket's tensors are overwritten as soon as its ``load_weights`` call returns. Each
+    bucket is handed over on ``transport`` (one a loader may claim, e.g. ``flattened_bucket``:
+    SGLang's flattened bucket), encoded by the transport itself; the refill overwrites every
+    tensor the encoded bucket holds (a flattened bucket's one flat buffer)."""
+    from pytest_weightsync import transports
 
+    wire = transports.get(transport)
     kwargs = dict(format=fmt, spec=case.spec, topology=case.receiver, rank=rank)
     if framed:
         calls.call_optional(impl, "begin_update", params, **kwargs)
     for bucket in stream:
-        bucket = list(bucket)
-        if transport == "flattened_bucket":
-            bucket = wire.flattened_bucket(bucket)
-            calls.call(impl, "load_weights", params, bucket, **kwargs)
-            if refill:
-                inputs.refill_([("flattened_tensor", bucket["flattened_tensor"])])
-            continue
-        calls.call(impl, "load_weights", params, bucket, **kwargs)
+        item = list(bucket) if wire.name == transports.FALLBACK else \
+            wire.encode([list(bucket)], engine_rank=rank, engine_tp=case.receiver.tp)[0]
+        calls.call(impl, "load_weights", params, item, **kwargs)
         if refill:
-            inputs.refill_(bucket)
+            inputs.refill_(_held_tensors(item))
     if framed:
         calls.call_optional(impl, "end_update", params, **kwargs)
+
+
+def _held_tensors(item) -> list:
+    """``(name, tensor)`` of every tensor a bucket on the wire holds: its pairs, or a dict's
+    tensor values (a flattened bucket's flat buffer)."""
+    import torch
+
+    if isinstance(item, dict):
+        return [(k, v) for k, v in item.items() if isinstance(v, torch.Tensor)]
+    return list(item)
 
 
 def load(impl, params, fmt, case, rank, version, *, bucket=inputs.DEFAULT_BUCKET,

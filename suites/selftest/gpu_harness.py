@@ -280,7 +280,7 @@ def run_ipc_updates(processes: list, spec: MoESpec, topo: ReceiverTopology, path
     let rank ``r`` rebuild entry ``r`` and load it, then drop the payload and collect released
     blocks. Checks receiver parameter addresses after every update and, with ``check``, every
     parameter bit for bit (read back through IPC views on CUDA)."""
-    from pytest_weightsync.reference_impl.transport import ipc
+    from pytest_weightsync.reference_impl.sharing import ipc
 
     assert len(processes) == topo.world_size, "one receiver process per receiver rank"
     ptrs = [p.configure(spec, topo, r, keep_payloads=keep_payloads)

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pytest_weightsync.reference_impl.engine import process as engine_process  # noqa: E402
-from pytest_weightsync.reference_impl.transport import ipc  # noqa: E402
+from pytest_weightsync.reference_impl.sharing import ipc  # noqa: E402
 from pytest_weightsync.reference_impl.senders import formats as senders  # noqa: E402
 from pytest_weightsync.reference_impl.oracle import synth  # noqa: E402
 from pytest_weightsync.reference_impl.senders.colocated import (  # noqa: E402
@@ -37,7 +37,7 @@ from pytest_weightsync.reference_impl.engine.receiver import (  # noqa: E402
     PayloadDtypeError,
     ReferenceReceiver,
 )
-from pytest_weightsync.reference_impl.transport.shared_payload import (  # noqa: E402
+from pytest_weightsync.reference_impl.sharing.shared_payload import (  # noqa: E402
     SharedPayload,
     SharedPayloadError,
 )

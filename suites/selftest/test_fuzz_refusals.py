@@ -31,6 +31,7 @@ from . import tensor_kind_probes as kp
 from .sharer import drop_unfetched_shares
 from ..harness import cases, inputs
 from pytest_weightsync import compare, wire
+from pytest_weightsync.transports import serialized
 from pytest_weightsync.reference_impl.engine import receiver as rx
 from pytest_weightsync.reference_impl.engine.engine_receivers import (
     PlacementChangedError,
@@ -206,7 +207,7 @@ def test_a_negative_size_is_refused_though_sglang_would_infer_it():
 def test_a_broadcast_announcement_of_no_shape_is_refused(kind):
     """As in flattened metadata; SGLang's receive bucket raises on each but the bool, which
     ``torch.Size`` reads as 1 (no sender's ``tensor.shape`` holds one)."""
-    from pytest_weightsync.broadcast import BroadcastEngine
+    from pytest_weightsync.transports.broadcast import BroadcastEngine
 
     shape, words = BAD_SHAPES[kind]
     engine = BroadcastEngine(1, timeout=1)
@@ -321,7 +322,7 @@ def test_a_refused_payload_reaches_no_exporter_stream():
                        match=r"^src: bucket 0 \(serialized\), entry \[0\]: the payload names "
                              r"the global posix\.system"):
         distributed.decoded_stream([update], engine_rank=0, engine_tp=1, source="src",
-                                   transports=set())
+                                   transports_met=set())
 
 
 def test_a_gadget_inside_a_local_serialized_tensor_value_is_refused(tmp_path):
@@ -345,13 +346,13 @@ def test_the_harness_admits_no_global_sglang_refuses():
     common = pytest.importorskip("sglang.srt.utils.common")
     theirs = common.SafeUnpickler.ALLOWED_GLOBALS
     extra = set(wire.SAFE_GLOBALS) - set(theirs)
-    assert extra == {("pytest_weightsync.wire", "FlattenedEntry")}, extra
+    assert extra == {("pytest_weightsync.transports.flattened", "FlattenedEntry")}, extra
     dtypes = {n for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
-    assert all(wire._safe_global("torch", n) for n in dtypes)
+    assert all(serialized._safe_global("torch", n) for n in dtypes)
     assert not [n for n in dtypes if ("torch", n) not in theirs]
     for module, name in [("torch", "load"), ("torch", "_C"), ("torch", "onnx"),
                          ("builtins", "getattr"), ("os", "system"), ("functools", "partial")]:
-        assert not wire._safe_global(module, name), (module, name)
+        assert not serialized._safe_global(module, name), (module, name)
 
 
 def test_payloads_pickled_every_way_a_sender_does_still_decode():
@@ -499,7 +500,7 @@ def _send(engine, kind: str) -> None:
 def test_a_mismatched_broadcast_is_refused_in_the_sender_and_nothing_reaches_the_engine(kind):
     import threading
 
-    from pytest_weightsync.broadcast import BroadcastEngine, BroadcastMismatchError
+    from pytest_weightsync.transports.broadcast import BroadcastEngine, BroadcastMismatchError
 
     engine = BroadcastEngine(2, timeout=10)
     try:
@@ -526,7 +527,7 @@ def test_a_mismatched_broadcast_is_refused_in_the_sender_and_nothing_reaches_the
 
 
 def test_a_matching_broadcast_still_lands():
-    from pytest_weightsync.broadcast import BroadcastEngine
+    from pytest_weightsync.transports.broadcast import BroadcastEngine
 
     engine = BroadcastEngine(2, timeout=10)
     try:

@@ -2,7 +2,7 @@
 
 A trainer process serializes its payload tensors (CUDA IPC handles, not bytes: SGLang's
 ``MultiprocessingSerializer``) and every receiver rank, in its own process, rebuilds its entry,
-loads it into its pre-allocated parameters and drops it (:mod:`pytest_weightsync.reference_impl.transport.ipc`). Over
+loads it into its pre-allocated parameters and drops it (:mod:`pytest_weightsync.reference_impl.sharing.ipc`). Over
 repeated updates:
 
 * every receiver parameter is bit-identical to the oracle after every update (read back
@@ -127,7 +127,7 @@ def test_a_receiver_that_keeps_its_payloads_is_caught(receivers_on_gpu0):
 def test_a_refused_payload_leaves_parameters_untouched_and_releases_handles(receivers_on_gpu0):
     import torch
 
-    from pytest_weightsync.reference_impl.transport import ipc
+    from pytest_weightsync.reference_impl.sharing import ipc
     from pytest_weightsync.reference_impl.engine.process import ReceiverProcessError
 
     topo = ReceiverTopology(tp=1)

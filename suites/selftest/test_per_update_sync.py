@@ -27,8 +27,8 @@ from pytest_weightsync.reference_impl.oracle import synth  # noqa: E402
 from pytest_weightsync.reference_impl.oracle.oracle_check import first_mismatch  # noqa: E402
 from pytest_weightsync.reference_impl.senders import formats as senders  # noqa: E402
 from pytest_weightsync.reference_impl.senders.colocated import ColocatedSender, ColocatedSync  # noqa: E402
-from pytest_weightsync.reference_impl.transport import ipc  # noqa: E402
-from pytest_weightsync.reference_impl.transport.shared_payload import (  # noqa: E402
+from pytest_weightsync.reference_impl.sharing import ipc  # noqa: E402
+from pytest_weightsync.reference_impl.sharing.shared_payload import (  # noqa: E402
     ReceivedPayload,
     SharedPayloadError,
     serialize_storages,

@@ -48,6 +48,7 @@ class StageSourcesBroadcast(ReferenceImplementation):
         from pytest_weightsync.reference_impl.senders import distributed_export as de
         from pytest_weightsync.reference_impl.senders import formats
         from pytest_weightsync.reference_impl.senders.buckets import split_buckets
+        from pytest_weightsync.transports import broadcast
 
         full = de.gather_full(spec, model_state)  # collective: every rank
         if engine is None:
@@ -57,7 +58,7 @@ class StageSourcesBroadcast(ReferenceImplementation):
         layers = range(first, first + per_stage)
         stream = split_buckets(formats.export(format, spec, receiver, 0, full, layers),
                                bucket_bytes)
-        de.broadcast(engine, stream, flattened=False)
+        broadcast.send(engine, stream, flattened=False)
         return None
 
 

@@ -143,7 +143,7 @@ def test_gpu_colocated_update_keeps_pace_with_a_plain_copy(tp, throughput):
     from pytest_weightsync.reference_impl.model.layout import ReceiverTopology
     from pytest_weightsync.reference_impl.oracle import synth
     from pytest_weightsync.reference_impl.senders.colocated import ColocatedSender, ColocatedSync
-    from pytest_weightsync.reference_impl.transport import ipc
+    from pytest_weightsync.reference_impl.sharing import ipc
 
     spec, topo = _update_spec(), ReceiverTopology(tp=tp)
     full = synth.grouped_full_weights(spec, 0, 0, device="cuda")

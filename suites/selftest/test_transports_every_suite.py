@@ -42,26 +42,18 @@ ROTATIONS = {"colocated": ("serialized", "weight_transfer", "flattened_bucket"),
 
 
 def encode(transport: str, stream: list, engine_rank: int, engine_tp: int):
-    """``stream`` (buckets of pairs) for ``engine_rank`` on ``transport``."""
-    from pytest_weightsync import weight_transfer as wt
-    from pytest_weightsync import wire
+    """``stream`` (buckets of pairs) for ``engine_rank`` on ``transport``: any registered
+    transport (``_flattened``: one flat buffer per bucket), encoded by the transport itself."""
+    from pytest_weightsync.reference_impl.senders.distributed_export import wire_transport
 
-    if transport == "tensors":
-        return stream
-    if transport == "flattened_bucket":
-        return [wire.flattened_bucket(bucket) for bucket in stream]
-    if transport in ("serialized", "serialized_flattened"):
+    wire, options = wire_transport(transport)
+    if wire.replica_wide:
         # copies: pickling a CPU tensor for another process moves its storage to shared
         # memory, the trainer's own parameter storage included (the suite names it rebound)
         stream = [[(name, tensor.clone()) for name, tensor in bucket] for bucket in stream]
-        return [wire.serialized_update([bucket if r == engine_rank else []
-                                        for r in range(engine_tp)],
-                                       flattened=transport == "serialized_flattened")
-                for bucket in stream]
-    if transport == "weight_transfer":
-        return wt.transfer_stream(stream, backend="ipc", engine_ranks=[engine_rank],
-                                  packed=True, buffer_bytes=256)
-    raise ValueError(transport)
+    if wire.whole_stream:  # vLLM's calls: IPC handles, packed into small buffers
+        options = dict(options, backend="ipc", packed=True, buffer_bytes=256)
+    return wire.encode(stream, engine_rank=engine_rank, engine_tp=engine_tp, **options)
 
 
 def _family(transport: str) -> str:
@@ -90,7 +82,7 @@ class OnEveryWire(ReferenceImplementation):
                                    receiver, delivery, bucket_bytes, model=None, engine=None):
         import torch.distributed as dist
 
-        from pytest_weightsync.reference_impl.senders import distributed_export as de
+        from pytest_weightsync.reference_impl.senders.distributed_export import wire_transport
 
         transport = self.rotation[self.calls % len(self.rotation)]
         self.calls += 1
@@ -101,8 +93,10 @@ class OnEveryWire(ReferenceImplementation):
             return None
         if delivery == "colocated":
             return encode(transport, result, dist.get_rank() % receiver.tp, receiver.tp)
-        if transport == "broadcast":  # every engine rank gets engine rank 0's compat stream
-            de.broadcast(engine, result[0], flattened=True)
+        wire, _ = wire_transport(transport)
+        if wire.channel:  # every engine rank gets engine rank 0's compat stream
+            wire.encode(result[0], engine_rank=0, engine_tp=receiver.tp, engine=engine,
+                        flattened=True)
             return None
         return {r: encode(transport, s, r, receiver.tp) for r, s in result.items()}
 
@@ -111,9 +105,13 @@ class OnEveryWire(ReferenceImplementation):
 def test_a_single_process_exporter_passes_both_suites_on_every_transport(carrier):
     """Expert-only (ETP 2, MoE-TP 2) and whole model (fp32 router and bias beside bf16, many
     buckets), every engine rank, one format each in rotation."""
+    passes_single_process_suites(carrier, ("compat", "direct")[SINGLE.index(carrier) % 2])
+
+
+def passes_single_process_suites(carrier: str, fmt: str) -> None:
+    """The expert-only and the whole-model single-process suites, run on ``carrier``."""
     impl = OnEveryWire()
     impl.carrier = carrier
-    fmt = ("compat", "direct")[SINGLE.index(carrier) % 2]
     expert_suite.test_exporter_payload_lands_bit_exact(impl, ANCHORS[1], fmt)
     model_suite.test_exporter_stream_carries_every_parameter_once(impl, MIXED, fmt)
 

@@ -1,6 +1,6 @@
 """The ``weight_transfer`` transport is vLLM 0.33.0's weight-transfer protocol, held to the wheel.
 
-Every modelled fact of :mod:`pytest_weightsync.weight_transfer` is checked against vLLM's own
+Every modelled fact of :mod:`pytest_weightsync.transports.weight_transfer` is checked against vLLM's own
 source (the pinned wheel, :mod:`vllm_source`; vLLM does not import here):
 
 * from the AST: the worker's and the client's calls, the fields of each engine's update and
@@ -10,7 +10,7 @@ source (the pinned wheel, :mod:`vllm_source`; vLLM does not import here):
 * by running vLLM's own receiving code (:mod:`vllm_transfer_engine`) on what the reference
   encodes (IPC and NCCL, unpacked and packed, per-worker lists, reused NCCL metadata): the
   ``load_weights`` calls vLLM makes are exactly the buckets the harness decodes, bit for bit,
-  and vLLM cuts packed chunks where :func:`~pytest_weightsync.weight_transfer.packed_chunks`
+  and vLLM cuts packed chunks where :func:`~pytest_weightsync.transports.weight_transfer.packed_chunks`
   says (its own ``pack_tensors`` on the same tensors);
 * ``ipc_handles_pickled``: vLLM unpickles it only with ``VLLM_ALLOW_INSECURE_SERIALIZATION``
   (plain ``pickle``), the harness with its allow-list unpickler, to the same buckets;
@@ -30,7 +30,7 @@ import inspect
 import pytest
 import torch
 
-from pytest_weightsync import weight_transfer as wt
+from pytest_weightsync.transports import weight_transfer as wt
 from pytest_weightsync.reference_impl.backends import vllm as facts
 from pytest_weightsync.wire import WireFormatError
 

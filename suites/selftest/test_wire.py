@@ -4,7 +4,7 @@ SGLang 0.5.23 decodes a flattened bucket with ``FlattenedTensorBucket.reconstruc
 a serialized update with ``MultiprocessingSerializer.deserialize`` (``SafeUnpickler``) and
 ``LocalSerializedTensor.get``, and lays out a flattened broadcast with
 ``FlattenedTensorBucket.empty``. Here every one of them and the harness's
-(:mod:`pytest_weightsync.wire`, :mod:`pytest_weightsync.broadcast`) must read the same bytes
+(:mod:`pytest_weightsync.wire`, :mod:`pytest_weightsync.transports.broadcast`) must read the same bytes
 the same way - on fuzzed buckets of strided, transposed, 0-d and empty views and mixed dtypes
 with odd element counts - and refuse the same broken ones. Where SGLang's own encoder fails
 (a strided 1-D view: verl#6919 / sglang#39535; an empty bucket: slime#2134; mixed dtypes
@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pytest_weightsync import wire
-from pytest_weightsync.broadcast import WireFormatError as BroadcastFormatError
-from pytest_weightsync.broadcast import announced, dense_offsets
+from pytest_weightsync.transports.broadcast import WireFormatError as BroadcastFormatError
+from pytest_weightsync.transports.broadcast import announced, dense_offsets
 from pytest_weightsync.reference_impl.senders.buckets import split_buckets
 
 from .sharer import drop_unfetched_shares
@@ -246,7 +246,7 @@ def test_broadcast_engine_ranks_receive_what_was_announced(load_format):
 
     from torch.distributed import distributed_c10d as c10d
 
-    from pytest_weightsync.broadcast import BroadcastEngine
+    from pytest_weightsync.transports.broadcast import BroadcastEngine
 
     bucket = [("w", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
               ("b", torch.arange(3, dtype=torch.bfloat16))]
@@ -272,7 +272,7 @@ def test_broadcast_engine_ranks_receive_what_was_announced(load_format):
 
 
 def test_an_announced_tensor_never_broadcast_fails_naming_the_engine_rank():
-    from pytest_weightsync.broadcast import BroadcastEngine, BroadcastError
+    from pytest_weightsync.transports.broadcast import BroadcastEngine, BroadcastError
 
     engine = BroadcastEngine(1, timeout=1)
     try:
@@ -285,7 +285,7 @@ def test_an_announced_tensor_never_broadcast_fails_naming_the_engine_rank():
 
 
 def test_an_unaligned_flattened_announcement_is_refused_before_any_broadcast():
-    from pytest_weightsync.broadcast import BroadcastEngine
+    from pytest_weightsync.transports.broadcast import BroadcastEngine
 
     engine = BroadcastEngine(1, timeout=1)
     try:

@@ -49,7 +49,7 @@ class OnTheWire(ReferenceImplementation):
     def export_weights_distributed(self, model_state, **kwargs):
         import torch.distributed as dist
 
-        from pytest_weightsync import weight_transfer as wt
+        from pytest_weightsync.transports import weight_transfer as wt
 
         transport = self.rotation[self.calls % len(self.rotation)]
         self.calls += 1

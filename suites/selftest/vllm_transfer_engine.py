@@ -1,6 +1,6 @@
 """vLLM 0.33.0's weight-transfer receiving code, compiled from the wheel and run on CPU.
 
-``test_vllm_transfer.py`` holds the harness's decoder (:mod:`pytest_weightsync.weight_transfer`)
+``test_vllm_transfer.py`` holds the harness's decoder (:mod:`pytest_weightsync.transports.weight_transfer`)
 to what vLLM itself does with the same calls. vLLM does not import here, so its own code is
 compiled from the wheel's text (:mod:`vllm_source`): the worker's session methods
 (``Worker._start_weight_update``, ``update_weights``, ``finish_weight_update``,
@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import torch
 
-from pytest_weightsync import weight_transfer as wt
+from pytest_weightsync.transports import weight_transfer as wt
 
 from . import vllm_source as src
 

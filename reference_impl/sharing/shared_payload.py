@@ -1,6 +1,6 @@
 """A payload shared once per model: one IPC handle per storage, its table of entries built once.
 
-SGLang's wire format (:func:`pytest_weightsync.reference_impl.transport.ipc.serialize`) pickles every
+SGLang's wire format (:func:`pytest_weightsync.reference_impl.sharing.ipc.serialize`) pickles every
 tensor on its own, and every update again: per tensor torch shares its storage (a new
 reference-counter slot and a new CUDA event, kept inside the storage's data pointer for as
 long as the storage lives) and the receiver rebuilds it. For a payload made of the same
@@ -105,8 +105,8 @@ class SharedPayload:
         buckets on an H200 (2026-12-03). The event still follows every write, which was done
         before it was recorded. ``wait=False`` skips that wait, for a sender that orders the
         receiver's reads after its writes itself (an interprocess event the receiver's stream
-        waits for: :mod:`~pytest_weightsync.reference_impl.transport.ipc_events`)."""
-        from pytest_weightsync.reference_impl.transport import ipc
+        waits for: :mod:`~pytest_weightsync.reference_impl.sharing.ipc_events`)."""
+        from pytest_weightsync.reference_impl.sharing import ipc
 
         if wait:
             self.ready()

@@ -1,4 +1,4 @@
-"""vLLM's weight-transfer protocol as a transport the harness decodes (``weight_transfer``).
+"""``weight_transfer``: vLLM's weight-transfer protocol, decoded as an engine rank reads it.
 
 A sender updating a vLLM 0.33 engine hands it calls, not buckets (``docs/vllm.md``, "The
 weight-transfer protocol"): ``init_weight_transfer_engine(init_info)`` once, then per update
@@ -34,7 +34,7 @@ where vLLM's code reads them. CUDA IPC handles, which only another process can o
 decoded here.
 
 Everything is checked before anything is loaded, and refused with
-:class:`TransferProtocolError` (a :class:`~pytest_weightsync.wire.WireFormatError`) naming the
+:class:`TransferProtocolError` (a :class:`~pytest_weightsync.transports.base.WireFormatError`) naming the
 call: a call outside the protocol's order (:class:`TransferSessionError`: an update outside
 start/finish, a second start, a finish without start - vLLM's worker raises on each - or a
 session never finished), fields vLLM's update info does not have, lists of different lengths,
@@ -46,223 +46,43 @@ do not match the shapes, too few or too many broadcasts. ``suites/selftest/test_
 runs vLLM's own receiving code (compiled from the wheel) on what the encoders here produce and
 requires it to load exactly the buckets the decoder returns.
 
-torch is imported lazily: the plugin imports :mod:`pytest_weightsync.wire` at collection time.
+The calls, their words and errors and the encoders live in
+:mod:`~pytest_weightsync.transports.weight_transfer_calls` (every name re-exported here).
+torch is imported lazily: the plugin reads the transport registry at collection time.
 """
+
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_weightsync import wire
+from pytest_weightsync.transports import weight_transfer_calls as _calls
+from pytest_weightsync.transports.base import Transport
+from pytest_weightsync.transports.serialized import deserialized
+from pytest_weightsync.transports.shapes import checked_shape, entry_bytes
+from pytest_weightsync.transports.weight_transfer_calls import *  # noqa: F401,F403 - one import
+from pytest_weightsync.transports.weight_transfer_calls import (
+    BACKENDS,
+    CALLS,
+    DEFAULT_BACKEND,
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    DRAFT_START,
+    INIT,
+    INIT_FIELDS,
+    START,
+    UPDATE,
+    UPDATE_FIELDS,
+    Session,
+    TransferProtocolError,
+    TransferSessionError,
+    device_key,
+    is_call,
+    open_handle,
+    packed_chunks,
+)
 
-#: The transport's word (:data:`pytest_weightsync.vocabulary.TRANSPORTS`).
-TRANSPORT = "weight_transfer"
-#: The worker's calls, in protocol order, and the draft's start.
-INIT, START, DRAFT_START, UPDATE, FINISH = ("init_weight_transfer_engine", "start_weight_update",
-                                            "start_draft_weight_update", "update_weights",
-                                            "finish_weight_update")
-CALLS = (INIT, START, DRAFT_START, UPDATE, FINISH)
-#: The engines modelled (``WeightTransferConfig.backend``; vLLM's default is ``nccl``).
-BACKENDS = ("ipc", "nccl")
-DEFAULT_BACKEND = "nccl"
-#: The fields of each engine's ``update_info`` and worker-side ``init_info`` dataclasses.
-UPDATE_FIELDS = {"ipc": ("names", "dtype_names", "shapes", "ipc_handles", "ipc_handles_pickled",
-                         "tensor_sizes"),
-                 "nccl": ("names", "dtype_names", "shapes")}
-INIT_FIELDS = {"ipc": ("packed",),
-               "nccl": ("master_address", "master_port", "rank_offset", "world_size",
-                        "nccl_unique_id_b64", "packed", "packed_buffer_size_bytes",
-                        "packed_num_buffers")}
-#: The worker's defaults where the init info says nothing (``packed_tensor.py``).
-DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024 * 1024 * 1024
-DEFAULT_PACKED_NUM_BUFFERS = 2
-#: Index of the device in ``rebuild_cuda_tensor``'s arguments (the worker writes its own).
-HANDLE_DEVICE_ARG = 6
-#: ``rebuild_cuda_tensor``'s arguments, in order (a handle is a tuple of these).
-HANDLE_ARGS = ("tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "storage_cls",
-               "dtype", "storage_device", "storage_handle", "storage_size_bytes",
-               "storage_offset_bytes", "requires_grad", "ref_counter_handle",
-               "ref_counter_offset", "event_handle", "event_sync_required")
-
-
-class TransferProtocolError(wire.WireFormatError):
-    """A call of vLLM's weight-transfer protocol that a vLLM engine cannot read, or reads into
-    something other than what the sender announced; the message names the call."""
-
-
-class TransferSessionError(TransferProtocolError):
-    """A call outside the protocol's order: an update outside start/finish, a second start,
-    a finish without a start, a session never finished."""
-
-
-@dataclass(frozen=True)
-class TransferCall:
-    """One call a sender makes on a vLLM engine: ``method`` (one of :data:`CALLS`), its
-    argument ``info`` (``init_info`` / ``update_info``; nothing for start and finish),
-    ``backend`` (init only: the engine's ``weight_transfer_config.backend``; without an init
-    call it is read off the first update's fields) and, for an NCCL ``update_weights``, the
-    tensors the sender broadcasts while the call runs, in order."""
-
-    method: str
-    info: Any = None
-    backend: Any = None
-    broadcasts: tuple = field(default=())
-    #: How :func:`pytest_weightsync.wire.transport_of` recognises a call.
-    wire_transport = TRANSPORT
-
-    def __repr__(self) -> str:  # handles are long tuples of bytes: summarised
-        info = self.info
-        if isinstance(info, dict):
-            info = {k: (f"<{len(v)}>" if isinstance(v, (list, tuple, dict)) else v)
-                    for k, v in info.items()}
-        elif isinstance(info, list):
-            info = f"<{len(info)} per-worker entries>"
-        return (f"TransferCall({self.method!r}, {info!r}"
-                + (f", backend={self.backend!r}" if self.backend else "")
-                + (f", {len(self.broadcasts)} broadcasts" if self.broadcasts else "") + ")")
-
-
-@dataclass
-class Session:
-    """One decoded update: the model it reached (``target`` or ``draft``) and the buckets
-    vLLM's engine handed ``load_weights``, one per call it makes."""
-
-    target: str
-    buckets: list = field(default_factory=list)
-
-
-def device_key(engine_rank: int) -> str:
-    """The key the harness's CPU engine rank ``engine_rank`` reads its IPC handles under (a
-    vLLM worker reads them under its GPU's UUID)."""
-    return f"cpu-engine-rank-{engine_rank}"
-
-
-# --------------------------------------------------------------------------------------------
-# encoders: what the reference sends
-# --------------------------------------------------------------------------------------------
-
-def dtype_name(dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``, as vLLM's senders name dtypes."""
-    return str(dtype).split(".")[-1]
-
-
-#: The memory the harness's CPU handles name: token -> the tensor (weakly: a handle keeps its
-#: own tensor alive, as a vLLM sender keeps its shared copies alive until the update ends).
-_SHARED = weakref.WeakValueDictionary()
-_TOKENS = itertools.count()
-
-
-class _Pinned(bytes):
-    """A handle's token, holding the tensor it names; pickled, plain bytes."""
-
-    def __reduce__(self):
-        return bytes, (bytes(self),)
-
-
-def cpu_handle(tensor, device: int = 0) -> tuple:
-    """``rebuild_cuda_tensor``'s argument tuple for a copy of the CPU ``tensor``, with a token
-    of this process's memory where the CUDA IPC handle would be. A copy, because the harness
-    reads every call after the exporter returned, where vLLM's worker reads each before the
-    sender goes on (its packed producer refills one buffer per chunk)."""
-    import os
-
-    import torch
-
-    tensor = tensor.detach().clone()
-    token = _Pinned(f"weightsync-cpu-handle-{os.getpid()}-{next(_TOKENS)}".encode())
-    token.tensor = tensor
-    _SHARED[bytes(token)] = tensor
-    return (torch.Tensor, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
-            torch.UntypedStorage, tensor.dtype, device, token,
-            tensor.untyped_storage().nbytes(), 0, False, None, None, None, False)
-
-
-def ipc_update(named_tensors, *, engine_ranks, packed: bool = False) -> dict:
-    """The ``update_info`` of one IPC chunk of ``named_tensors`` for the harness engine ranks
-    ``engine_ranks`` (every rank's key in each handle dict, as the colocated sender merges
-    them): one handle per tensor, or with ``packed`` one uint8 buffer and ``tensor_sizes``."""
-    import torch
-
-    named = [(n, t.detach().contiguous()) for n, t in named_tensors]
-    info = {"names": [n for n, _ in named], "dtype_names": [dtype_name(t.dtype) for _, t in named],
-            "shapes": [list(t.shape) for _, t in named]}
-    if not packed:
-        info["ipc_handles"] = [{device_key(r): cpu_handle(t) for r in engine_ranks}
-                               for _, t in named]
-        return info
-    pieces = [wire.tensor_bytes(t) for _, t in named]
-    buffer = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
-    info["ipc_handles"] = {device_key(r): cpu_handle(buffer) for r in engine_ranks}
-    info["tensor_sizes"] = [p.numel() for p in pieces]
-    return info
-
-
-def pickled_handles(info: dict) -> dict:
-    """``info`` as vLLM's HTTP client sends it: ``ipc_handles`` pickled and base64-encoded into
-    ``ipc_handles_pickled`` (hold ``info`` while it is read: its handles keep the memory)."""
-    import base64
-    import pickle
-
-    out = {k: v for k, v in info.items() if k != "ipc_handles"}
-    out["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(info["ipc_handles"])).decode()
-    return out
-
-
-def nccl_update(named_tensors, *, packed: bool = False,
-                buffer_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES) -> TransferCall:
-    """One NCCL ``update_weights`` call of ``named_tensors``: the announcement and the
-    broadcasts a vLLM sender makes (packed: the uint8 chunks of :func:`packed_chunks`)."""
-    import torch
-
-    named = [(n, t.detach().contiguous()) for n, t in named_tensors]
-    info = {"names": [n for n, _ in named], "dtype_names": [dtype_name(t.dtype) for _, t in named],
-            "shapes": [list(t.shape) for _, t in named]}
-    if not packed:
-        return TransferCall(UPDATE, info, broadcasts=tuple(t for _, t in named))
-    data = [wire.tensor_bytes(t) for _, t in named]
-    chunks = packed_chunks([d.numel() for d in data], buffer_bytes)
-    return TransferCall(UPDATE, info, broadcasts=tuple(torch.cat([data[i] for i in chunk])
-                                                       for chunk in chunks))
-
-
-def transfer_stream(chunks, *, backend: str, engine_ranks, packed: bool = False,
-                    buffer_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-                    draft: bool = False) -> list:
-    """A whole update as calls: init, start (or the draft's), one ``update_weights`` per
-    chunk of ``chunks`` (lists of ``(name, tensor)``), finish."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r}; expected one of {BACKENDS}")
-    init = {"packed": packed} if backend == "ipc" else {
-        "master_address": "127.0.0.1", "master_port": 0, "rank_offset": 1,
-        "world_size": 1 + len(engine_ranks), "packed": packed,
-        "packed_buffer_size_bytes": buffer_bytes}
-    calls = [TransferCall(INIT, init, backend=backend), TransferCall(DRAFT_START if draft
-                                                                     else START)]
-    for chunk in chunks:
-        calls.append(TransferCall(UPDATE, ipc_update(chunk, engine_ranks=engine_ranks,
-                                                     packed=packed))
-                     if backend == "ipc" else nccl_update(chunk, packed=packed,
-                                                          buffer_bytes=buffer_bytes))
-    return calls + [TransferCall(FINISH)]
-
-
-def packed_chunks(sizes, buffer_bytes: int) -> list:
-    """Indices of the entries of each packed chunk, where vLLM cuts them: an entry is added,
-    then the chunk closes once its bytes exceed ``buffer_bytes``; the rest is the last one."""
-    chunks, current, total = [], [], 0
-    for index, size in enumerate(sizes):
-        current.append(index)
-        total += size
-        if total > buffer_bytes:
-            chunks.append(current)
-            current, total = [], 0
-    if current:
-        chunks.append(current)
-    return chunks
-
+__all__ = [*_calls.__all__, "TRANSPORT", "WeightTransfer", "decode_calls", "decode_stream"]
 
 # --------------------------------------------------------------------------------------------
 # the decoder
@@ -278,10 +98,6 @@ class _Engine:
     buffer_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     session: Any = None
     last_meta: dict = field(default_factory=dict)
-
-
-def is_call(bucket) -> bool:
-    return getattr(type(bucket), "wire_transport", None) == TRANSPORT
 
 
 def decode_calls(calls, *, engine_rank: int, engine_world: int,
@@ -401,7 +217,7 @@ def _meta(info, here: str) -> list:
         if not isinstance(dtype, torch.dtype):
             raise TransferProtocolError(f"{entry}: dtype name {dname!r:.40} names no torch "
                                         f"dtype (vLLM reads getattr(torch, name))")
-        out.append((name, dtype, wire.checked_shape(shape, entry)))
+        out.append((name, dtype, checked_shape(shape, entry)))
     return out
 
 
@@ -440,7 +256,7 @@ def _handles(info, here: str):
         except (binascii.Error, ValueError, TypeError) as error:
             raise TransferProtocolError(f"{here}: ipc_handles_pickled is not base64 "
                                         f"({error})") from None
-        return wire._deserialized(data, f"{here} ipc_handles_pickled")
+        return deserialized(data, f"{here} ipc_handles_pickled")
     if info.get("ipc_handles") is None:
         raise TransferProtocolError(f"{here}: no ipc_handles (nor ipc_handles_pickled); vLLM "
                                     f"requires one of them")
@@ -449,8 +265,6 @@ def _handles(info, here: str):
 
 def _open(handles, engine_rank: int, here: str):
     """The tensor ``engine_rank`` opens from one handle dict, with what the handle says."""
-    import torch
-
     key = device_key(engine_rank)
     if not isinstance(handles, dict) or key not in handles:
         found = list(handles) if isinstance(handles, dict) else type(handles).__name__
@@ -458,38 +272,6 @@ def _open(handles, engine_rank: int, here: str):
                                     f"{key!r} (handles for {found}); vLLM raises 'IPC handle "
                                     f"not found for GPU UUID'")
     return open_handle(handles[key], here)
-
-
-def open_handle(args, here: str = "IPC handle"):
-    """The tensor a CPU handle (:func:`cpu_handle`) opens, as ``rebuild_cuda_tensor`` opens a
-    CUDA one, or :class:`TransferProtocolError` before anything is read."""
-    import torch
-
-    if not isinstance(args, (tuple, list)) or len(args) != len(HANDLE_ARGS):
-        raise TransferProtocolError(f"{here}: a handle of {type(args).__name__} "
-                                    f"{len(args) if hasattr(args, '__len__') else ''}; an IPC "
-                                    f"handle is rebuild_cuda_tensor's {len(HANDLE_ARGS)} "
-                                    f"arguments")
-    size, stride, offset, dtype = args[1], args[2], args[3], args[5]
-    if not isinstance(dtype, torch.dtype):
-        raise TransferProtocolError(f"{here}: the handle's dtype {dtype!r:.40} is no torch dtype")
-    size = wire.checked_shape(size, f"{here}: the handle's size")
-    stride = wire.checked_shape(stride, f"{here}: the handle's stride")
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise TransferProtocolError(f"{here}: the handle's offset {offset!r:.40} is no offset")
-    token = args[7]
-    owner = _SHARED.get(bytes(token)) if isinstance(token, (bytes, bytearray)) else None
-    if owner is None:
-        raise TransferProtocolError(f"{here}: the handle names no live memory ({token!r:.60}): "
-                                    f"freed before the engine read it, or not a CPU handle of "
-                                    f"this process (weight_transfer.cpu_handle); vLLM's senders "
-                                    f"keep their IPC copies alive until the update is finished")
-    storage = owner.untyped_storage()
-    extent = offset + sum((d - 1) * s for d, s in zip(size, stride)) + 1 if all(size) else 0
-    if extent * dtype.itemsize > storage.nbytes():
-        raise TransferProtocolError(f"{here}: the handle's tensor {size} of {dtype} at offset "
-                                    f"{offset} reaches past its {storage.nbytes()}-byte storage")
-    return torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
 
 
 def _ipc_bucket(engine: _Engine, info, meta, engine_rank: int, here: str) -> list:
@@ -537,7 +319,7 @@ def _unpacked(buffer, meta, sizes, here: str, copy: bool) -> list:
     out, start = [], 0
     for i, ((name, dtype, shape), size) in enumerate(zip(meta, sizes)):
         entry = f"{here} entry {i} {name!r:.120}"
-        need = wire.entry_bytes(dtype, shape)
+        need = entry_bytes(dtype, shape)
         if isinstance(size, bool) or not isinstance(size, int) or size != need:
             raise TransferProtocolError(f"{entry}: tensor size {size!r:.40} bytes, its shape "
                                         f"{shape} of {dtype} needs {need} (a size counted in "
@@ -564,10 +346,10 @@ def _nccl_buckets(engine: _Engine, call, meta, here: str) -> list:
         out = []
         for i, ((name, dtype, shape), tensor) in enumerate(zip(meta, sent)):
             entry = f"{here} broadcast {i} {name!r:.120}"
-            _check_broadcast(tensor, dtype, wire.entry_bytes(dtype, shape), entry)
+            _check_broadcast(tensor, dtype, entry_bytes(dtype, shape), entry)
             out.append([(name, tensor.reshape(shape))])
         return out
-    chunks = packed_chunks([wire.entry_bytes(d, s) for _, d, s in meta], engine.buffer_bytes)
+    chunks = packed_chunks([entry_bytes(d, s) for _, d, s in meta], engine.buffer_bytes)
     if len(sent) != len(chunks):
         raise TransferProtocolError(
             f"{here}: {len(sent)} packed broadcasts where vLLM's consumer cuts "
@@ -576,7 +358,7 @@ def _nccl_buckets(engine: _Engine, call, meta, here: str) -> list:
     out = []
     for c, (chunk, tensor) in enumerate(zip(chunks, sent)):
         metas = [meta[i] for i in chunk]
-        sizes = [wire.entry_bytes(d, s) for _, d, s in metas]
+        sizes = [entry_bytes(d, s) for _, d, s in metas]
         entry = f"{here} packed broadcast {c} ({metas[0][0]!r:.80}...)"
         _check_broadcast(tensor, torch.uint8, sum(sizes), entry)
         out.append(_unpacked(tensor, metas, sizes, entry, copy=False))
@@ -597,3 +379,35 @@ def _check_broadcast(tensor, dtype, nbytes: int, entry: str) -> None:
     if not tensor.is_contiguous():
         raise TransferProtocolError(f"{entry}: a non-contiguous broadcast is sent as its "
                                     f"storage in memory order, not as the tensor")
+
+
+class WeightTransfer(Transport):
+    """The transport: a stream of vLLM's calls, decoded a whole session at a time."""
+
+    name = "weight_transfer"
+    docs = "docs/transports.md#weight_transfer"
+    errors = (TransferProtocolError, TransferSessionError)
+    whole_stream = True
+
+    def recognises(self, item) -> bool:
+        return is_call(item)
+
+    def encode(self, stream, *, engine_rank: int, engine_tp: int, backend: str = "ipc",
+               packed: bool = True, buffer_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+               draft: bool = False, **options) -> list:
+        """One session of ``stream``'s buckets, one ``update_weights`` call each, with handles
+        under ``engine_rank``'s device key (IPC) or the broadcasts they announce (NCCL)."""
+        return _calls.transfer_stream(stream, backend=backend, engine_ranks=[engine_rank],
+                                      packed=packed, buffer_bytes=buffer_bytes, draft=draft)
+
+    def decode(self, item, *, engine_rank: int, engine_tp: int, where: str) -> list:
+        raise TransferProtocolError(f"{where}: a call of vLLM's weight-transfer protocol is "
+                                    f"decoded with the calls around it (start, updates, "
+                                    f"finish), never alone")
+
+    def decode_stream(self, items, *, engine_rank: int, engine_tp: int, where: str) -> list:
+        return decode_stream(items, engine_rank=engine_rank, engine_world=engine_tp,
+                             where=f"{where} (weight_transfer)")
+
+
+TRANSPORT = WeightTransfer()

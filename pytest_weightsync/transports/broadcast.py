@@ -1,4 +1,4 @@
-"""The engine side of SGLang's distributed update path, for a distributed exporter to send to.
+"""``broadcast``: SGLang's distributed update path, both ends (a channel, not a bucket).
 
 SGLang's ``update_weights_from_distributed(names, dtypes, shapes, group_name, load_format)``
 (``WeightUpdater.receive_weights_from_distributed`` in 0.5.23) is metadata first, tensors
@@ -43,11 +43,12 @@ import queue
 import threading
 from typing import NamedTuple, Optional, Sequence
 
-from pytest_weightsync.wire import WireFormatError, checked_shape, entry_bytes
+from pytest_weightsync.transports.base import Transport, WireFormatError
+from pytest_weightsync.transports.shapes import checked_shape, entry_bytes, tensor_bytes
 
 __all__ = [
-    "BroadcastEngine", "BroadcastError", "BroadcastMismatchError", "LOAD_FORMATS", "TIMEOUT_S",
-    "announced", "dense_offsets",
+    "Broadcast", "BroadcastEngine", "BroadcastError", "BroadcastMismatchError", "LOAD_FORMATS",
+    "TIMEOUT_S", "TRANSPORT", "announced", "dense_offsets", "send",
 ]
 
 #: Seconds an engine rank waits for a broadcast the sender announced before the update fails
@@ -494,3 +495,63 @@ class BroadcastEngine:
         self._group = None
         self._ranks = []
         self._expected.clear()
+
+
+def send(engine, stream, *, flattened: bool = False) -> None:
+    """Send ``stream`` to every engine rank of ``engine`` as SGLang's distributed path takes
+    it: per bucket, names/dtypes/shapes announced, then each tensor broadcast from this rank
+    (with ``flattened``: the bucket ordered by item size, largest first, so that densely
+    packed offsets stay aligned, and broadcast as one uint8 buffer)."""
+    import torch
+    import torch.distributed as dist
+
+    for bucket in stream:
+        if flattened:
+            bucket = sorted(bucket, key=lambda pair: -pair[1].element_size())
+        engine.update_weights_from_distributed(
+            [n for n, _ in bucket], [t.dtype for _, t in bucket],
+            [tuple(t.shape) for _, t in bucket],
+            load_format="flattened_bucket" if flattened else None)
+        if flattened:
+            flat = torch.cat([tensor_bytes(t) for _, t in bucket]) if bucket else \
+                torch.empty(0, dtype=torch.uint8)
+            dist.broadcast(flat, src=0, group=engine.group)
+            continue
+        for _, tensor in bucket:
+            dist.broadcast(tensor.contiguous(), src=0, group=engine.group)
+
+
+class Broadcast(Transport):
+    """The transport: a channel the harness opens (:meth:`open_channel`, handed to the
+    exporter as ``engine``); the exporter returns nothing, the engine ranks' receipts are the
+    streams (:meth:`received`)."""
+
+    name = "broadcast"
+    docs = "docs/transports.md#broadcast"
+    errors = (BroadcastError, WireFormatError)
+    channel = True
+
+    def open_channel(self, engine_tp: int) -> BroadcastEngine:
+        """The engine ranks a sender broadcasts to (close it when the call is judged)."""
+        return BroadcastEngine(engine_tp)
+
+    def received(self, channel: BroadcastEngine) -> dict:
+        """``{engine_rank: stream}`` the channel's engine ranks received, or
+        :class:`BroadcastError` naming what went wrong."""
+        return channel.finish()
+
+    def encode(self, stream, *, engine_rank: int, engine_tp: int, engine=None,
+               flattened: bool = False, **options) -> list:
+        """Broadcast ``stream`` on ``engine`` (the channel): nothing is returned."""
+        if engine is None:
+            raise WireFormatError("a broadcast needs the engine channel the harness hands the "
+                                  "exporter (its `engine` keyword)")
+        send(engine, stream, flattened=flattened)
+        return []
+
+    def decode(self, item, *, engine_rank: int, engine_tp: int, where: str) -> list:
+        raise WireFormatError(f"{where}: a broadcast is received on its channel, never "
+                              f"returned in a stream")
+
+
+TRANSPORT = Broadcast()

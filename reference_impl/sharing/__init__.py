@@ -1,0 +1,12 @@
+"""How a tensor's memory is shared between a trainer process and an engine process.
+
+SGLang's per-tensor serialization with CUDA IPC handles or shared memory (:mod:`.ipc`), CUDA
+IPC events that order a staged bucket on the device (:mod:`.ipc_events`), a payload shared once
+per model with its table pickled once (:mod:`.shared_payload`) and the chain of shares it
+keeps (:mod:`.share_chain`). This room knows tensors, storages and handles, not models and not
+wire formats: a bucket's format on the wire (pairs, flattened, serialized, broadcast, vLLM's
+calls) is a *transport*, one module each in ``pytest_weightsync.transports``.
+"""
+
+#: Rooms of ``reference_impl`` this one may import (checked by the repository's tests).
+MAY_IMPORT = ("errors",)
