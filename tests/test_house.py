@@ -240,3 +240,33 @@ def test_the_room_table_in_the_docs_says_what_may_import_says():
     for room in ROOMS:
         may = set(importlib.import_module(f"{REFERENCE}.{room}").MAY_IMPORT)
         assert rows[room] | {"errors"} == may | {"errors"}, room
+
+
+def _placed(text: str, stem: str) -> bool:
+    """Whether ``stem`` is named inside backticks in ``text`` (``stem``, ``stem.py``, a path or
+    a list of modules ending with it) or in one of its fenced drawings."""
+    import re
+
+    if re.search(rf"`[^`\n]*\b{re.escape(stem)}(\.py)?\b[^`\n]*`", text):
+        return True
+    fenced = "".join(text.split("```")[1::2])  # the tree drawings
+    return re.search(rf"\b{re.escape(stem)}\b", fenced) is not None
+
+
+def test_every_module_is_placed_in_the_architecture_doc():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    unplaced = [str(path.relative_to(ROOT)) for name, path in MODULES.items()
+                if path.name != "__init__.py" and not name.startswith(
+                    ("pytest_weightsync.suites.selftest", "pytest_weightsync.suites.conftest"))
+                and not _placed(text, path.stem)]
+    assert unplaced == []
+
+
+def test_the_where_table_names_the_extension_points():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text[text.index("## Where does X go"):]
+    for row in ("a new model family", "a new transport", "a new engine control-plane call",
+                "a new adapter format"):
+        assert f"| {row}" in table, row
+    for point in ("weightsync.transports", "pytest_weightsync_extra_topologies", "`weightsync`"):
+        assert point in table, point

@@ -4,7 +4,8 @@ Where :mod:`~pytest_weightsync.reference_impl.backends.sglang_models` builds onl
 experts (real ``FusedMoE`` layers under a stand-in model object), this module constructs the
 served model class itself - ``Qwen3MoeForCausalLM`` (``sglang/srt/models/qwen3_moe.py``) or
 ``Qwen3_5MoeForConditionalGeneration`` with ``language_model_only`` (``models/qwen3_5.py``) -
-and the MTP draft ``Qwen3_5ForCausalLMMTP`` (``models/qwen3_5_mtp.py``), with every real layer
+and the MTP draft ``Qwen3_5ForCausalLMMTP`` (``models/qwen3_5_mtp.py``), as the family's record
+(:mod:`~pytest_weightsync.reference_impl.model.families`) names them, with every real layer
 they hold: ``VocabParallelEmbedding``, ``QKVParallelLinear``, ``RowParallelLinear``,
 ``MergedColumnParallelLinear``, the GDN layer with its packed-checkpoint and
 ``mamba_v2_sharded_weight_loader`` loaders, ``FusedMoE``, ``ReplicatedLinear``,
@@ -123,13 +124,14 @@ def hf_config(spec):
                   num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
                   head_dim=spec.head_dim, num_experts=spec.num_experts,
                   num_experts_per_tok=min(2, spec.num_experts), tie_word_embeddings=spec.tied)
-    if spec.family == "qwen3_moe":
-        from transformers import Qwen3MoeConfig
+    import importlib
 
-        return Qwen3MoeConfig(intermediate_size=spec.intermediate, decoder_sparse_step=1,
-                              mlp_only_layers=[], **common)
-    from sglang.srt.configs.qwen3_5 import Qwen3_5MoeConfig
-
+    record = spec.family_record
+    module, name = record.sglang_config
+    config_cls = getattr(importlib.import_module(module), name)
+    if not record.sglang_text_config:
+        return config_cls(intermediate_size=spec.intermediate, decoder_sparse_step=1,
+                          mlp_only_layers=[], **common)
     text = dict(common, shared_expert_intermediate_size=spec.intermediate_shared,
                 full_attention_interval=spec.full_attention_interval,
                 linear_num_key_heads=spec.linear_k_heads,
@@ -140,7 +142,7 @@ def hf_config(spec):
 
     with warnings.catch_warnings():  # SGLang's text config passes the deprecated rope_scaling
         warnings.filterwarnings("ignore", message=".*rope_scaling.*", category=FutureWarning)
-        config = Qwen3_5MoeConfig(text_config=text, tie_word_embeddings=spec.tied)
+        config = config_cls(text_config=text, tie_word_embeddings=spec.tied)
     config.language_model_only = True
     config.encoder_only = False
     return config
@@ -238,20 +240,20 @@ def build_engine_rank(spec, topology, rank: int) -> SGLangEngineRank:
     context = engine_context(topology, rank)
     groups = _group_placements(context.parallel)
     config = hf_config(spec)
-    module, cls = {"qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
-                   "qwen3_5_moe": ("qwen3_5", "Qwen3_5MoeForConditionalGeneration")}[spec.family]
-    model_cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), cls)
+    record = spec.family_record
+    model_cls = getattr(importlib.import_module(f"sglang.srt.models.{record.sglang_module}"),
+                        record.sglang_class)
     engine = SGLangEngineRank(None, None, context, groups, runner)
     with _rotary_kernel_stand_in(), _default_dtype(spec.dtype), engine.active():
         engine.target = model_cls(config)
-        if spec.tied and spec.family == "qwen3_5_moe":
+        if spec.tied and record.sglang_tied_head_buffer:
             from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
 
             engine.target.lm_head = ParallelLMHead(spec.vocab, spec.hidden, prefix="lm_head")
         if spec.mtp_layers:
-            from sglang.srt.models.qwen3_5_mtp import Qwen3_5ForCausalLMMTP
-
-            engine.draft = Qwen3_5ForCausalLMMTP(config)
+            module, cls = record.sglang_draft
+            engine.draft = getattr(importlib.import_module(f"sglang.srt.models.{module}"),
+                                   cls)(config)
     for model in engine.models().values():
         for param in model.parameters():
             with torch.no_grad():

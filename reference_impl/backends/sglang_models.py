@@ -100,6 +100,7 @@ from typing import Optional
 from pytest_weightsync.protocols import Capabilities
 from pytest_weightsync.reference_impl.backends import probe
 from pytest_weightsync.reference_impl.backends.sglang import engine_context, runner_for
+from pytest_weightsync.reference_impl.model import families
 
 def _flashinfer_importable() -> bool:
     """Whether flashinfer (which SGLang's TRT-LLM BF16 post-processing calls) is installed;
@@ -505,8 +506,8 @@ class Qwen3MoeLoader(_SGLangModelLoader):
     """``Qwen3MoeForCausalLM.load_weights`` (per-expert names only: no fused-experts branch)."""
 
     name = "sglang-qwen3-moe"
-    model_module = "sglang.srt.models.qwen3_moe"
-    model_class = "Qwen3MoeForCausalLM"
+    model_module = "sglang.srt.models." + families.get("qwen3_moe").sglang_module
+    model_class = families.get("qwen3_moe").sglang_loader_class
     capabilities = Capabilities(formats=("compat", "direct"), topology=_serving("qwen3_moe"),
                                 model_parts=("experts", "attention", "router", "norms",
                                              "embeddings"),
@@ -520,8 +521,8 @@ class Qwen35MoeLoader(_SGLangModelLoader):
     """``Qwen3_5MoeForCausalLM.load_weights`` (per-expert and fused ``gate_up_proj`` names)."""
 
     name = "sglang-qwen3.5-moe"
-    model_module = "sglang.srt.models.qwen3_5"
-    model_class = "Qwen3_5MoeForCausalLM"
+    model_module = "sglang.srt.models." + families.get("qwen3_5_moe").sglang_module
+    model_class = families.get("qwen3_5_moe").sglang_loader_class
     capabilities = Capabilities(formats=("compat", "hf_fused", "direct"),
                                 topology=_serving("qwen3_5_moe"),
                                 model_parts=("experts", "attention", "gdn", "router",

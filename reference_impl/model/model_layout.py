@@ -27,7 +27,8 @@ the element locator all read one table:
 An engine parameter is a concatenation, along one axis, of :class:`Segment` s: a run of a
 checkpoint tensor's rows (or columns) or zero padding. The engine's names are SGLang's
 (``Qwen3MoeForCausalLM`` / ``Qwen3_5MoeForConditionalGeneration``: Qwen3.5's attention layers
-hold ``qkv_proj`` directly, without ``self_attn``); the draft (``Qwen3_5ForCausalLMMTP``) is a
+hold ``qkv_proj`` directly, without ``self_attn`` - the family record's
+``sglang_attention_prefix``, :mod:`.families`); the draft (``Qwen3_5ForCausalLMMTP``) is a
 second model, addressed here with the prefix :data:`DRAFT_PREFIX`. Its ``embed_tokens`` and
 ``lm_head`` are the served model's tensors (SGLang's speculative worker calls
 ``set_embed_and_head``), so they are not draft parameters. With tied embeddings the engine
@@ -115,7 +116,7 @@ def validate_engine(spec: ModelSpec, topo: ReceiverTopology) -> None:
         _require(spec.intermediate_shared % tp == 0,
                  "the shared expert's FFN size must divide by TP (MergedColumnParallelLinear)",
                  intermediate_shared=spec.intermediate_shared, tp=tp)
-    if spec.family == "qwen3_5_moe":
+    if spec.family_record.gdn:
         _require(spec.linear_k_heads % tp == 0 and spec.linear_v_heads % tp == 0,
                  "GDN key and value heads must divide by TP", linear_k_heads=spec.linear_k_heads,
                  linear_v_heads=spec.linear_v_heads, tp=tp)
@@ -178,7 +179,7 @@ def _layer(spec: ModelSpec, target: str, layer: int, tp: int, rank: int) -> list
         add(norm, (H,), 0, _whole(hf(norm), (H,)), "norms")
     kind = spec.layer_kind(layer) if target == "target" else "attention"
     if kind == "attention":
-        attn = "self_attn." if spec.family == "qwen3_moe" else ""
+        attn = spec.family_record.sglang_attention_prefix
         q = _slice(hf("self_attn.q_proj.weight"), spec.q_rows, tp, rank)
         k = _kv_segment(spec, hf("self_attn.k_proj.weight"), tp, rank)
         v = _kv_segment(spec, hf("self_attn.v_proj.weight"), tp, rank)

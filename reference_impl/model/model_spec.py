@@ -24,6 +24,9 @@ layout of GLM-4.5 MoE (``Glm4MoeGate``) and DeepSeek-V3 (``MoEGate`` with ``rout
 the parameters RL stacks have cut to bf16 (miles#811, prime-rl#3524) or left unmapped
 (Megatron-Bridge#4199).
 
+What a family changes (layer kinds, parts, the gated query, the fields it needs or lacks)
+is its record in :mod:`.families`; this module reads it and has no branch per family.
+
 Names here are checkpoint names without the ``model.language_model.`` prefix of the Qwen3.5
 VL checkpoints (both SGLang Qwen3.5 loaders accept ``model.layers...``). Nothing here knows
 how an engine or a trainer shards them: that is :mod:`~pytest_weightsync.reference_impl.model.model_layout`
@@ -39,9 +42,10 @@ from typing import Mapping, NamedTuple, Optional
 
 import torch
 
+from pytest_weightsync.reference_impl.model import families
 from pytest_weightsync.reference_impl.model.layout import MoESpec
 from pytest_weightsync.reference_impl.model.moe_spec import _require
-from pytest_weightsync.vocabulary import MODEL_FAMILIES, MODEL_PARTS, TARGETS
+from pytest_weightsync.vocabulary import MODEL_PARTS, TARGETS
 
 __all__ = [
     "HFParam", "MTP_PREFIX", "ModelSpec", "ModelWeights", "expert_spec_of", "hf_params",
@@ -54,7 +58,8 @@ MTP_PREFIX = "mtp."
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of a whole MoE model of one of :data:`~pytest_weightsync.vocabulary.MODEL_FAMILIES`.
+    """Shape of a whole MoE model of a registered family (:mod:`.families`; the builtin ones
+    are :data:`~pytest_weightsync.vocabulary.MODEL_FAMILIES`).
 
     ``num_layers``, ``num_experts``, ``hidden``, ``intermediate`` (routed expert FFN size) and
     ``dtype`` have the meaning they have in :class:`MoESpec` (:attr:`experts` is that spec), so
@@ -86,8 +91,9 @@ class ModelSpec:
     dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self) -> None:
-        _require(self.family in MODEL_FAMILIES, f"ModelSpec.family must be one of {MODEL_FAMILIES}",
-                 family=self.family)
+        _require(families.is_registered(self.family),
+                 f"ModelSpec.family must be one of {families.names()}", family=self.family)
+        record = self.family_record
         for name in ("num_layers", "num_experts", "hidden", "intermediate", "vocab", "num_heads",
                      "num_kv_heads", "head_dim", "full_attention_interval"):
             value = getattr(self, name)
@@ -103,21 +109,21 @@ class ModelSpec:
                  router_dtype=self.router_dtype)
         _require(self.mtp_layers in (0, 1), "ModelSpec.mtp_layers must be 0 or 1",
                  mtp_layers=self.mtp_layers)
-        if self.family == "qwen3_5_moe":
-            for name in ("intermediate_shared", "linear_k_heads", "linear_v_heads",
-                         "linear_k_dim", "linear_v_dim", "conv_kernel"):
-                value = getattr(self, name)
-                _require(isinstance(value, int) and value >= 1,
-                         f"ModelSpec.{name} must be an int >= 1 for qwen3_5_moe", **{name: value})
+        for name in record.required_fields:
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1,
+                     f"ModelSpec.{name} must be an int >= 1 for {self.family}", **{name: value})
+        if record.gdn:
             _require(self.linear_v_heads % self.linear_k_heads == 0,
                      "linear_v_heads must be a multiple of linear_k_heads",
                      linear_v_heads=self.linear_v_heads, linear_k_heads=self.linear_k_heads)
-        else:
-            _require(self.intermediate_shared == 0 and self.linear_k_heads == 0
-                     and self.mtp_layers == 0 and self.full_attention_interval == 1,
-                     "qwen3_moe has no shared expert, no GDN layers and no MTP draft",
-                     intermediate_shared=self.intermediate_shared, mtp_layers=self.mtp_layers,
-                     full_attention_interval=self.full_attention_interval)
+        _require(all(getattr(self, name) == value for name, value in record.fixed_fields.items()),
+                 record.fixed_message, **{name: getattr(self, name) for name in record.fixed_shown})
+
+    @property
+    def family_record(self) -> "families.ModelFamily":
+        """The family's record: every fact the layouts read that is not a size."""
+        return families.get(self.family)
 
     # -- derived sizes ---------------------------------------------------------------------
 
@@ -138,7 +144,7 @@ class ModelSpec:
     @property
     def attn_output_gate(self) -> bool:
         """Qwen3.5 full attention gates its output: ``q_proj`` carries a gate per head."""
-        return self.family == "qwen3_5_moe"
+        return self.family_record.attn_output_gate
 
     @property
     def q_rows(self) -> int:
@@ -161,9 +167,7 @@ class ModelSpec:
 
     def layer_kind(self, layer: int) -> str:
         """``"attention"`` or ``"gdn"`` for served layer ``layer`` (draft layers: attention)."""
-        if self.family == "qwen3_moe":
-            return "attention"
-        return "attention" if (layer + 1) % self.full_attention_interval == 0 else "gdn"
+        return self.family_record.layer_kind(self.full_attention_interval, layer)
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -174,8 +178,7 @@ class ModelSpec:
     def parts(self) -> frozenset:
         """The parameter groups (:data:`~pytest_weightsync.vocabulary.MODEL_PARTS`) this model has."""
         parts = {"experts", "attention", "router", "norms", "embeddings"}
-        if self.family == "qwen3_5_moe":
-            parts |= {"gdn", "shared_expert"}
+        parts |= self.family_record.extra_parts
         if self.router_dtype == torch.float32:
             parts.add("router_fp32")
         if self.expert_bias:
@@ -187,7 +190,7 @@ class ModelSpec:
 
     @property
     def id(self) -> str:
-        fam = "q3" if self.family == "qwen3_moe" else "q35"
+        fam = self.family_record.id_prefix
         extra = "".join((
             "-tied" if self.tied else "",
             "-r32" if self.router_dtype == torch.float32 else "",
@@ -299,8 +302,7 @@ def value_layer(spec: ModelSpec, target: str, layer: int) -> int:
 def qwen3_moe(**overrides) -> ModelSpec:
     """A small Qwen3-MoE: 2 layers, 4 experts, 4 query heads on 1 KV head (fewer KV heads than
     TP ranks from TP 2 on), a vocab of 37 (not divisible by any TP size)."""
-    fields = dict(family="qwen3_moe", num_layers=2, num_experts=4, hidden=8, intermediate=4,
-                  vocab=37, num_heads=4, num_kv_heads=1, head_dim=2)
+    fields = dict(families.get("qwen3_moe").small_spec, family="qwen3_moe")
     fields.update(overrides)
     return ModelSpec(**fields)
 
@@ -309,10 +311,7 @@ def qwen3_5_moe(**overrides) -> ModelSpec:
     """A small Qwen3.5-MoE: 2 layers (a GDN layer, then full attention), 4 experts with a
     shared expert of the same FFN size (as Qwen3.5-35B-A3B), 2 key / 4 value GDN heads, 4
     query heads on 2 KV heads, a vocab of 37 and one MTP layer."""
-    fields = dict(family="qwen3_5_moe", num_layers=2, num_experts=4, hidden=8, intermediate=4,
-                  vocab=37, num_heads=4, num_kv_heads=2, head_dim=2, intermediate_shared=4,
-                  full_attention_interval=2, linear_k_heads=2, linear_v_heads=4,
-                  linear_k_dim=2, linear_v_dim=2, conv_kernel=3, mtp_layers=1)
+    fields = dict(families.get("qwen3_5_moe").small_spec, family="qwen3_5_moe")
     fields.update(overrides)
     return ModelSpec(**fields)
 

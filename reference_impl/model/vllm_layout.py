@@ -9,6 +9,8 @@ differ it says so below, with the vLLM source (paths under ``vllm/`` of the 0.33
 Every fact here is checked against that source by ``suites/selftest/test_vllm_layouts.py``
 (vLLM's own loading functions, compiled from the wheel's text and run on CPU, and its
 constants, mappings and module tree read from the AST); ``docs/vllm.md`` is the prose.
+What differs between the model families (classes, renames, prefixes, module tree) is the
+family's record (:mod:`~pytest_weightsync.reference_impl.model.families`), read here.
 
 Agreement with SGLang (reused, not restated):
 
@@ -84,6 +86,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
+from pytest_weightsync.reference_impl.model import families
 from pytest_weightsync.reference_impl.model.layout import (
     MoESpec,
     ReceiverShard,
@@ -274,89 +277,39 @@ def expert_mapping(num_experts: int) -> list[tuple]:
 #: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE`` (``layers/vocab_parallel_embedding.py``).
 VOCAB_PADDING = 64
 
-#: The vLLM classes modelled: (file under ``vllm/model_executor/models/``, class).
-MODEL_CLASSES = {
-    "qwen3_moe": ("qwen3_moe.py", "Qwen3MoeForCausalLM"),
-    "qwen3_5_moe": ("qwen3_5.py", "Qwen3_5MoeForCausalLM"),
-}
-DRAFT_CLASS = ("qwen3_5_mtp.py", "Qwen3_5MoeMTP")
 
-_QKV = {".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"),
-        ".v_proj": (".qkv_proj", "v")}
-_MLP = {".mlp.gate_proj": (".mlp.gate_up_proj", 0), ".mlp.up_proj": (".mlp.gate_up_proj", 1),
-        ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", 0),
-        ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1)}
-_GDN = {".in_proj_qkv": (".in_proj_qkvz", (0, 1, 2)), ".in_proj_z": (".in_proj_qkvz", 3),
-        ".in_proj_b": (".in_proj_ba", 0), ".in_proj_a": (".in_proj_ba", 1)}
+def _view(read) -> Mapping:
+    """``{builtin family: read(its record)}``, read-only: the old per-family tables, kept for
+    their readers (the source checks, docs), derived so a fact is stated once."""
+    return MappingProxyType({name: read(families.get(name)) for name in families.names()})
+
+
+# Views of the builtin families' records (:mod:`.families`), where each fact lives once; the
+# layout below reads the spec's own record, so a registered family needs no entry here.
+#: The vLLM classes modelled: (file under ``vllm/model_executor/models/``, class).
+MODEL_CLASSES = _view(lambda f: f.vllm_model)
+DRAFT_CLASS = families.get("qwen3_5_moe").vllm_draft
 #: Checkpoint substring -> (engine substring, shard id): the ``orig_to_new_stacked`` of the
 #: inner model's ``hf_to_vllm_mapper`` (``Qwen3MoeModel``; ``Qwen3_5Model`` = ``Qwen3NextModel``'s
 #: ``| `` its GDN entries), applied in this order.
-STACKED = MappingProxyType({
-    "qwen3_moe": MappingProxyType({**_QKV, **_MLP}),
-    "qwen3_5_moe": MappingProxyType({**_QKV, **_MLP, **_GDN}),
-})
+STACKED = _view(lambda f: f.vllm_stacked)
 #: Checkpoint prefix renames of the served model's outer mapper (``None``: not loaded):
 #: ``Qwen3_5ForCausalLMBase.hf_to_vllm_mapper`` drops the draft's ``mtp.`` tensors.
-SERVED_PREFIXES = MappingProxyType({
-    "qwen3_moe": MappingProxyType({}),
-    "qwen3_5_moe": MappingProxyType({"model.language_model.": "model.", "mtp.": None}),
-})
-
+SERVED_PREFIXES = _view(lambda f: f.vllm_served_prefixes)
 #: The module tree the engine names walk: class -> {attribute: class it holds}. ``layers``
 #: holds a ``ModuleList`` (``make_layers`` / ``nn.ModuleList``) of the class named; the MoE
 #: block's ``experts`` is what ``FusedMoEFactory`` returns (a ``MoERunner``). Leaves are
 #: parameters (see :data:`PARAMETERS`).
-MODULE_TREE = MappingProxyType({
-    "qwen3_moe": MappingProxyType({
-        "Qwen3MoeForCausalLM": {"model": "Qwen3MoeModel", "lm_head": "ParallelLMHead"},
-        "Qwen3MoeModel": {"embed_tokens": "VocabParallelEmbedding",
-                          "layers": "Qwen3MoeDecoderLayer", "norm": "RMSNorm"},
-        "Qwen3MoeDecoderLayer": {"self_attn": "Qwen3MoeAttention", "mlp": "Qwen3MoeSparseMoeBlock",
-                                 "input_layernorm": "RMSNorm",
-                                 "post_attention_layernorm": "RMSNorm"},
-        "Qwen3MoeAttention": {"qkv_proj": "QKVParallelLinear", "o_proj": "RowParallelLinear",
-                              "q_norm": "RMSNorm", "k_norm": "RMSNorm"},
-        "Qwen3MoeSparseMoeBlock": {"gate": "GateLinear", "experts": "MoERunner"},
-        "MoERunner": {ROUTED_EXPERTS: "RoutedExperts"},
-    }),
-    "qwen3_5_moe": MappingProxyType({
-        "Qwen3_5MoeForCausalLM": {"model": "Qwen3_5Model", "lm_head": "ParallelLMHead"},
-        "Qwen3_5Model": {"embed_tokens": "VocabParallelEmbedding", "layers": "Qwen3_5DecoderLayer",
-                         "norm": "GemmaRMSNorm"},
-        "Qwen3_5DecoderLayer": {"self_attn": "Qwen3NextAttention",
-                                "linear_attn": "QwenGatedDeltaNetAttention",
-                                "mlp": "Qwen3NextSparseMoeBlock",
-                                "input_layernorm": "GemmaRMSNorm",
-                                "post_attention_layernorm": "GemmaRMSNorm"},
-        "Qwen3NextAttention": {"qkv_proj": "QKVParallelLinear", "o_proj": "RowParallelLinear",
-                               "q_norm": "GemmaRMSNorm", "k_norm": "GemmaRMSNorm"},
-        "QwenGatedDeltaNetAttention": {"in_proj_qkvz": "MergedColumnParallelLinear",
-                                       "in_proj_ba": "MergedColumnParallelLinear",
-                                       "conv1d": "ColumnParallelLinear",
-                                       "norm": "RMSNormGated", "out_proj": "RowParallelLinear"},
-        "Qwen3NextSparseMoeBlock": {"gate": "GateLinear", "shared_expert_gate": "ReplicatedLinear",
-                                    "shared_expert": "Qwen2MoeMLP", "experts": "MoERunner"},
-        "Qwen2MoeMLP": {"gate_up_proj": "MergedColumnParallelLinear",
-                        "down_proj": "RowParallelLinear"},
-        "MoERunner": {ROUTED_EXPERTS: "RoutedExperts"},
-        # the draft
-        "Qwen3_5MoeMTP": {"model": "Qwen3_5MultiTokenPredictor"},
-        "Qwen3_5MultiTokenPredictor": {"fc": "ColumnParallelLinear",
-                                       "pre_fc_norm_embedding": "GemmaRMSNorm",
-                                       "pre_fc_norm_hidden": "GemmaRMSNorm",
-                                       "layers": "Qwen3_5DecoderLayer", "norm": "GemmaRMSNorm"},
-    }),
-})
+MODULE_TREE = _view(lambda f: f.vllm_module_tree)
 #: Parameters (leaves) per holding class; every other holder has one ``weight``.
 PARAMETERS = MappingProxyType({
     "RoutedExperts": ("w13_weight", "w2_weight"),
     "QwenGatedDeltaNetAttention": ("A_log", "dt_bias"),
 })
 #: The served model's root class and the draft's, per family.
-ROOTS = MappingProxyType({"qwen3_moe": ("Qwen3MoeForCausalLM", None),
-                          "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeMTP")})
+ROOTS = _view(lambda f: f.vllm_roots)
 
-_ATTN = re.compile(r"(model\.layers\.[0-9]+\.)(qkv_proj|o_proj|q_norm|k_norm)\.weight")
+_ATTN_PARAMS = "(qkv_proj|o_proj|q_norm|k_norm)"
 _DRAFT_HEAD = ("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
 
 
@@ -393,8 +346,11 @@ def validate_engine(spec: ModelSpec, topo: VllmTopology) -> None:
 
 def engine_name(spec: ModelSpec, target: str, own: str) -> str:
     """vLLM's engine name of a parameter SGLang's layout calls ``own`` in ``target``."""
-    if spec.family == "qwen3_5_moe":
-        own = _ATTN.sub(r"\1self_attn.\2.weight", own)
+    record = spec.family_record
+    if record.sglang_attention_prefix != record.vllm_attention_prefix:
+        own = re.sub(rf"(model\.layers\.[0-9]+\.){re.escape(record.sglang_attention_prefix)}"
+                     rf"{_ATTN_PARAMS}\.weight",
+                     rf"\g<1>{record.vllm_attention_prefix}\2.weight", own)
     if target == "draft" and own in _DRAFT_HEAD:
         own = "model." + own
     return own if target == "target" else DRAFT_PREFIX + own
@@ -448,13 +404,13 @@ def checkpoint_route(spec: ModelSpec, name: str):
     the receiving module path + parameter, shard id or None)``, or ``None`` when the served
     model drops it (the draft's ``mtp.`` tensors). Expert names are returned as they are
     (the MoE runner matches them with :func:`expert_mapping`)."""
-    for prefix, new in SERVED_PREFIXES[spec.family].items():
+    for prefix, new in spec.family_record.vllm_served_prefixes.items():
         if name.startswith(prefix):
             if new is None:
                 return None
             name = new + name[len(prefix):]
     shard = None
-    for old, (new, sid) in STACKED[spec.family].items():
+    for old, (new, sid) in spec.family_record.vllm_stacked.items():
         if old in name:
             name, shard = name.replace(old, new, 1), sid
     return name, shard

@@ -104,7 +104,7 @@ def validate_trainer_model(spec: ModelSpec, topo: TrainerTopology) -> None:
     for what, rows in (("linear_qkv rows", spec.q_rows + 2 * spec.kv_rows),
                        ("attention output columns", spec.num_heads * spec.head_dim)):
         _require(rows % tp == 0, f"{what} must divide by the trainer's tp", rows=rows, tp=tp)
-    if spec.family == "qwen3_5_moe":
+    if spec.family_record.gdn:
         for what, n in (("GDN key channels", spec.gdn_qk), ("GDN value channels", spec.gdn_v),
                         ("GDN value heads", spec.linear_v_heads),
                         ("shared expert FFN", spec.intermediate_shared), ("hidden", spec.hidden)):

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+from pytest_weightsync.reference_impl.model import families
 from pytest_weightsync.reference_impl.model.layout import (
     MoESpec,
     TrainerTopology,
@@ -68,18 +69,13 @@ PARTITION_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_str
 VOCAB_PER_TP_RANK = 4
 #: Attention head size: small and independent of the hidden size (which may be odd).
 KV_CHANNELS = 2
-#: ``TransformerConfig`` settings of every Qwen3-MoE outside its sizes, as Megatron-Bridge 0.3.1
-#: sets them (``megatron/bridge/models/qwen/qwen_provider.py`` ``Qwen3MoEModelProvider``;
-#: ``qwen3_moe_bridge.py`` ``Qwen3MoEBridge.provider_bridge``: "Qwen3 MoE does NOT have QKV
-#: bias", "Qwen3 MoE uses QK layernorm"); they decide which parameters exist (RMSNorm: no
-#: norm bias; no linear or qkv bias; q/k norms). Held to the installed Bridge by
+#: ``TransformerConfig`` settings of every Qwen3-MoE outside its sizes and its ``GPTModel``
+#: arguments, as Megatron-Bridge 0.3.1 sets them: views of the family's record
+#: (:mod:`~pytest_weightsync.reference_impl.model.families.qwen3_moe` says where each comes
+#: from), which decide which parameters exist. Held to the installed Bridge by
 #: ``suites/selftest/test_trainer_model_names.py``.
-QWEN3_MOE_CONFIG = {"normalization": "RMSNorm", "qk_layernorm": True, "add_bias_linear": False,
-                    "add_qkv_bias": False, "gated_linear_unit": True, "layernorm_epsilon": 1e-6}
-#: ``GPTModel`` arguments of the same provider: rotary positions (no
-#: ``embedding.position_embeddings`` parameter), untied embeddings.
-QWEN3_MOE_MODEL = {"position_embedding_type": "rope", "rotary_base": 1000000,
-                   "share_embeddings_and_output_weights": False}
+QWEN3_MOE_CONFIG = dict(families.get("qwen3_moe").megatron_config)
+QWEN3_MOE_MODEL = dict(families.get("qwen3_moe").megatron_model)
 
 
 class MegatronPlacementError(WeightSyncError):

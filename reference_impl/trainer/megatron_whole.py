@@ -20,8 +20,8 @@ optimizer's contiguous buffers) under the real ``parallel_state``:
 * pipeline stages of equal size or uneven (``num_layers_in_first_pipeline_stage``); each
   ``TransformerLayer.layer_number`` is global;
 * the settings that decide which parameters exist are Megatron-Bridge's for the family
-  (:data:`~pytest_weightsync.reference_impl.trainer.megatron_state.QWEN3_MOE_CONFIG`,
-  :data:`ROTARY_BASE`): RMSNorm without bias, no linear or qkv biases, q/k norms, rotary
+  (its record's ``megatron_config`` and ``megatron_model``,
+  :mod:`~pytest_weightsync.reference_impl.model.families`): RMSNorm without bias, no linear or qkv biases, q/k norms, rotary
   positions - held to the installed Bridge's registries, every rank, by
   ``suites/selftest/test_trainer_model_names.py``.
 
@@ -47,9 +47,8 @@ from __future__ import annotations
 
 import contextlib
 
+from pytest_weightsync.reference_impl.model import families
 from pytest_weightsync.reference_impl.trainer.megatron_state import (
-    QWEN3_MOE_CONFIG,
-    QWEN3_MOE_MODEL,
     MegatronPlacementError,
     _ddp_buffers_on_cpu,
     fill_in_place,
@@ -59,14 +58,15 @@ from pytest_weightsync.reference_impl.trainer.megatron_state import (
     wrapped,
 )
 
-#: Megatron-Bridge 0.3.1's ``Qwen3NextModelProvider`` (``megatron/bridge/models/qwen/
-#: qwen_provider.py``, the Qwen3.5-MoE layout) inherits :data:`QWEN3_MOE_CONFIG` from
-#: ``Qwen3MoEModelProvider`` and changes the rotary base; its gated attention and shared-expert
-#: gate follow the spec here (``attn_output_gate``, ``intermediate_shared``).
-#: ``layernorm_zero_centered_gamma`` is left off: it changes what the norm weights mean (Bridge
-#: maps GDN ``out_norm`` as ``hf - 1``), not which parameters exist, and the oracle fills every
-#: norm with the checkpoint's own values.
-ROTARY_BASE = {"qwen3_moe": QWEN3_MOE_MODEL["rotary_base"], "qwen3_5_moe": 10000000}
+#: The builtin families' rotary bases, a view of their records' ``megatron_model`` (the model
+#: reads the spec's record): Megatron-Bridge 0.3.1's ``Qwen3NextModelProvider`` (the
+#: Qwen3.5-MoE layout) inherits ``Qwen3MoEModelProvider``'s settings and changes the rotary
+#: base; its gated attention and shared-expert gate follow the spec (``attn_output_gate``,
+#: ``intermediate_shared``). ``layernorm_zero_centered_gamma`` is left off: it changes what
+#: the norm weights mean (Bridge maps GDN ``out_norm`` as ``hf - 1``), not which parameters
+#: exist, and the oracle fills every norm with the checkpoint's own values.
+ROTARY_BASE = {name: families.get(name).megatron_model["rotary_base"]
+               for name in families.names()}
 
 #: The oracle names its input norm as the Transformer Engine spec fuses it.
 _LOCAL_TO_MODELLED = ((".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight"),)
@@ -231,7 +231,7 @@ def transformer_config(spec, topo):
 
     from pytest_weightsync.reference_impl.backends.megatron import moe_transformer_config
 
-    settings = dict(QWEN3_MOE_CONFIG)  # RMSNorm, q/k norms, no qkv bias (the family's)
+    settings = dict(spec.family_record.megatron_config)  # RMSNorm, q/k norms, no qkv bias
     del settings["add_bias_linear"], settings["gated_linear_unit"]  # moe_transformer_config's own
     return moe_transformer_config(
         hidden=spec.hidden, ffn=spec.intermediate, experts=spec.num_experts,
@@ -309,8 +309,8 @@ def build_model(spec, topo, config, layer_spec: str = "te", ddp_options=None) ->
                          vocab_size=padded_vocab(spec.vocab, topo.tp), max_sequence_length=8,
                          pre_process=ps.is_pipeline_first_stage(),
                          post_process=ps.is_pipeline_last_stage(),
-                         **{**QWEN3_MOE_MODEL, "share_embeddings_and_output_weights": spec.tied,
-                            "rotary_base": ROTARY_BASE[spec.family]},
+                         **{**spec.family_record.megatron_model,
+                            "share_embeddings_and_output_weights": spec.tied},
                          mtp_block_spec=mtp_block_spec(spec, topo, config, layer_spec))
     return [wrapped(chunk, config, before_ddp=_keep_float32(spec), ddp_options=ddp_options)]
 

@@ -25,11 +25,11 @@ import importlib
 import os
 import re
 
-#: family -> (bridge source relative to ``megatron/bridge``, its bridge class).
-FAMILY_BRIDGES = {
-    "qwen3_moe": ("models/qwen/qwen3_moe_bridge.py", "Qwen3MoEBridge"),
-    "qwen3_5_moe": ("models/qwen/qwen3_next_bridge.py", "Qwen3NextBridge"),
-}
+from pytest_weightsync.reference_impl.model import families
+
+#: family -> (bridge source relative to ``megatron/bridge``, its bridge class): a view of the
+#: builtin families' records (``ModelFamily.bridge``).
+FAMILY_BRIDGES = {name: families.get(name).bridge for name in families.names()}
 #: Where the router's expert-bias mapping is read from (a family that has one).
 EXPERT_BIAS_BRIDGE = ("models/glm/glm45_bridge.py", "GLM45Bridge")
 PROVIDERS = "models/qwen/qwen_provider.py"
@@ -91,7 +91,7 @@ def registry(family: str, expert_bias: bool = False):
 
     param_mapping = bridge.param_mapping()
     registries = importlib.import_module("megatron.bridge.models.conversion.mapping_registry")
-    specs = mapping_specs(*FAMILY_BRIDGES[family])
+    specs = mapping_specs(*families.get(family).bridge)
     if expert_bias:
         specs += [s for s in mapping_specs(*EXPERT_BIAS_BRIDGE)
                   if (s[2].get("megatron_param") or s[1][0]).endswith(".mlp.router.expert_bias")]
@@ -141,7 +141,7 @@ def provider_bridge_settings(family: str) -> dict:
     literal keywords of a provider constructor call) in ``provider_bridge`` of ``family``'s
     bridge: what Bridge sets on every model of the family it converts."""
     out = {}
-    for node in ast.walk(_method(*FAMILY_BRIDGES[family], "provider_bridge")):
+    for node in ast.walk(_method(*families.get(family).bridge, "provider_bridge")):
         if isinstance(node, ast.Assign) and len(node.targets) == 1 \
                 and isinstance(node.targets[0], ast.Attribute) \
                 and isinstance(node.targets[0].value, ast.Name) \

@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import re
 
-#: Families and the layer kinds they have.
-FAMILIES = {"qwen3_moe": ("attention",), "qwen3_5_moe": ("attention", "gdn", "shared_expert")}
+from pytest_weightsync.reference_impl.model import families
+
+#: The builtin families and the layer kinds they have (a view of their records; a registered
+#: family is converted from its own record).
+FAMILIES = {name: families.get(name).layer_parts for name in families.names()}
 UNKNOWN = "Unknown parameter name"
 
 _TOP = {
@@ -94,7 +97,7 @@ def _expert(prefix: str, rest: str):
 
 
 def _layer(family: str, prefix: str, rest: str):
-    for kind in FAMILIES[family]:
+    for kind in families.get(family).layer_parts:
         if rest in _LAYER[kind]:
             return tuple(f"{prefix}.{hf}" for hf in _LAYER[kind][rest])
     return _expert(prefix, rest)
@@ -104,8 +107,9 @@ def hf_names(family: str, name: str) -> tuple:
     """The checkpoint names Megatron parameter ``name`` (wrapper prefixes allowed, stage-local
     layer numbers) converts to; ``ValueError("Unknown parameter name: ...")`` for any name a
     real ``family`` model does not have."""
-    if family not in FAMILIES:
-        raise ValueError(f"unsupported model family {family!r}: expected one of {sorted(FAMILIES)}")
+    if not families.is_registered(family):
+        raise ValueError(f"unsupported model family {family!r}: expected one of "
+                         f"{sorted(families.names())}")
     own = name
     while own.startswith("module."):
         own = own[len("module."):]
@@ -114,7 +118,7 @@ def hf_names(family: str, name: str) -> tuple:
     if out is None and m:
         out = _layer(family, f"model.layers.{m.group(1)}", m.group(2))
     m = _MTP.fullmatch(own)
-    if out is None and m and family == "qwen3_5_moe":
+    if out is None and m and families.get(family).has_draft:
         rest = m.group(2)
         out = _MTP_HEAD.get(rest)
         if out is None and rest.startswith("transformer_layer."):

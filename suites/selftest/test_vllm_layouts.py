@@ -25,13 +25,14 @@ A mutation test breaks each modelled fact in turn and requires a check here to f
 from __future__ import annotations
 
 import ast
+import dataclasses
 import itertools
-import re
 
 import pytest
 import torch
 
 from pytest_weightsync.reference_impl.backends import vllm as facts
+from pytest_weightsync.reference_impl.model import families
 from pytest_weightsync.reference_impl.model import vllm_layout as v
 from pytest_weightsync.reference_impl.model.layout import (
     MoESpec,
@@ -390,10 +391,10 @@ def check_routes(spec) -> list[str]:
         problems.append(f"{len(diff)} routes differ, e.g. {diff[:3]}")
     ns = ve.weights_mapper_namespace()
     outer, inner = ve.served_mappers(spec.family, ns)
-    if dict(inner.orig_to_new_stacked) != dict(v.STACKED[spec.family]):
+    if dict(inner.orig_to_new_stacked) != dict(spec.family_record.vllm_stacked):
         problems.append(f"stacked mapping is {dict(inner.orig_to_new_stacked)}")
     prefixes = {} if outer is None else dict(outer.orig_to_new_prefix)
-    if prefixes != dict(v.SERVED_PREFIXES[spec.family]):
+    if prefixes != dict(spec.family_record.vllm_served_prefixes):
         problems.append(f"served-model prefixes are {prefixes}")
     return problems
 
@@ -500,6 +501,12 @@ def test_the_wheel_read_is_the_pinned_one():
 # Each modelled fact, broken once, fails a check above
 # --------------------------------------------------------------------------------------------
 
+def _family(name: str, **changes) -> tuple:
+    """A mutant of family ``name``'s record (where the vLLM facts of a model live): the
+    registry entry and the record with ``changes``."""
+    return families._REGISTRY, name, dataclasses.replace(families.get(name), **changes)
+
+
 _E4, _TP2, _EP3 = (EXPERT_SPECS["E4"], v.VllmTopology(tp=2),
                    v.VllmTopology(tp=3, expert_parallel=True))
 MUTANTS = {
@@ -521,18 +528,17 @@ MUTANTS = {
     "experts without routed_experts": (v, "ROUTED_EXPERTS", "experts",
                                        check_expert_constants),
     "vocab padded to 128": (v, "VOCAB_PADDING", 128, check_vocab),
-    "a stacked shard id": (v, "STACKED", {**v.STACKED, "qwen3_moe": {
-        **v.STACKED["qwen3_moe"], ".k_proj": (".qkv_proj", "v")}},
+    "a stacked shard id": (*_family("qwen3_moe", vllm_stacked={
+        **v.STACKED["qwen3_moe"], ".k_proj": (".qkv_proj", "v")}),
         lambda: check_routes(qwen3_moe())),
-    "mtp tensors kept": (v, "SERVED_PREFIXES", {**v.SERVED_PREFIXES, "qwen3_5_moe": {
-        "model.language_model.": "model."}}, lambda: check_routes(qwen3_5_moe())),
+    "mtp tensors kept": (*_family("qwen3_5_moe", vllm_served_prefixes={
+        "model.language_model.": "model."}), lambda: check_routes(qwen3_5_moe())),
     "Qwen3.5 attention without self_attn": (
-        v, "_ATTN", re.compile(r"(model\.layers\.[0-9]+\.)(qkv_proj|o_proj|q_norm|k_norm)\.never"),
-        check_module_tree),
-    "norm class": (v, "MODULE_TREE", {**v.MODULE_TREE, "qwen3_moe": {
+        *_family("qwen3_5_moe", vllm_attention_prefix=""), check_module_tree),
+    "norm class": (*_family("qwen3_moe", vllm_module_tree={
         **v.MODULE_TREE["qwen3_moe"], "Qwen3MoeModel": {
             "embed_tokens": "VocabParallelEmbedding", "layers": "Qwen3MoeDecoderLayer",
-            "norm": "GemmaRMSNorm"}}}, check_module_tree),
+            "norm": "GemmaRMSNorm"}}), check_module_tree),
     "another torch pin": (facts, "TORCH_PIN", "2.14.1", check_engine_facts),
     "reload wraps the expert bias": (facts, "RELOAD_SKIPPED",
                                      facts.RELOAD_SKIPPED - {"e_score_correction_bias"},
@@ -546,7 +552,10 @@ MUTANTS = {
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_each_modelled_fact_broken_fails_a_check(mutant, monkeypatch):
     module, attr, value, check = MUTANTS[mutant]
-    monkeypatch.setattr(module, attr, value)
+    if isinstance(module, dict):  # a family record (the registry's entry)
+        monkeypatch.setitem(module, attr, value)
+    else:
+        monkeypatch.setattr(module, attr, value)
     v.engine_params.cache_clear()
     try:
         assert check() != [], f"{mutant}: no check failed"

@@ -14,7 +14,8 @@ import re
 
 from pytest_weightsync.reference_impl.backends import vllm as facts
 from pytest_weightsync.reference_impl.model import vllm_layout as v
-from pytest_weightsync.reference_impl.model.model_spec import qwen3_5_moe, qwen3_moe
+from pytest_weightsync.reference_impl.model import families
+from pytest_weightsync.reference_impl.model.model_spec import ModelSpec
 from pytest_weightsync.suites.selftest import vllm_source as src
 
 __all__ = ["MODEL_FILES", "check_engine_facts", "check_module_tree"]
@@ -97,15 +98,17 @@ def check_module_tree() -> list[str]:
     walk through it, every leaf a parameter its holder registers."""
     problems = []
     classes = _classes()
-    for family, tree in v.MODULE_TREE.items():
+    for family in families.names():
+        record = families.get(family)
+        tree = record.vllm_module_tree
         for cls, attrs in tree.items():
             for attr, held in attrs.items():
                 found = _held_by(classes, cls, attr)
                 if held not in found:
                     problems.append(f"{family}: vLLM's {cls}.{attr} is {sorted(found)}, not {held}")
-        for spec in ([qwen3_moe(), qwen3_moe(tied=True)] if family == "qwen3_moe"
-                     else [qwen3_5_moe(), qwen3_5_moe(tied=True)]):
-            served, draft = v.ROOTS[family]
+        for spec in (ModelSpec(family=family, **record.small_spec),
+                     ModelSpec(family=family, tied=True, **record.small_spec)):
+            served, draft = record.vllm_roots
             for name, p in v.engine_params(spec, v.VllmTopology(tp=2), 0).items():
                 root = draft if p.target == "draft" else served
                 parts = name[len(v.DRAFT_PREFIX):].split(".") if p.target == "draft" \
@@ -133,7 +136,7 @@ def check_module_tree() -> list[str]:
     if f'"{cls}": ("{rel[:-3]}", "{cls}")' not in registry:
         problems.append(f"{cls} is not a registered vLLM draft")
     ties = {f: "tie_weights(self.model.embed_tokens)" in src.text("vllm/model_executor/models/" + f)
-            for f in ("qwen3_moe.py", "qwen3_5.py")}
+            for f, _ in v.MODEL_CLASSES.values()}
     if not all(ties.values()):
         problems.append(f"lm_head is not tied to embed_tokens in {ties}")
     gdn = src.method_node("model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py",
