@@ -38,7 +38,8 @@ PLUGIN_NAMES = ("weightsync", "pytest_weightsync.plugin")
 OWN_MARKERS = ("weightsync", "ranks", "weightsync_property", "weightsync_backend")
 #: Fixtures the sub-plugins provide: a test using one is a weightsync item.
 OWN_FIXTURES = ("rank_pool", "weightsync_impl", "weightsync_loader", "weightsync_exporter",
-                "weightsync_distributed_exporter", "weightsync_implementations",
+                "weightsync_distributed_exporter", "weightsync_serving_engine",
+                "weightsync_orchestrator", "weightsync_implementations",
                 "weightsync_record_property", "throughput", "eligibility_impl")
 
 #: Sub-plugins, by module path, registered at configure time. Each is a module whose

@@ -29,8 +29,10 @@ from pytest_weightsync.vocabulary import (
     LOADER_TRANSPORTS,
     MODEL_PARTS,
     ORDERS,
+    PAUSE_MODES,
     QUANTIZERS,
     RECEIVER_AXES,
+    SERVING_DIALECTS,
     TARGETS,
     TRAINER_AXES,
     WEIGHT_QUANTS,
@@ -140,6 +142,21 @@ class Capabilities:
         Why what is not claimed is not (shown with those skips), e.g. that a layer above the
         loader keeps the session.
 
+    Refit-under-load claims (serving engines and orchestrators,
+    ``suites/conformance/test_serving.py``):
+
+    ``serving``
+        The control planes (:data:`SERVING_DIALECTS`) a serving engine speaks, or an
+        orchestrator drives; default none (an engine claiming none is not run).
+    ``pause_modes``
+        The pause modes it implements, ``"<dialect>:<mode>"`` (:data:`PAUSE_MODES`, e.g.
+        ``"sglang:retract"``); default every mode of every claimed dialect. The ``in_flight``
+        and ``flush_after_pause`` properties run each one.
+    ``logprob_tolerance``
+        ``None`` (the default): its log-probs equal the trainer-side forward of the reported
+        version bit for bit (deterministic kernels shared with the oracle's forward); else the
+        largest absolute difference it claims, printed with the result.
+
     A predicate that raises is a :class:`ClaimError` naming it: the plugin probes every
     predicate at collection time and stops with one usage error naming the implementation.
     """
@@ -169,6 +186,9 @@ class Capabilities:
     transports: frozenset = frozenset({"tensors"})
     lifecycle: frozenset = frozenset()
     lifecycle_note: str = field(default="", compare=False)
+    serving: frozenset = frozenset()
+    pause_modes: Optional[frozenset] = None
+    logprob_tolerance: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name, allowed in (("formats", FORMATS), ("orders", ORDERS),
@@ -188,6 +208,7 @@ class Capabilities:
                 raise ValueError(f"Capabilities.{name}: unknown value(s) {unknown}; "
                                  f"expected a subset of {allowed}")
             object.__setattr__(self, name, value)
+        self._check_serving()
         if "tensors" not in self.transports:
             raise ValueError(f"Capabilities.transports must include 'tensors' (every loader is "
                              f"handed (name, tensor) pairs), got {sorted(self.transports)}")
@@ -201,6 +222,37 @@ class Capabilities:
             if value is not None and not callable(value):
                 raise TypeError(f"Capabilities.{name} must be a callable {args} -> bool, "
                                 f"got {value!r}")
+
+    def _check_serving(self) -> None:
+        serving = frozenset((self.serving,) if isinstance(self.serving, str) else self.serving)
+        unknown = sorted(serving - set(SERVING_DIALECTS))
+        if unknown:
+            raise ValueError(f"Capabilities.serving: unknown dialect(s) {unknown}; expected a "
+                             f"subset of {SERVING_DIALECTS}")
+        object.__setattr__(self, "serving", serving)
+        every = {f"{d}:{m}" for d in serving for m in PAUSE_MODES[d]}
+        modes = every if self.pause_modes is None else frozenset(
+            (self.pause_modes,) if isinstance(self.pause_modes, str) else self.pause_modes)
+        unknown = sorted(set(modes) - every)
+        if unknown:
+            raise ValueError(f"Capabilities.pause_modes: {unknown} are no pause modes of the "
+                             f"claimed dialects (expected a subset of {sorted(every)})")
+        object.__setattr__(self, "pause_modes", frozenset(modes))
+        tol = self.logprob_tolerance
+        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
+                                or not tol >= 0):
+            raise ValueError(f"Capabilities.logprob_tolerance must be None or a number >= 0, "
+                             f"got {tol!r}")
+
+    def serving_refusal(self, dialect: str, mode: Optional[str] = None) -> Optional[str]:
+        """Why a serving case of ``dialect`` (and pause ``mode``) is not run; ``None`` when
+        claimed."""
+        if dialect not in self.serving:
+            return f"does not claim the {dialect} control plane (claims {sorted(self.serving)})"
+        if mode is not None and f"{dialect}:{mode}" not in self.pause_modes:
+            return (f"does not claim pause mode {dialect}:{mode} (claims "
+                    f"{sorted(self.pause_modes)})")
+        return None
 
     @staticmethod
     def _ask(predicate, name: str, spec, topology) -> bool:

@@ -141,6 +141,24 @@ float32 ``expert_bias`` buffer - and ``trainer.first_stage_layers`` may make the
 uneven (a layer's global number is its ``TransformerLayer.layer_number - 1``). See
 ``docs/validate-your-loader.md``.
 
+Two roles judge what happens around the copy while an engine serves (``docs/refit-under-load.md``,
+``suites/conformance/test_serving.py``):
+
+``open_serving_engine(*, spec, version, dialect, seed=0)``
+    A serving engine holding whole model ``spec`` at ``version`` (also its first published
+    label), speaking the control plane ``dialect`` (:data:`SERVING_DIALECTS`, claimed in
+    ``Capabilities.serving``): ``submit(prompt, max_new_tokens) -> rid``, ``step()`` (one
+    scheduler iteration), ``request(rid)`` (``output``, ``logprobs``, ``token_versions``,
+    ``prompt_versions``, ``cached_tokens``, ``status``, ``abort_reason``, ``retractions``),
+    ``weight_version``, ``pause_generation(mode, clear_cache=None)``, ``continue_generation()``
+    / ``resume_generation()``, ``flush_cache()`` / ``reset_prefix_cache()``,
+    ``update_weights(buckets, *, load_format=None, flush_cache=True, weight_version=None)``,
+    ``update_weight_version(new_version, abort_all_requests=True)``.
+``refit_engine(engine, buckets, *, version)``
+    An RL framework's refit sequence (an *orchestrator*): given such an engine with requests
+    in flight, it pauses, updates with ``buckets``, flushes, publishes ``version`` and resumes
+    in its own order.
+
 What an implementation claims, :class:`Capabilities`, and the refusal logic over it live in
 :mod:`pytest_weightsync.capabilities`; both names stay importable from here.
 
@@ -236,6 +254,8 @@ SIGNATURES = {
         ("model_state",),
         ("config", "format", "spec", "trainer", "receiver", "delivery", "bucket_bytes"),
         ("model", "engine")),
+    "open_serving_engine": ((), ("spec", "version", "dialect"), ("seed",)),
+    "refit_engine": (("engine", "buckets"), ("version",), ()),
 }
 
 
@@ -313,7 +333,7 @@ def as_stream(result, *, source: str = "export") -> list[list]:
 
 
 def roles_of(obj) -> tuple[str, ...]:
-    """The roles ``obj`` provides (``"loader"``, ``"exporter"``, ``"distributed_exporter"``), in that order."""
+    """The roles ``obj`` provides (the keys of :data:`ROLES` whose method it has), in that order."""
     return tuple(role for role, method in ROLES.items() if callable(getattr(obj, method, None)))
 
 

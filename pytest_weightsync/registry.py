@@ -76,7 +76,9 @@ OPTIONAL_BUILTINS_ENV = "WEIGHTSYNC_OPTIONAL_BUILTINS"
 #: Fixtures parametrized with implementations, and the role each requires (None: any).
 IMPL_FIXTURES = {"weightsync_impl": None, "weightsync_loader": "loader",
                  "weightsync_exporter": "exporter",
-                 "weightsync_distributed_exporter": "distributed_exporter"}
+                 "weightsync_distributed_exporter": "distributed_exporter",
+                 "weightsync_serving_engine": "serving_engine",
+                 "weightsync_orchestrator": "orchestrator"}
 
 _BASE = pytest.StashKey["Registry"]()
 _DECLARED = pytest.StashKey["Registry"]()
@@ -495,6 +497,18 @@ def weightsync_exporter(request: pytest.FixtureRequest, weightsync_implementatio
 @pytest.fixture
 def weightsync_distributed_exporter(request: pytest.FixtureRequest, weightsync_implementations):
     """One registered implementation that has ``export_weights_distributed``."""
+    return _parametrized(request)
+
+
+@pytest.fixture
+def weightsync_serving_engine(request: pytest.FixtureRequest, weightsync_implementations):
+    """One registered implementation that has ``open_serving_engine``."""
+    return _parametrized(request)
+
+
+@pytest.fixture
+def weightsync_orchestrator(request: pytest.FixtureRequest, weightsync_implementations):
+    """One registered implementation that has ``refit_engine``."""
     return _parametrized(request)
 
 

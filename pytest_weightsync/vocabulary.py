@@ -15,9 +15,10 @@ __all__ = [
     "FAIL", "FORMATS", "FORMAT_PARAMS", "HARDENING", "INTERRUPTED", "LAYER_SPECS", "LIFECYCLE",
     "LOADER_TRANSPORTS", "LOAD_FORMAT", "LOAD_FORMATS", "MODEL_FAMILIES", "MODEL_FORMATS",
     "MODEL_PARTS", "NOT_RUN", "ORDERS", "OUTCOME_WAIVED", "PAD_MODES", "PARTIAL", "PASS",
-    "PROPERTIES", "QUANTIZERS", "RANKS_COVERED", "RECEIVER_AXES", "REPORT_PROPERTIES", "ROLES",
-    "SKIP_NOT_APPLICABLE", "SKIP_NOT_RUN", "SKIP_NO_DEVICE", "SKIP_OUTSIDE", "SKIP_UNCLAIMED",
-    "SPEED", "TARGETS", "TRAINER_AXES", "TRANSPORTS", "VERDICTS", "WAIVED", "WEIGHT_QUANTS",
+    "PAUSE_MODES", "PROPERTIES", "QUANTIZERS", "RANKS_COVERED", "RECEIVER_AXES",
+    "REPORT_PROPERTIES", "ROLES", "SERVING_DIALECTS", "SKIP_NOT_APPLICABLE", "SKIP_NOT_RUN",
+    "SKIP_NO_DEVICE", "SKIP_OUTSIDE", "SKIP_UNCLAIMED", "SPEED", "TARGETS", "TRAINER_AXES",
+    "TRANSPORTS", "VERDICTS", "WAIVED", "WEIGHT_QUANTS",
 ]
 
 #: Payload (wire) formats, fastest first (the order path selection falls back along):
@@ -102,7 +103,16 @@ TRANSPORTS = ("tensors", "flattened_bucket", "serialized", "broadcast", "weight_
 LOADER_TRANSPORTS = ("tensors", "flattened_bucket")
 #: The roles an implementation can play, by the method that provides each.
 ROLES = {"loader": "load_weights", "exporter": "export_weights",
-         "distributed_exporter": "export_weights_distributed"}
+         "distributed_exporter": "export_weights_distributed",
+         "serving_engine": "open_serving_engine", "orchestrator": "refit_engine"}
+#: The control planes a serving engine speaks and an orchestrator drives
+#: (``Capabilities.serving``; ``docs/refit-under-load.md``).
+SERVING_DIALECTS = ("sglang", "vllm")
+#: The pause modes of each control plane (``pause_generation(mode=...)``: SGLang 0.5.23's
+#: ``PauseGenerationReqInput.mode``, vLLM 0.33's ``AsyncLLM.pause_generation``); an engine claims
+#: the ones it implements (``Capabilities.pause_modes``), and the ``in_flight`` property runs
+#: each claimed one. Held to the pinned sources by ``suites/selftest/test_control_plane_source.py``.
+PAUSE_MODES = {"sglang": ("abort", "retract", "in_place"), "vllm": ("abort", "wait", "keep")}
 #: Whole-model families the suites hold a refit to (``reference_impl/model/model_spec.py``):
 #: ``qwen3_moe`` (attention + routed experts) and ``qwen3_5_moe`` (Gated DeltaNet layers with
 #: full attention every k-th layer, a shared expert, an MTP draft).
@@ -184,6 +194,15 @@ PROPERTIES = {
     "lifecycle": "loader",         # misuse of begin/end refused or handled, never corrupting
     "coverage_by_rank": "loader",  # every engine rank and replica updated, replicas identical
     "version": "loader",           # the version moves once per completed update
+    # refit under load (suites/conformance/test_serving.py), serving engines:
+    "no_stale_kv": "serving_engine",        # a prefix computed by old weights is never reused silently
+    "in_flight": "serving_engine",          # requests in flight end as the pause mode says
+    "token_versions": "serving_engine",     # every token labelled with the weights that computed it
+    "version_publish": "serving_engine",    # publishing a label ends no request unless asked
+    "logprob_agreement": "serving_engine",  # the engine's log-probs are the trainer forward's
+    "flush_after_pause": "serving_engine",  # flushing after any pause: accepted or refused, alive
+    # ... and RL frameworks' refit sequences (orchestrators):
+    "refit_sequence": "orchestrator",       # pause, update, flush, publish, resume keep them all
     "hardening": "loader",
     "speed": "loader",
 }
@@ -213,6 +232,7 @@ CONFORMANCE_MODULES = {
     "test_model": ("loader", "exporter"),
     "test_model_distributed": ("distributed_exporter",),
     "test_lifecycle": ("loader",),
+    "test_serving": ("serving_engine", "orchestrator"),
 }
 
 #: Verdict words, best first. PASS: every case the implementation claims was selected and

@@ -12,6 +12,7 @@ The yardstick other implementations are measured against, in rooms by role (the 
 ``senders/``    payload formats and exporters (single process, distributed, colocated)
 ``sharing/``    how a tensor's memory is shared between processes (IPC handles, shared payloads)
 ``engine/``     receivers as SGLang builds them, and the receiver process
+``serving/``    a model served while it is refitted: scheduler, prefix cache, control planes
 ``kernels/``    copy machinery every room may use (planned copies, Triton kernels)
 ``rl/``         inline-logprob eligibility and loss inputs
 ``backends/``   adapters to the real Megatron-Core, Megatron-Bridge and SGLang
@@ -48,8 +49,8 @@ _EXPORTS = {
     "ReferenceImplementation": "impl",
 }
 #: The rooms, in the order a reader meets them (``docs/architecture.md``).
-ROOMS = ("model", "oracle", "trainer", "senders", "sharing", "engine", "kernels", "rl",
-         "backends")
+ROOMS = ("model", "oracle", "trainer", "senders", "sharing", "engine", "serving", "kernels",
+         "rl", "backends")
 
 __all__ = sorted(_EXPORTS) + list(ROOMS)
 

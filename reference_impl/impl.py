@@ -179,7 +179,8 @@ class ReferenceImplementation:
                                 expert_placements=EXPERT_PLACEMENTS,
                                 quantizers=("sender", "loader"),
                                 transports=("tensors", "flattened_bucket"),
-                                lifecycle=("sessions", "atomic", "version", "sleep"))
+                                lifecycle=("sessions", "atomic", "version", "sleep"),
+                                serving=("sglang", "vllm"))
     #: How the distributed exporter puts its buckets on the wire (one of
     #: ``distributed_export.REFERENCE_TRANSPORTS``); the self-tests run every one.
     transport = "tensors"
@@ -394,6 +395,18 @@ class ReferenceImplementation:
         held = self._find_held(params)
         if held is not None:
             held.usable = False
+
+    def open_serving_engine(self, *, spec, version, dialect, seed: int = 0):
+        """The reference serving engine (:mod:`pytest_weightsync.reference_impl.serving.engine`)."""
+        from pytest_weightsync.reference_impl.serving.engine import ServingEngine
+
+        return ServingEngine(spec, version=version, dialect=dialect, seed=seed)
+
+    def refit_engine(self, engine, buckets, *, version) -> None:
+        """The reference refit sequence (:mod:`pytest_weightsync.reference_impl.serving.orchestrator`)."""
+        from pytest_weightsync.reference_impl.serving.orchestrator import refit
+
+        refit(engine, buckets, version=version)
 
     def export_weights(self, trainer_states, *, format, spec, trainer, receiver, rank):
         """Gather the full expert weights from every trainer rank's shards, then build the

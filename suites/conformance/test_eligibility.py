@@ -65,3 +65,78 @@ def test_on_policy_recipe_from_the_real_parser_is_eligible(eligibility_impl, fra
 )
 def test_off_policy_recipe_from_the_real_parser_is_not_eligible(eligibility_impl, framework, argv):
     eligibility_impl.assert_agrees([recipe_case(framework, argv, False)])
+
+
+# -- the run-time half: a rollout is eligible only if every token came from the step's weights --
+
+def _rollouts(engine, rids):
+    from pytest_weightsync.reference_impl.rl.runtime_eligibility import Rollout
+
+    return [Rollout(rid, engine.request(rid).token_versions, engine.request(rid).logprobs)
+            for rid in rids]
+
+
+def _trainer_logprobs(engine, rids, version):
+    from pytest_weightsync.reference_impl.oracle import token_forward
+
+    from ..harness import serving
+
+    return {rid: [float(x) for x in token_forward.score(serving.oracle(version),
+                                                        engine.request(rid).prompt,
+                                                        engine.request(rid).output)]
+            for rid in rids}
+
+
+def test_an_on_policy_loop_is_eligible_at_run_time_token_by_token(eligibility_impl):
+    """generate -> (decision) -> train step -> refit -> generate -> (decision), on the reference
+    serving engine: every rollout of step ``v`` came from version ``v``, its log-probs are the
+    trainer forward's bit for bit, and the config is on-policy: eligible at every step."""
+    from pytest_weightsync.reference_impl.rl.runtime_eligibility import runtime_decision
+    from pytest_weightsync.reference_impl.serving.engine import ServingEngine
+    from pytest_weightsync.reference_impl.serving.orchestrator import refit
+
+    from ..harness import serving
+    from ..harness.eligibility import parse
+
+    config = eligibility_impl.decide(parse("slime", ON_POLICY_RECIPE))
+    assert config.eligible, config
+    engine = ServingEngine(serving.spec(), version=1)
+    for step_version in (1, 2):
+        if step_version > 1:  # the optimizer step made version 2: refit, nothing in flight
+            refit(engine, serving.update_buckets(step_version), version=step_version)
+        rids = [engine.submit(list(p), serving.NEW_TOKENS) for p in serving.PROMPTS]
+        serving.run_to_end(engine, rids)
+        decision = runtime_decision(config.eligible, _rollouts(engine, rids), step_version,
+                                    trainer_logprobs=_trainer_logprobs(engine, rids,
+                                                                       step_version))
+        assert decision.eligible, (step_version, [str(r) for r in decision.reasons])
+
+
+def test_an_async_loop_is_not_eligible_and_the_tokens_are_located(eligibility_impl):
+    """Staleness 1 with partial rollouts: requests in flight across a refit finish under the
+    new weights. The config decision already refuses; the run-time decision refuses even a
+    config that would allow it, naming each rollout's first token of the old version - the
+    tokens the harness counted before the refit."""
+    from pytest_weightsync.reference_impl.rl.runtime_eligibility import runtime_decision
+    from pytest_weightsync.reference_impl.serving.engine import ServingEngine
+
+    from ..harness import serving
+    from ..harness.eligibility import parse
+
+    config = eligibility_impl.decide(parse("relax", RELAX_OFF_POLICY_RECIPE))
+    assert not config.eligible, config
+    engine = ServingEngine(serving.spec(), version=1)
+    rids = [engine.submit(list(p), serving.NEW_TOKENS) for p in serving.PROMPTS]
+    for _ in range(3):
+        engine.step()
+    before = {rid: len(engine.request(rid).output) for rid in rids}
+    engine.pause_generation("in_place")  # a partial rollout: kept across the refit
+    engine.update_weights(serving.update_buckets(2), flush_cache=False, weight_version=2)
+    engine.continue_generation()
+    serving.run_to_end(engine, rids)
+    for config_eligible in (config.eligible, True):
+        decision = runtime_decision(config_eligible, _rollouts(engine, rids), 2,
+                                    trainer_logprobs=_trainer_logprobs(engine, rids, 2))
+        assert not decision.eligible
+        located = {r.rid: r.index for r in decision.reasons if "version" in r.needs}
+        assert located == {rid: 0 for rid in rids if before[rid]}, (located, before)
