@@ -48,6 +48,7 @@ import pytest
 from pytest_weightsync import boundary
 from pytest_weightsync.deadline import CallTimeoutError, deadline
 from pytest_weightsync.protocols import protocol_problems, roles_of
+from pytest_weightsync.vocabulary import ROLES
 
 #: Entry-point group third-party packages register implementations in.
 ENTRY_POINT_GROUP = "weightsync.loaders"
@@ -482,34 +483,23 @@ def weightsync_impl(request: pytest.FixtureRequest, weightsync_implementations):
     return _parametrized(request)
 
 
-@pytest.fixture
-def weightsync_loader(request: pytest.FixtureRequest, weightsync_implementations):
-    """One registered implementation that has ``load_weights``."""
-    return _parametrized(request)
+def _role_fixture(name: str, role: str):
+    """The fixture ``name``: one registered implementation playing ``role`` (parametrized by
+    :func:`pytest_generate_tests`)."""
+
+    def fixture(request: pytest.FixtureRequest, weightsync_implementations):
+        return _parametrized(request)
+
+    fixture.__doc__ = f"One registered implementation that has ``{ROLES[role]}``."
+    return pytest.fixture(name=name)(fixture)
 
 
-@pytest.fixture
-def weightsync_exporter(request: pytest.FixtureRequest, weightsync_implementations):
-    """One registered implementation that has ``export_weights``."""
-    return _parametrized(request)
-
-
-@pytest.fixture
-def weightsync_distributed_exporter(request: pytest.FixtureRequest, weightsync_implementations):
-    """One registered implementation that has ``export_weights_distributed``."""
-    return _parametrized(request)
-
-
-@pytest.fixture
-def weightsync_serving_engine(request: pytest.FixtureRequest, weightsync_implementations):
-    """One registered implementation that has ``open_serving_engine``."""
-    return _parametrized(request)
-
-
-@pytest.fixture
-def weightsync_orchestrator(request: pytest.FixtureRequest, weightsync_implementations):
-    """One registered implementation that has ``refit_engine``."""
-    return _parametrized(request)
+weightsync_loader = _role_fixture("weightsync_loader", "loader")
+weightsync_exporter = _role_fixture("weightsync_exporter", "exporter")
+weightsync_distributed_exporter = _role_fixture("weightsync_distributed_exporter",
+                                                "distributed_exporter")
+weightsync_serving_engine = _role_fixture("weightsync_serving_engine", "serving_engine")
+weightsync_orchestrator = _role_fixture("weightsync_orchestrator", "orchestrator")
 
 
 def registered_of(item: pytest.Item) -> Optional["Registered"]:

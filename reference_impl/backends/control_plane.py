@@ -196,14 +196,13 @@ VLLM_PAUSE = Source(_ASYNC, "AsyncLLM.pause_generation")
 #: (FINISHED_ABORTED) and sets PAUSED_NEW; wait sets PAUSED_NEW (running and KV-holding
 #: requests keep stepping until drained); keep sets PAUSED_ALL (nothing is scheduled). New
 #: requests are rejected (``reject_new_requests = mode != "keep"``) until resume.
-VLLM_PAUSE_MODE_RULES = {
-    "abort": PauseModeRule("abort", InFlight.ABORTED, False, True,
-                           Source(_CORE, "EngineCoreProc.pause_scheduler")),
-    "wait": PauseModeRule("wait", InFlight.DRAINED, True, True,
-                          Source(_CORE, "EngineCoreProc.pause_scheduler")),
-    "keep": PauseModeRule("keep", InFlight.KEPT, False, False,
-                          Source(_CORE, "EngineCoreProc.pause_scheduler")),
-}
+_VLLM_PAUSE = Source(_CORE, "EngineCoreProc.pause_scheduler")
+#: mode: (what it does to a request in flight, steps while paused, rejects new requests).
+VLLM_PAUSE_MODE_RULES = {mode: PauseModeRule(mode, in_flight, steps, rejects, _VLLM_PAUSE)
+                         for mode, (in_flight, steps, rejects) in (
+                             ("abort", (InFlight.ABORTED, False, True)),
+                             ("wait", (InFlight.DRAINED, True, True)),
+                             ("keep", (InFlight.KEPT, False, False)))}
 VLLM_PAUSE_STATES = {"abort": "PAUSED_NEW", "wait": "PAUSED_NEW", "keep": "PAUSED_ALL"}
 #: An unknown mode: ``ValueError("Invalid pause mode: ...")``.
 VLLM_UNKNOWN_MODE_ERROR = ValueError

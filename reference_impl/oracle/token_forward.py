@@ -30,7 +30,7 @@ from pytest_weightsync.reference_impl.model.layout import WeightSyncError
 from pytest_weightsync.reference_impl.model.model_spec import ModelSpec
 
 __all__ = ["LayerWeights", "ModelWeightsView", "TokenForwardError", "TOP_K", "KVCache",
-           "oracle_weights", "score", "squash", "step"]
+           "oracle_weights", "score", "squash", "step", "weights_from_checkpoint"]
 
 #: Experts each token is routed to (fewer where the model has fewer).
 TOP_K = 2
@@ -103,6 +103,30 @@ def check_modelled(spec: ModelSpec) -> None:
             f"mtp_layers={spec.mtp_layers}, intermediate_shared={spec.intermediate_shared})")
 
 
+def weights_from_checkpoint(spec: ModelSpec, dense, experts) -> ModelWeightsView:
+    """The forward's view of checkpoint tensors: ``dense`` maps checkpoint names to tensors,
+    ``experts[layer]`` is ``(gate [E, I, H], up [E, I, H], down [E, H, I])``. Every weight is
+    squashed here, the same way whoever holds it."""
+    layers = []
+    for layer in range(spec.num_layers):
+        p = f"model.layers.{layer}."
+        gate, up, down = experts[layer]
+        attention = {name: squash(dense[f"{p}self_attn.{name}_proj.weight"])
+                     for name in ("q", "k", "v", "o")}
+        layers.append(LayerWeights(
+            **attention,
+            q_norm=squash(dense[p + "self_attn.q_norm.weight"]),
+            k_norm=squash(dense[p + "self_attn.k_norm.weight"]),
+            in_norm=squash(dense[p + "input_layernorm.weight"]),
+            post_norm=squash(dense[p + "post_attention_layernorm.weight"]),
+            router=squash(dense[p + "mlp.gate.weight"]),
+            gate=squash(gate), up=squash(up), down=squash(down)))
+    embed = dense["model.embed_tokens.weight"]
+    head = embed if spec.tied else dense["lm_head.weight"]
+    return ModelWeightsView(spec, squash(embed), layers, squash(dense["model.norm.weight"]),
+                            squash(head))
+
+
 def oracle_weights(spec: ModelSpec, version: int, seed: int = 0) -> ModelWeightsView:
     """The oracle's weights of ``spec`` at ``version`` (checkpoint values), as the forward
     reads them: never read from an engine."""
@@ -110,27 +134,12 @@ def oracle_weights(spec: ModelSpec, version: int, seed: int = 0) -> ModelWeights
 
     check_modelled(spec)
     full = model_synth.full_model(spec, version, seed)
-    dense, experts = full.dense, full.experts["target"]
-    layers = []
-    for layer in range(spec.num_layers):
-        p = f"model.layers.{layer}."
-        stack = {proj: torch.stack([experts[layer][e][proj] for e in range(spec.num_experts)])
-                 for proj in ("gate", "up", "down")}
-        layers.append(LayerWeights(
-            q=squash(dense[p + "self_attn.q_proj.weight"]),
-            k=squash(dense[p + "self_attn.k_proj.weight"]),
-            v=squash(dense[p + "self_attn.v_proj.weight"]),
-            o=squash(dense[p + "self_attn.o_proj.weight"]),
-            q_norm=squash(dense[p + "self_attn.q_norm.weight"]),
-            k_norm=squash(dense[p + "self_attn.k_norm.weight"]),
-            in_norm=squash(dense[p + "input_layernorm.weight"]),
-            post_norm=squash(dense[p + "post_attention_layernorm.weight"]),
-            router=squash(dense[p + "mlp.gate.weight"]),
-            gate=squash(stack["gate"]), up=squash(stack["up"]), down=squash(stack["down"])))
-    embed = dense["model.embed_tokens.weight"]
-    head = embed if spec.tied else dense["lm_head.weight"]
-    return ModelWeightsView(spec, squash(embed), layers, squash(dense["model.norm.weight"]),
-                            squash(head))
+    per_layer = full.experts["target"]
+    experts = {layer: tuple(torch.stack([per_layer[layer][e][proj]
+                                         for e in range(spec.num_experts)])
+                            for proj in ("gate", "up", "down"))
+               for layer in range(spec.num_layers)}
+    return weights_from_checkpoint(spec, full.dense, experts)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -17,10 +17,9 @@ from pytest_weightsync.reference_impl.model.layout import ReceiverTopology, gate
 from pytest_weightsync.reference_impl.model.model_layout import engine_params
 from pytest_weightsync.reference_impl.model.model_spec import ModelSpec
 from pytest_weightsync.reference_impl.oracle.token_forward import (
-    LayerWeights,
     ModelWeightsView,
     check_modelled,
-    squash,
+    weights_from_checkpoint,
 )
 
 __all__ = ["checkpoint_tensors", "engine_weights"]
@@ -50,27 +49,12 @@ def engine_weights(spec: ModelSpec, topo: ReceiverTopology, params) -> ModelWeig
     check_modelled(spec)
     if topo.tp != 1:
         raise ValueError(f"a serving engine model holds every shard (tp=1), got tp={topo.tp}")
-    dense = checkpoint_tensors(spec, topo, params)
     first, _ = gate_up_halves(topo.order)
-    layers = []
+    experts = {}
     for layer in range(spec.num_layers):
-        p = f"model.layers.{layer}."
-        w13 = params[f"{p}mlp.experts.w13_weight"]
+        w13 = params[f"model.layers.{layer}.mlp.experts.w13_weight"]
         half = w13.shape[1] // 2
-        gate, up = (w13[:, :half], w13[:, half:]) if first == "gate" else \
-            (w13[:, half:], w13[:, :half])
-        layers.append(LayerWeights(
-            q=squash(dense[p + "self_attn.q_proj.weight"]),
-            k=squash(dense[p + "self_attn.k_proj.weight"]),
-            v=squash(dense[p + "self_attn.v_proj.weight"]),
-            o=squash(dense[p + "self_attn.o_proj.weight"]),
-            q_norm=squash(dense[p + "self_attn.q_norm.weight"]),
-            k_norm=squash(dense[p + "self_attn.k_norm.weight"]),
-            in_norm=squash(dense[p + "input_layernorm.weight"]),
-            post_norm=squash(dense[p + "post_attention_layernorm.weight"]),
-            router=squash(dense[p + "mlp.gate.weight"]),
-            gate=squash(gate), up=squash(up), down=squash(params[f"{p}mlp.experts.w2_weight"])))
-    embed = dense["model.embed_tokens.weight"]
-    head = embed if spec.tied else dense["lm_head.weight"]
-    return ModelWeightsView(spec, squash(embed), layers, squash(dense["model.norm.weight"]),
-                            squash(head))
+        low, high = w13[:, :half], w13[:, half:]
+        gate, up = (low, high) if first == "gate" else (high, low)
+        experts[layer] = (gate, up, params[f"model.layers.{layer}.mlp.experts.w2_weight"])
+    return weights_from_checkpoint(spec, checkpoint_tensors(spec, topo, params), experts)
