@@ -106,7 +106,20 @@ def keyed_bf16_bits(key: int, version: int, rows: torch.Tensor, cols: torch.Tens
     :mod:`pytest_weightsync.reference_impl.oracle.model_synth`)."""
     r = rows.to(torch.int32).reshape(-1, 1)
     c = cols.to(torch.int32).reshape(1, -1).to(r.device)
+    if r.device.type == "cuda":  # one fused kernel there (synth_kernel), checked on first use
+        keys = torch.tensor([_s32(key)], dtype=torch.int32, device=r.device)
+        fused = _fused(keys, version, r.reshape(-1), c.reshape(-1), finite)
+        if fused is not None:
+            return fused[0]
     return _bits_at(_s32(key), version, r, c, finite)
+
+
+def _fused(keys, version: int, rows, cols, finite: bool):
+    """The hash of every key at ``rows x cols`` from the fused GPU kernel, or ``None`` where
+    it is not in use (:mod:`.synth_kernel`: off CUDA, no Triton, or its check failed)."""
+    from pytest_weightsync.reference_impl.oracle import synth_kernel
+
+    return synth_kernel.hash_grid(keys, version, rows, cols, finite, version_mask, _bits_at)
 
 
 def _bits_at(key, version: int, r: torch.Tensor, c: torch.Tensor, finite: bool) -> torch.Tensor:
@@ -144,6 +157,10 @@ def expert_bits(seed: int, version: int, layer: int, experts, projection: str,
                         dtype=torch.int32, device=rows.device).reshape(-1, 1, 1)
     r = rows.to(torch.int32).reshape(1, -1, 1)
     c = cols.to(torch.int32).reshape(1, 1, -1).to(r.device)
+    if r.device.type == "cuda":
+        fused = _fused(keys.reshape(-1), version, r.reshape(-1), c.reshape(-1), finite)
+        if fused is not None:
+            return fused
     return _bits_at(keys, version, r, c, finite)
 
 
@@ -263,10 +280,47 @@ def full_weights(spec: MoESpec, version: int, seed: int = 0,
     """Full HF expert weights ``{layer: (expert 0, expert 1, ...)}`` at ``version``, on
     ``device``; ``finite`` for consumers that compute with them (see :func:`bf16_bits`)."""
     layers = range(spec.num_layers) if layers is None else layers
+    if not _on_cpu(device):
+        return _batched_full_weights(spec, version, seed, layers, device, finite)
     return {layer: tuple(expert_weights(spec, version, layer, e, seed, device=device,
                                         finite=finite)
                          for e in range(spec.num_experts))
             for layer in layers}
+
+
+def _on_cpu(device) -> bool:
+    """Whether the builders take the per-expert path (the CPU, where :func:`expert_block`'s
+    cache serves the suites' small blocks again and again). Anywhere else they take the
+    batched path: one set of launches per batch of experts instead of some 30 launches and
+    their Python per expert and projection, which bound a GPU run by the host (a Qwen3.5 layer
+    is 768 expert blocks per build). The bits are the same on both paths (tests/
+    test_oracle_device_path.py runs the batched path on the CPU against the per-expert one)."""
+    return device is None or torch.device(device).type == "cpu"
+
+
+def _batched_full_weights(spec: MoESpec, version: int, seed: int, layers, device,
+                          finite: bool) -> dict[int, tuple[ExpertWeights, ...]]:
+    """:func:`full_weights` built a batch of experts at a time (:func:`expert_blocks`). Every
+    expert tensor is cloned out of its batch: each keeps a storage of its own, as on the
+    per-expert path, so a sender sees the same layout (:func:`grouped_full_weights` is the
+    one that shares buffers)."""
+    size, hidden, n = spec.intermediate, spec.hidden, spec.num_experts
+    rows_i, cols_h = torch.arange(size, device=device), torch.arange(hidden, device=device)
+    step = experts_per_batch(size * hidden)
+    out = {}
+    for layer in layers:
+        experts = []
+        for start in range(0, n, step):
+            chosen = range(start, min(n, start + step))
+            gate, up = (expert_blocks(spec, version, layer, chosen, p, rows_i, cols_h, seed,
+                                      finite) for p in ("gate", "up"))
+            down = expert_blocks(spec, version, layer, chosen, "down", cols_h, rows_i, seed,
+                                 finite)
+            experts.extend(ExpertWeights(gate[i].clone(), up[i].clone(), down[i].clone())
+                           for i in range(len(chosen)))
+            del gate, up, down
+        out[layer] = tuple(experts)
+    return out
 
 
 def grouped_full_weights(spec: MoESpec, version: int, seed: int = 0, layers=None, *,
@@ -326,6 +380,12 @@ def expected_receiver_params(spec: MoESpec, topo: ReceiverTopology, rank: int, v
                           device=device)
         w2 = torch.zeros(len(shard.experts), spec.hidden, shard.buffer_rows, dtype=spec.dtype,
                          device=device)
+        out[fused_name(layer, "w13")] = w13
+        out[fused_name(layer, "w2")] = w2
+        if not _on_cpu(device):
+            _fill_receiver_layer(spec, topo, shard, version, layer, seed, finite, w13, w2,
+                                 rows_i, cols_h)
+            continue
         for slot, expert in enumerate(shard.slot_experts(layer)):  # every physical copy
             for projection in ("gate", "up"):
                 off = shard.half_offset(projection, topo.order)
@@ -334,9 +394,27 @@ def expected_receiver_params(spec: MoESpec, topo: ReceiverTopology, rank: int, v
             # down_proj is [hidden, intermediate]: the rank owns columns rows_i.
             w2[slot, :, :shard.rows] = expert_block(
                 spec, version, layer, expert, "down", cols_h, rows_i, seed, finite=finite)
-        out[fused_name(layer, "w13")] = w13
-        out[fused_name(layer, "w2")] = w2
     return out
+
+
+def _fill_receiver_layer(spec: MoESpec, topo: ReceiverTopology, shard, version: int,
+                         layer: int, seed: int, finite: bool, w13: torch.Tensor,
+                         w2: torch.Tensor, rows_i: torch.Tensor, cols_h: torch.Tensor) -> None:
+    """:func:`expected_receiver_params`' loop over slots for one layer, a batch of slots at a
+    time (the batched path, see :func:`_on_cpu`): the same coordinates, the same bits."""
+    finite = finite or spec.dtype not in _HOLDS_EVERY_BF16
+    slots = list(shard.slot_experts(layer))  # every physical copy
+    step = experts_per_batch(shard.rows * spec.hidden)
+    for start in range(0, len(slots), step):
+        stop = min(len(slots), start + step)
+        chosen = slots[start:stop]
+        for projection in ("gate", "up"):
+            off = shard.half_offset(projection, topo.order)
+            w13[start:stop, off:off + shard.rows] = expert_blocks(
+                spec, version, layer, chosen, projection, rows_i, cols_h, seed, finite)
+        # down_proj is [hidden, intermediate]: the rank owns columns rows_i.
+        w2[start:stop, :, :shard.rows] = expert_blocks(
+            spec, version, layer, chosen, "down", cols_h, rows_i, seed, finite)
 
 
 #: Period of the poison pattern, in elements: the pattern is one tile of this many hashed

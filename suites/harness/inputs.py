@@ -68,10 +68,12 @@ def locator(case, rank):
     return functools.partial(locate_receiver_element, case.spec, case.receiver, rank)
 
 
-def gathered_weights(case, version):
+def gathered_weights(case, version, device=None):
     """Full HF weights as the sender sees them: synthesized, sliced into every trainer rank's
-    Megatron shards, then gathered back (single-process form)."""
-    full = synth.full_weights(case.spec, version)
+    Megatron shards, then gathered back (single-process form). ``device``: where all of it
+    is built (default the CPU); a GPU run passes its own, so a real-size layer is never
+    hashed element by element on the host and copied over."""
+    full = synth.full_weights(case.spec, version, device=device)
     states = trainer.trainer_states(case.spec, case.trainer, full)
     return trainer.gather_full_weights(case.spec, case.trainer, states)
 
@@ -92,46 +94,52 @@ def trainer_states(case, version):
 
 
 @memo(64)
-def cached_gathered(case, version):
+def cached_gathered(case, version, device=None):
     """:func:`gathered_weights`, kept for the next test of the same case (read only)."""
-    return gathered_weights(case, version)
+    return gathered_weights(case, version, device)
 
 
-def expected_uncached(case, rank, version):
+def expected_uncached(case, rank, version, device=None):
     """The state receiver ``rank`` must hold after a complete update to ``version``, computed
     from the synthetic value function at layout coordinates - in the engine's layout for
-    receivers that do not keep the checkpoint layout (``engine_layout``)."""
+    receivers that do not keep the checkpoint layout (``engine_layout``) - on ``device``
+    (default the CPU; the value function's bits are the same on every device)."""
     if case.receiver.weight_quant == "fp8_block":
         from pytest_weightsync.reference_impl.oracle import fp8 as fp8_oracle
 
-        return fp8_oracle.expected_params(case.spec, case.receiver, rank, version)
+        return fp8_oracle.expected_params(case.spec, case.receiver, rank, version,
+                                          device=device)
     if not case.receiver.default_engine:
-        return synth.expected_engine_params(case.spec, case.receiver, rank, version)
-    return synth.expected_receiver_params(case.spec, case.receiver, rank, version)
+        return synth.expected_engine_params(case.spec, case.receiver, rank, version,
+                                            device=device)
+    return synth.expected_receiver_params(case.spec, case.receiver, rank, version,
+                                          device=device)
 
 
 @memo(256)
-def expected(case, rank, version):
+def expected(case, rank, version, device=None):
     """:func:`expected_uncached`, kept for the next test of the same case (read only)."""
-    return expected_uncached(case, rank, version)
+    return expected_uncached(case, rank, version, device)
 
 
-def payload(fmt, case, rank, version=None, layers=None, *, full=None):
+def payload(fmt, case, rank, version=None, layers=None, *, full=None, device=None):
     """The ``fmt`` payload of ``version`` (of ``layers``, default all) for receiver ``rank``
     as one bucket of fresh tensors: an implementation that scribbles on its input cannot
-    corrupt the next test's input. ``full`` (gathered weights) replaces ``version``."""
+    corrupt the next test's input. ``full`` (gathered weights) replaces ``version``;
+    ``device``: where the weights of ``version`` are built (default the CPU)."""
     if full is None:
         if version is None:
             raise TypeError("payload() needs a version or the full weights")
-        full = cached_gathered(case, version)
+        full = cached_gathered(case, version, device)
     chunk = senders.export(fmt, case.spec, case.receiver, rank, full, layers)
     return [(name, tensor.clone()) for name, tensor in chunk]
 
 
-def stream(fmt, case, rank, version=None, layers=None, *, bucket=DEFAULT_BUCKET, full=None):
+def stream(fmt, case, rank, version=None, layers=None, *, bucket=DEFAULT_BUCKET, full=None,
+           device=None):
     """:func:`payload` cut into buckets at ``bucket`` (a name of :data:`BUCKET_LIMITS`, an
     int, or ``None`` for one bucket)."""
-    return split_buckets(payload(fmt, case, rank, version, layers, full=full),
+    return split_buckets(payload(fmt, case, rank, version, layers, full=full, device=device),
                          bucket_bytes(bucket, case.spec))
 
 

@@ -55,7 +55,7 @@ def quoted(error: BaseException, limit: int = MAX_QUOTED) -> str:
 
 
 def check_rank(params, case, rank, version, before=None, touched=None, previous_version=None,
-               *, cached=True, side="loader"):
+               *, cached=True, side="loader", device=None):
     """Receiver ``rank`` after loading ``version`` into the parameters in ``touched`` (default
     every parameter the update owes): every parameter at its old address, the touched ones
     bit-identical to the expected state, every other one (the router weight included)
@@ -65,10 +65,14 @@ def check_rank(params, case, rank, version, before=None, touched=None, previous_
     it computed under the plant. ``side`` is the side of the sync under test
     (:data:`.diagnosis.SIDES`): ``loader`` where ``params`` were written by the loader under
     test from the harness's own payload, ``exporter`` where a reference receiver loaded the
-    payload of the exporter under test; a named pattern blames only that side."""
+    payload of the exporter under test; a named pattern blames only that side. ``device``:
+    where the expected state is built and compared (default the CPU; a GPU run passes the
+    parameters' device, so a real-size layer is never hashed on the host); a mismatch is
+    diagnosed on the CPU either way."""
     if before is not None:
         compare.assert_same_storage(before, params, rank=rank)
-    expected_of = inputs.expected if cached else inputs.expected_uncached
+    cache = inputs.expected if cached else inputs.expected_uncached
+    expected_of = cache if device is None else (lambda c, r, v: cache(c, r, v, device))
     expected = expected_of(case, rank, version)
     touched = list(expected) if touched is None else list(touched)
     locate = inputs.locator(case, rank)
@@ -84,6 +88,9 @@ def check_rank(params, case, rank, version, before=None, touched=None, previous_
             previous = (expected_of(case, rank, previous_version)[name]
                         if previous_version is not None else None)
             old = before.records[name].copy if before is not None else None
+            if device is not None:  # the diagnosis builds its own candidates on the CPU
+                params, expected = {name: params[name].cpu()}, {name: expected[name].cpu()}
+                previous, old = (None if t is None else t.cpu() for t in (previous, old))
             kind = getattr(getattr(error, "kinds", None), "kind", "value")
             if not case.receiver.default_engine:  # engine bugs first; bit kinds are BF16's
                 hint = diagnosis.diagnose(name, params[name], expected[name], case, rank, old,

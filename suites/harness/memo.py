@@ -17,8 +17,9 @@ from pytest_weightsync.process_hygiene import harness_keeps
 
 
 def tensor_bytes(value) -> int:
-    """Bytes of the distinct tensor storages reachable from ``value`` (dicts, lists, tuples,
-    named tuples and dataclasses walked)."""
+    """Bytes of the distinct CPU tensor storages reachable from ``value`` (dicts, lists,
+    tuples, named tuples and dataclasses walked): what the cache adds to the resident set the
+    memory check measures (a GPU run's cached inputs live on the device, not in it)."""
     import torch
 
     seen: set = set()
@@ -27,6 +28,8 @@ def tensor_bytes(value) -> int:
     while todo:
         item = todo.pop()
         if isinstance(item, torch.Tensor):
+            if item.device.type != "cpu":
+                continue
             storage = item.untyped_storage()
             key = (storage.data_ptr(), item.device.type)
             if key not in seen:

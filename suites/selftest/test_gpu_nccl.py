@@ -216,16 +216,19 @@ def test_component_major_gathers_over_nccl_equal_the_cpu_expectation(rank_pool):
 
 
 def gather_trainer_weights(spec, topo, version: int) -> dict:
-    """Rank body: slice this rank's Megatron expert state from synth weights, move it to the
-    rank's device, gather the full HF weights through the trainer's process groups."""
+    """Rank body: build the synth weights on the rank's device (the oracle's device path, no
+    CPU build copied over), slice this rank's Megatron expert state from them, gather the full
+    HF weights through the trainer's process groups."""
     import torch.distributed as dist
 
     from pytest_weightsync.reference_impl.oracle import synth
     from pytest_weightsync.reference_impl.trainer import trainer
 
     device = rank_device()
+    full = synth.full_weights(spec, version, device=device)
     state = {k: t.to(device) for k, t in
-             trainer.trainer_state(spec, topo, dist.get_rank(), synth.full_weights(spec, version)).items()}
+             trainer.trainer_state(spec, topo, dist.get_rank(), full).items()}
+    del full
     with trainer.TrainerGroups.create(spec, topo) as groups:
         full = trainer.gather_full_weights_dist(spec, topo, state, groups)
     return {(layer, e, p): w[p].cpu() for layer, experts in full.items()

@@ -105,7 +105,7 @@ def test_the_registered_reference_replays_cached_copy_plans_and_stays_exact(payl
     case = Case(MoESpec(num_layers=2, num_experts=8, hidden=128, intermediate=64),
                 TrainerTopology(tp=2, ep=2), ReceiverTopology(tp=2))
     impl, rank = ReferenceImplementation(), 1
-    params = {n: t.to("cuda") for n, t in inputs.receiver_params(case, rank).items()}
+    params = inputs.receiver_params(case, rank, device="cuda")  # poisoned where they live
     before = compare.snapshot(params)
     stream = [[(n, t.to("cuda")) for n, t in bucket]
               for bucket in inputs.stream(payload_format, case, rank, 1)]
