@@ -27,6 +27,7 @@ from pytest_weightsync.vocabulary import (
     LAYER_SPECS,
     LIFECYCLE,
     LOADER_TRANSPORTS,
+    LORA_LAYOUTS,
     MODEL_PARTS,
     ORDERS,
     PAUSE_MODES,
@@ -157,6 +158,11 @@ class Capabilities:
         version bit for bit (deterministic kernels shared with the oracle's forward); else the
         largest absolute difference it claims, printed with the result.
 
+    LoRA claims (adapter loaders, ``suites/conformance/test_lora.py``):
+
+    ``lora``
+        The adapter layouts (:data:`LORA_LAYOUTS`) it loads into; default none.
+
     A predicate that raises is a :class:`ClaimError` naming it: the plugin probes every
     predicate at collection time and stops with one usage error naming the implementation.
     """
@@ -189,6 +195,7 @@ class Capabilities:
     serving: frozenset = frozenset()
     pause_modes: Optional[frozenset] = None
     logprob_tolerance: Optional[float] = None
+    lora: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         for name, allowed in (("formats", FORMATS), ("orders", ORDERS),
@@ -198,7 +205,8 @@ class Capabilities:
                               ("engine_layouts", ENGINE_LAYOUTS),
                               ("expert_placements", EXPERT_PLACEMENTS),
                               ("weight_quants", WEIGHT_QUANTS), ("quantizers", QUANTIZERS),
-                              ("transports", LOADER_TRANSPORTS), ("lifecycle", LIFECYCLE)):
+                              ("transports", LOADER_TRANSPORTS), ("lifecycle", LIFECYCLE),
+                              ("lora", LORA_LAYOUTS)):
             value = getattr(self, name)
             if isinstance(value, str):
                 value = (value,)

@@ -159,6 +159,17 @@ Two roles judge what happens around the copy while an engine serves (``docs/refi
     in flight, it pauses, updates with ``buckets``, flushes, publishes ``version`` and resumes
     in its own order.
 
+Two roles sync LoRA adapters instead of weights (``docs/lora.md``,
+``suites/conformance/test_lora.py``), claimed with ``Capabilities.lora``:
+
+``load_adapter(params, slots, payload, *, adapter, topology, rank, slot, layout)``
+    The engine side: writes the adapter in ``payload`` (``lora_A`` / ``lora_B`` tensors named as
+    Megatron-Bridge exports them, ``<module>.lora_A.weight``, unsharded) into slot ``slot`` of the engine rank's adapter buffers ``slots``, laid
+    out as ``layout`` (:data:`LORA_LAYOUTS`) holds them; ``params`` (the base weights) must stay
+    bit-identical. ``evict_adapter(slots, *, ...)`` (optional) frees the slot.
+``merge_adapter(base, tensors, *, adapter)``
+    The merged path: every targeted base weight with the adapter merged into it.
+
 What an implementation claims, :class:`Capabilities`, and the refusal logic over it live in
 :mod:`pytest_weightsync.capabilities`; both names stay importable from here.
 
@@ -196,6 +207,7 @@ from pytest_weightsync.vocabulary import (  # noqa: F401 - re-exported for imple
     ENGINE_LAYOUTS,
     EXPERT_PLACEMENTS,
     LOADER_TRANSPORTS,
+    LORA_LAYOUTS,
     EXPERT_IMPLS,
     EXPERT_MODULES,
     FORMATS,
@@ -219,8 +231,8 @@ from pytest_weightsync.capabilities import Capabilities, ClaimError  # noqa: E40
 #: The public surface third parties import from here, the vocabulary's words above included.
 __all__ = [
     "DELIVERIES", "ENGINE_LAYOUTS", "EXPERT_IMPLS", "EXPERT_MODULES", "EXPERT_PLACEMENTS",
-    "FORMATS", "LAYER_SPECS", "LIFECYCLE", "LOADER_TRANSPORTS", "MODEL_PARTS", "ORDERS",
-    "QUANTIZERS", "RECEIVER_AXES", "ROLES", "TARGETS", "TRAINER_AXES", "TRANSPORTS",
+    "FORMATS", "LAYER_SPECS", "LIFECYCLE", "LOADER_TRANSPORTS", "LORA_LAYOUTS", "MODEL_PARTS",
+    "ORDERS", "QUANTIZERS", "RECEIVER_AXES", "ROLES", "TARGETS", "TRAINER_AXES", "TRANSPORTS",
     "WEIGHT_QUANTS",
     "Capabilities",
     "ClaimError",
@@ -256,6 +268,10 @@ SIGNATURES = {
         ("model", "engine")),
     "open_serving_engine": ((), ("spec", "version", "dialect"), ("seed",)),
     "refit_engine": (("engine", "buckets"), ("version",), ()),
+    "load_adapter": (("params", "slots", "payload"),
+                     ("adapter", "topology", "rank", "slot", "layout"), ()),
+    "evict_adapter": (("slots",), ("adapter", "topology", "rank", "slot", "layout"), ()),
+    "merge_adapter": (("base", "tensors"), ("adapter",), ()),
 }
 
 

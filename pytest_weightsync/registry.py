@@ -79,7 +79,9 @@ IMPL_FIXTURES = {"weightsync_impl": None, "weightsync_loader": "loader",
                  "weightsync_exporter": "exporter",
                  "weightsync_distributed_exporter": "distributed_exporter",
                  "weightsync_serving_engine": "serving_engine",
-                 "weightsync_orchestrator": "orchestrator"}
+                 "weightsync_orchestrator": "orchestrator",
+                 "weightsync_adapter_loader": "adapter_loader",
+                 "weightsync_adapter_merger": "adapter_merger"}
 
 _BASE = pytest.StashKey["Registry"]()
 _DECLARED = pytest.StashKey["Registry"]()
@@ -500,6 +502,8 @@ weightsync_distributed_exporter = _role_fixture("weightsync_distributed_exporter
                                                 "distributed_exporter")
 weightsync_serving_engine = _role_fixture("weightsync_serving_engine", "serving_engine")
 weightsync_orchestrator = _role_fixture("weightsync_orchestrator", "orchestrator")
+weightsync_adapter_loader = _role_fixture("weightsync_adapter_loader", "adapter_loader")
+weightsync_adapter_merger = _role_fixture("weightsync_adapter_merger", "adapter_merger")
 
 
 def registered_of(item: pytest.Item) -> Optional["Registered"]:

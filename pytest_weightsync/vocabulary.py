@@ -13,12 +13,12 @@ __all__ = [
     "BUCKET_LIMIT", "BUCKET_LIMITS", "BUCKET_OVER", "BUCKET_WITHIN", "CONFORMANCE_MODULES",
     "DELIVERIES", "ENGINE_LAYOUTS", "EXPERT_IMPLS", "EXPERT_MODULES", "EXPERT_PLACEMENTS",
     "FAIL", "FORMATS", "FORMAT_PARAMS", "HARDENING", "INTERRUPTED", "LAYER_SPECS", "LIFECYCLE",
-    "LOADER_TRANSPORTS", "LOAD_FORMAT", "LOAD_FORMATS", "MODEL_FAMILIES", "MODEL_FORMATS",
-    "MODEL_PARTS", "NOT_RUN", "ORDERS", "OUTCOME_WAIVED", "PAD_MODES", "PARTIAL", "PASS",
-    "PAUSE_MODES", "PROPERTIES", "QUANTIZERS", "RANKS_COVERED", "RECEIVER_AXES",
-    "REPORT_PROPERTIES", "ROLES", "SERVING_DIALECTS", "SKIP_NOT_APPLICABLE", "SKIP_NOT_RUN",
-    "SKIP_NO_DEVICE", "SKIP_OUTSIDE", "SKIP_UNCLAIMED", "SPEED", "TARGETS", "TRAINER_AXES",
-    "TRANSPORTS", "VERDICTS", "WAIVED", "WEIGHT_QUANTS",
+    "LOADER_TRANSPORTS", "LOAD_FORMAT", "LOAD_FORMATS", "LORA_LAYOUTS", "MODEL_FAMILIES",
+    "MODEL_FORMATS", "MODEL_PARTS", "NOT_RUN", "ORDERS", "OUTCOME_WAIVED", "PAD_MODES",
+    "PARTIAL", "PASS", "PAUSE_MODES", "PROPERTIES", "QUANTIZERS", "RANKS_COVERED",
+    "RECEIVER_AXES", "REPORT_PROPERTIES", "ROLES", "SERVING_DIALECTS", "SKIP_NOT_APPLICABLE",
+    "SKIP_NOT_RUN", "SKIP_NO_DEVICE", "SKIP_OUTSIDE", "SKIP_UNCLAIMED", "SPEED", "TARGETS",
+    "TRAINER_AXES", "TRANSPORTS", "VERDICTS", "WAIVED", "WEIGHT_QUANTS",
 ]
 
 #: Payload (wire) formats, fastest first (the order path selection falls back along):
@@ -104,7 +104,13 @@ LOADER_TRANSPORTS = ("tensors", "flattened_bucket")
 #: The roles an implementation can play, by the method that provides each.
 ROLES = {"loader": "load_weights", "exporter": "export_weights",
          "distributed_exporter": "export_weights_distributed",
-         "serving_engine": "open_serving_engine", "orchestrator": "refit_engine"}
+         "serving_engine": "open_serving_engine", "orchestrator": "refit_engine",
+         "adapter_loader": "load_adapter", "adapter_merger": "merge_adapter"}
+#: How an engine holds LoRA adapters (``Capabilities.lora``; ``docs/lora.md``): ``sglang`` -
+#: SGLang 0.5.23's memory pool, per-slot A and B buffers TP-sliced per module kind, the scaling
+#: kept apart and applied at run time; ``vllm`` - vLLM 0.33's ``LoRAModel``, ``lora_alpha / r``
+#: folded into ``lora_B`` when the adapter is built.
+LORA_LAYOUTS = ("sglang", "vllm")
 #: The control planes a serving engine speaks and an orchestrator drives
 #: (``Capabilities.serving``; ``docs/refit-under-load.md``).
 SERVING_DIALECTS = ("sglang", "vllm")
@@ -203,6 +209,13 @@ PROPERTIES = {
     "flush_after_pause": "serving_engine",  # flushing after any pause: accepted or refused, alive
     # ... and RL frameworks' refit sequences (orchestrators):
     "refit_sequence": "orchestrator",       # pause, update, flush, publish, resume keep them all
+    # LoRA refit (suites/conformance/test_lora.py), adapter loaders and mergers:
+    "lora_bit_exact": "adapter_loader",    # every A/B in the engine's buffers bit for bit
+    "lora_coverage": "adapter_loader",     # every targeted module gets A and B, nothing else
+    "lora_scale_once": "adapter_loader",   # alpha / r applied once, also after evict + rebuild
+    "base_untouched": "adapter_loader",    # the base weights bit-identical after adapter syncs
+    "lora_versions": "adapter_loader",     # a new version replaces the old in its slot, no mix
+    "lora_merged": "adapter_merger",       # the merged path equals the oracle's merge
     "hardening": "loader",
     "speed": "loader",
 }
@@ -233,6 +246,7 @@ CONFORMANCE_MODULES = {
     "test_model_distributed": ("distributed_exporter",),
     "test_lifecycle": ("loader",),
     "test_serving": ("serving_engine", "orchestrator"),
+    "test_lora": ("adapter_loader", "adapter_merger"),
 }
 
 #: Verdict words, best first. PASS: every case the implementation claims was selected and

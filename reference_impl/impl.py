@@ -180,7 +180,7 @@ class ReferenceImplementation:
                                 quantizers=("sender", "loader"),
                                 transports=("tensors", "flattened_bucket"),
                                 lifecycle=("sessions", "atomic", "version", "sleep"),
-                                serving=("sglang", "vllm"))
+                                serving=("sglang", "vllm"), lora=("sglang", "vllm"))
     #: How the distributed exporter puts its buckets on the wire (one of
     #: ``distributed_export.REFERENCE_TRANSPORTS``); the self-tests run every one.
     transport = "tensors"
@@ -407,6 +407,24 @@ class ReferenceImplementation:
         from pytest_weightsync.reference_impl.serving.orchestrator import refit
 
         refit(engine, buckets, version=version)
+
+    def load_adapter(self, params, slots, payload, *, adapter, topology, rank, slot, layout):
+        """The reference adapter loader (:mod:`pytest_weightsync.reference_impl.engine.adapter_receiver`)."""
+        from pytest_weightsync.reference_impl.engine.adapter_receiver import load_adapter
+
+        load_adapter(params, slots, payload, adapter=adapter, topology=topology, rank=rank,
+                     slot=slot, layout=layout)
+
+    def evict_adapter(self, slots, *, adapter, topology, rank, slot, layout):
+        from pytest_weightsync.reference_impl.engine.adapter_receiver import evict_adapter
+
+        evict_adapter(slots, slot=slot)
+
+    def merge_adapter(self, base, tensors, *, adapter):
+        """The merged path (:mod:`pytest_weightsync.reference_impl.senders.adapter_merge`)."""
+        from pytest_weightsync.reference_impl.senders.adapter_merge import merge_adapter
+
+        return merge_adapter(base, tensors, adapter=adapter)
 
     def export_weights(self, trainer_states, *, format, spec, trainer, receiver, rank):
         """Gather the full expert weights from every trainer rank's shards, then build the

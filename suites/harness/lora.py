@@ -1,0 +1,210 @@
+"""LoRA refit, driven and judged: adapters synced instead of weights.
+
+The cases (:data:`ADAPTER_CASES`) cross the models the suites use (Qwen3-MoE; Qwen3.5-MoE with
+its GDN layers, which carry no LoRA, and its shared expert), ranks 8 to 64 with ``alpha != r``,
+``all-linear`` and a subset of targets, with and without expert LoRA, and engine topologies
+(TP, MoE-EP). Expected values come from the oracle (:mod:`pytest_weightsync.reference_impl.oracle.adapter_synth`)
+and the engine's adapter layout (:mod:`pytest_weightsync.reference_impl.model.adapter_layout`),
+never from the sender, loader or merger under test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from . import calls
+
+
+@dataclass(frozen=True)
+class AdapterCase:
+    """One adapter on one engine topology."""
+
+    adapter: object
+    receiver: object
+
+    @property
+    def id(self) -> str:
+        r = self.receiver
+        return f"{self.adapter.id}-R.tp{r.tp}ep{r.moe_ep}"
+
+
+def _cases() -> list:
+    from pytest_weightsync.reference_impl.model.adapter_spec import AdapterSpec
+    from pytest_weightsync.reference_impl.model.layout import ReceiverTopology
+    from pytest_weightsync.reference_impl.model.model_spec import qwen3_5_moe, qwen3_moe
+
+    q3, q35 = qwen3_moe(num_heads=4, num_kv_heads=2), qwen3_5_moe()
+    return [
+        AdapterCase(AdapterSpec(q3, 8, 16), ReceiverTopology(tp=1)),
+        AdapterCase(AdapterSpec(q3, 16, 24, targets=("q_proj", "v_proj", "down_proj"),
+                                experts=False), ReceiverTopology(tp=2)),
+        AdapterCase(AdapterSpec(q35, 64, 16), ReceiverTopology(tp=2, moe_ep=2)),
+        AdapterCase(AdapterSpec(q35, 32, 64, experts=False), ReceiverTopology(tp=2)),
+        AdapterCase(AdapterSpec(q3, 48, 96, targets=("o_proj", "gate_proj", "up_proj")),
+                    ReceiverTopology(tp=4, moe_ep=2)),
+    ]
+
+
+ADAPTER_CASES = _cases()
+CASE_PARAMS = [pytest.param(c, id=c.id) for c in ADAPTER_CASES]
+
+
+class LoraConformanceError(AssertionError):
+    """An adapter that did not land, landed elsewhere, or touched the base: located."""
+
+
+def base_weights(adapter, version: int = 1) -> dict:
+    """Checkpoint name -> every base weight an adapter of ``adapter`` may target, at
+    ``version`` (routed experts under their per-expert names)."""
+    from pytest_weightsync.reference_impl.oracle import model_synth
+
+    spec = adapter.model
+    full = model_synth.full_model(spec, version)
+    out = dict(full.dense)
+    for layer, experts in full.experts["target"].items():
+        for e, weights in enumerate(experts):
+            for proj in ("gate", "up", "down"):
+                out[f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"] = weights[proj]
+    return out
+
+
+def merge_and_check(impl, case: AdapterCase, version: int = 1) -> None:
+    """``impl.merge_adapter`` on the oracle's base and adapter equals the oracle's merge, bit
+    for bit, every targeted weight; nothing else returned; the inputs unchanged."""
+    from pytest_weightsync import compare
+    from pytest_weightsync.reference_impl.oracle import adapter_synth
+
+    adapter = case.adapter
+    base = base_weights(adapter)
+    tensors = adapter_synth.adapter_tensors(adapter, version)
+    before = compare.snapshot({**base, **tensors})
+    merged = calls.call(impl, "merge_adapter", base, tensors, adapter=adapter)
+    expected = adapter_synth.merged_model(adapter, 1, version)
+    if not isinstance(merged, dict) or set(merged) != set(expected):
+        got = sorted(merged) if isinstance(merged, dict) else type(merged).__name__
+        raise LoraConformanceError(f"{impl.name}.merge_adapter returned {str(got)[:200]}; "
+                                   f"expected every targeted base weight "
+                                   f"({len(expected)}: first {next(iter(expected))!r})")
+    for name, tensor in expected.items():
+        try:
+            compare.assert_bitwise_equal(merged[name], tensor, name=f"merged {name}")
+        except compare.ComparisonError as error:
+            raise LoraConformanceError(f"{impl.name}: {error} - {merge_pattern(merged[name], name, base, tensors, adapter)}") from None
+    compare.assert_unchanged(before, {**base, **tensors})
+
+
+def merge_pattern(got, name, base, tensors, adapter) -> str:
+    """What a wrong merged weight looks like."""
+    import torch
+
+    from pytest_weightsync.reference_impl.model.adapter_spec import lora_params
+
+    param = lora_params(adapter)[name]
+    w, a, b = base[name], tensors[param.a_name], tensors[param.b_name]
+    guesses = {
+        "the scaling applied twice": (w.float() + (b.float() @ a.float()) * adapter.scaling ** 2),
+        "the scaling never applied": (w.float() + b.float() @ a.float()),
+        "A and B swapped (B^T A^T)": None,
+        "B @ A rounded to the base dtype before the add": (
+            w.float() + ((b.float() @ a.float()) * adapter.scaling).to(w.dtype).float()),
+    }
+    for what, value in guesses.items():
+        if value is not None and torch.equal(value.to(w.dtype).view(torch.int16),
+                                             got.view(torch.int16)):
+            return what
+    return "not a merge of this base and adapter"
+
+
+#: Adapter slots an engine rank holds in the LoRA cases (slot 0 serves the base model).
+SLOTS = 4
+
+
+def engine_state(case: AdapterCase, rank: int, layout: str):
+    """``(params, slots)`` of engine rank ``rank``: the base weights at version 1 (the
+    whole-model engine parameters) and zeroed adapter buffers of ``layout``."""
+    from pytest_weightsync.reference_impl.engine.adapter_receiver import allocate_slots
+    from pytest_weightsync.reference_impl.oracle import model_synth
+
+    params = model_synth.expected_engine_params(case.adapter.model, case.receiver, rank, 1)
+    return params, allocate_slots(case.adapter, case.receiver, rank, layout, SLOTS)
+
+
+def payload(adapter, version: int) -> list:
+    """The adapter's tensors at ``version`` as a trainer exports them (Megatron-Bridge names)."""
+    from pytest_weightsync.reference_impl.oracle import adapter_synth
+
+    return list(adapter_synth.adapter_tensors(adapter, version).items())
+
+
+def load(impl, case: AdapterCase, rank: int, layout: str, params, slots, items, slot: int):
+    calls.call(impl, "load_adapter", params, slots, items, adapter=case.adapter,
+               topology=case.receiver, rank=rank, slot=slot, layout=layout)
+
+
+def check_slots(impl, case: AdapterCase, rank: int, layout: str, slots, versions: dict,
+                what: str) -> None:
+    """Every buffer of ``slots`` holds what the oracle places there for ``versions``
+    (``{slot: version}``; other slots zero), bit for bit; the first difference located."""
+    from pytest_weightsync import compare
+    from pytest_weightsync.reference_impl.oracle import adapter_synth
+
+    expected = adapter_synth.expected_slots(case.adapter, case.receiver, rank, layout, SLOTS,
+                                            versions)
+    if set(slots) != set(expected):
+        raise LoraConformanceError(f"{impl.name}: rank {rank} ({layout}) buffers "
+                                   f"{sorted(set(slots) ^ set(expected))[:4]} differ from the "
+                                   f"layout's")
+    for name, tensor in expected.items():
+        try:
+            compare.assert_bitwise_equal(slots[name], tensor, name=name, rank=rank)
+        except compare.ComparisonError as error:
+            raise LoraConformanceError(
+                f"{impl.name} ({layout}, {what}): {error} - "
+                f"{slot_pattern(case, rank, layout, slots, name, versions)}") from None
+
+
+def slot_pattern(case, rank, layout, slots, name, versions) -> str:
+    """The bug a wrong buffer looks like: scaled twice or never, gate/up stacked the wrong way
+    round, a neighbouring expert's slot, a tensor dropped - each tried as a model of the
+    buffer, by the oracle; else what it might be."""
+    import torch
+
+    from pytest_weightsync.reference_impl.oracle import adapter_synth
+
+    adapter, got = case.adapter, slots[name]
+    if name.endswith("scalings"):
+        return "the scaling is not alpha / r"
+
+    def same(**twist) -> bool:
+        alt = adapter_synth.expected_slots(adapter, case.receiver, rank, layout, SLOTS,
+                                           versions, **twist)
+        return torch.equal(alt[name].view(torch.int16), got.view(torch.int16))
+
+    def neighbour(buf, piece):
+        if not piece.index:
+            return piece
+        experts = buf.shape[1]
+        return piece._replace(index=((piece.index[0] + 1) % experts,))
+
+    def halves(buf, piece):
+        if ".gate_up." not in buf.name:
+            return piece
+        size = buf.shape[2] // 2
+        return piece._replace(dst_start=(piece.dst_start + size) % (2 * size))
+
+    models = ((dict(folds=2), "the scaling applied twice (a rebuild from staged tensors folded "
+                              "in place)"),
+              (dict(folds=0), "the scaling never applied"),
+              (dict(place=neighbour), "an expert's LoRA in its neighbour's slot"),
+              (dict(place=halves), "gate and up LoRA stacked in the wrong order"))
+    for twist, what in models:
+        if same(**twist):
+            return what
+    expected = adapter_synth.expected_slots(adapter, case.receiver, rank, layout, SLOTS, versions)
+    wrong = expected[name].view(torch.int16) != got.view(torch.int16)
+    if bool((got.view(torch.int16)[wrong] == 0).all()):
+        return "a tensor of the adapter never arrived (its last bucket dropped?)"
+    return ("not this adapter's values at these places (A and B swapped, A sliced on the wrong "
+            "dimension for a row-parallel base, or another version)")
