@@ -29,6 +29,7 @@ def cell(impl: str, speed: dict) -> str:
     if not mine:
         return "not run"
     gpu = [p["gpu_ratio"] for p in mine.values() if "gpu_ratio" in p]
+    export = [p["export_gpu_ratio"] for p in mine.values() if "export_gpu_ratio" in p]
     cpu = {f: p for f, p in mine.items() if "ops" in p}
     parts = []
     if cpu:
@@ -46,7 +47,9 @@ def cell(impl: str, speed: dict) -> str:
             parts.append(f"{sum(p['ops'] for p in cpu.values())} ops / {len(cpu)} fmt")
     if gpu:
         parts.append(f"gpu {min(gpu):.2f}-{max(gpu):.2f}")
-    return ", ".join(parts)
+    if export:
+        parts.append(f"export gpu {min(export):.2f}-{max(export):.2f}")
+    return ", ".join(parts) if parts else "not run"
 
 
 def _spread(profile: dict, key: str, digits: int) -> str:
@@ -80,11 +83,13 @@ def lines(speed: dict, width: int = 120) -> list[str]:
                              f"{beside['host_us_per_entry']:.1f} us/entry, ratio "
                              f"{beside['cpu_ratio']:.3f}")
                 out.append(text)
-            if "gpu_ratio" in p:
-                text = f"  {impl} / {fmt} on GPU: ratio {_spread(p, 'gpu_ratio', 3)}"
-                if "gpu_ratio" in beside:
-                    text += f"; reference {beside['gpu_ratio']:.3f}"
-                out.append(text)
+            for key, what in (("gpu_ratio", "on GPU"), ("export_gpu_ratio",
+                                                         "exported on GPU, end to end")):
+                if key in p:
+                    text = f"  {impl} / {fmt} {what}: ratio {_spread(p, key, 3)}"
+                    if key in beside:
+                        text += f"; reference {beside[key]:.3f}"
+                    out.append(text)
     return [part for line in out
             for part in textwrap.wrap(line, width, subsequent_indent="      ")]
 
@@ -95,9 +100,11 @@ def bars(speed: dict) -> list[tuple]:
     for impl in sorted(speed, key=lambda i: (i != REFERENCE, i)):
         for fmt in sorted(speed[impl]):
             p = speed[impl][fmt]
-            for device, key in (("cpu", "cpu_ratio"), ("gpu", "gpu_ratio")):
+            for device, key in (("cpu", "cpu_ratio"), ("gpu", "gpu_ratio"),
+                                ("gpu", "export_gpu_ratio")):
                 if key in p:
-                    out.append((f"{impl} / {fmt} ({device})", float(p[key]),
+                    label = "export, " + device if key.startswith("export") else device
+                    out.append((f"{impl} / {fmt} ({label})", float(p[key]),
                                 float(p.get(f"{key}_min", p[key])),
                                 float(p.get(f"{key}_max", p[key])), device))
     return out

@@ -84,3 +84,16 @@ def test_the_gpu_column_times_the_loaders_own_calls_in_stream_order():
     calls.clear()
     test_speed.unguarded_update(NoHooks(), {}, stream, "packed", case, 0)()
     assert calls == [("load", 1), ("load", 2)]
+
+
+def test_an_exporters_end_to_end_gpu_ratio_has_its_cell_line_and_bar():
+    speed = {"reference": {"direct": {"gpu_ratio": 0.81}},
+             "exporter-x": {"packed": {"export_gpu_ratio": 0.42, "export_gpu_ratio_min": 0.4,
+                                       "export_gpu_ratio_max": 0.45}},
+             "both": {"compat": {"gpu_ratio": 0.7, "export_gpu_ratio": 0.3}}}
+    assert speed_column.cell("exporter-x", speed) == "export gpu 0.42-0.42"
+    assert speed_column.cell("both", speed) == "gpu 0.70-0.70, export gpu 0.30-0.30"
+    text = "\n".join(speed_column.lines(speed))
+    assert "exporter-x / packed exported on GPU, end to end: ratio 0.420 [0.400, 0.450]" in text
+    labels = [bar[0] for bar in speed_column.bars(speed)]
+    assert "exporter-x / packed (export, gpu)" in labels and "both / compat (gpu)" in labels

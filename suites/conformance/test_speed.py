@@ -17,7 +17,9 @@ after a warm-up update, and the update is bit-checked like ``bit_exact``; then:
   copies is caught on any machine;
 - on a GPU (``gpu`` marker, skipped on CPU), the update of one real Qwen3.5-35B-A3B layer
   (:data:`GPU_CASE`) as a ratio to one plain device copy of the same bytes in the same run,
-  median and spread over rounds, guarded the same way (ratios within the tolerance).
+  median and spread over rounds, guarded the same way (ratios within the tolerance); for an
+  exporter the same update end to end - its export from the trainer shards, the decode, the
+  reference receiver's load - as ``export_gpu_ratio``.
 
 The matrix shows the CPU profile next to the reference's (ops and bytes written relative to
 the reference on the same formats).
@@ -185,6 +187,59 @@ def test_loader_update_throughput_on_gpu(weightsync_loader, payload_format, thro
         "format": payload_format, "gpu_ratio": round(statistics.median(ratios), 4),
         "gpu_ratio_min": round(min(ratios), 4), "gpu_ratio_max": round(max(ratios), 4),
         "bytes": written}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("payload_format", FORMATS)
+def test_exporter_update_throughput_on_gpu(weightsync_exporter, payload_format, throughput,
+                                           weightsync_record_property):
+    """An exporter's update end to end on the GPU: its ``export_weights`` of one real layer
+    for engine rank :data:`GPU_RANK` from the trainer ranks' shards (on the device), decoded as
+    that rank reads it, loaded in place by the reference receiver - as a ratio to a plain
+    device copy of the bytes written, median and spread over rounds; the result bit-checked
+    after the rounds."""
+    import torch
+
+    from pytest_weightsync import distributed
+    from pytest_weightsync.protocols import as_stream
+    from pytest_weightsync.reference_impl.engine.receiver import ReferenceReceiver
+    from pytest_weightsync.reference_impl.oracle import synth
+    from pytest_weightsync.reference_impl.trainer import trainer as trainer_side
+
+    from ..harness import reference
+
+    claims.require_claim(weightsync_exporter, "exporter", GPU_CASE, payload_format)
+    case, rank = GPU_CASE, GPU_RANK
+    states = trainer_side.trainer_states(case.spec, case.trainer,
+                                         synth.full_weights(case.spec, 1, device="cuda"))
+    params = inputs.receiver_params(case, rank, device="cuda")
+    receiver = ReferenceReceiver(case.spec, case.receiver, rank, params=params)
+    export, source = weightsync_exporter.export_weights, f"{weightsync_exporter.name}.export_weights"
+
+    def update():
+        result = export(states, format=payload_format, spec=case.spec, trainer=case.trainer,
+                        receiver=case.receiver, rank=rank)
+        stream = as_stream(distributed.decoded_stream(
+            result, engine_rank=rank, engine_tp=case.receiver.tp, source=source,
+            transports_met=set()), source=source)
+        reference.load_update(receiver, stream, payload_format)
+
+    update()
+    torch.cuda.synchronize()
+    expected = inputs.expected(case, rank, 1, "cuda")
+    written = sum(t.numel() * t.element_size() for t in expected.values())
+    rounds = guarded_rounds(weightsync_exporter, {"path": update,
+                                                  "copy": plain_copy(written, "cuda")})
+    ratios = [c / p for c, p in zip(rounds["copy"], rounds["path"])]
+    name = f"speed-gpu-export/{weightsync_exporter.name}/{payload_format}"
+    throughput.record(Measurement(name, written, statistics.median(rounds["path"]),
+                                  statistics.median(rounds["copy"]), "cuda",
+                                  statistics.median(ratios)))
+    judge.check_rank(params, case, rank, 1, device="cuda")
+    weightsync_record_property("weightsync_speed", json.dumps({
+        "format": payload_format, "export_gpu_ratio": round(statistics.median(ratios), 4),
+        "export_gpu_ratio_min": round(min(ratios), 4),
+        "export_gpu_ratio_max": round(max(ratios), 4), "export_bytes": written}))
 
 
 def unguarded_update(impl, params, stream, fmt, case, rank):
