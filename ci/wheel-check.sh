@@ -16,7 +16,8 @@
 #    - against the example package's implementation (`example`: loader + distributed
 #      exporter): exit 0, verdict PASS;
 #    - against each broken twin (`example-swapped`, `example-unregrouped`): exit 1, FAIL with
-#      the bug located; the JSON's rerun command of the failing cell reruns exactly it.
+#      the bug located; the JSON's rerun command of the failing cell reruns exactly it;
+#    - against the example's LoRA adapter loader (`example-adapter`): exit 0, verdict PASS.
 # Exits non-zero on any failure. Everything lives in one temp dir, removed on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -193,4 +194,24 @@ EOF
         || { inner rerun.txt; fail "the rerun command of $twin's failing cell did not rerun it"; }
     echo "wheel-check: $twin FAIL, located; its rerun command reruns exactly the failing cell"
 done
+
+# the example's LoRA adapter loader, alone: exit 0, verdict PASS on every LoRA property it claims
+set +e
+suite --weightsync-only example-adapter --weightsync-report adapter.json > adapter.txt 2>&1
+rc=$?
+set -e
+matrix adapter.txt
+[ $rc -eq 0 ] || { inner adapter.txt; fail "example-adapter's conformance run exited $rc, expected 0"; }
+"$VPY" - adapter.json <<'EOF' || { inner adapter.txt; fail "example-adapter is not PASS"; }
+import json, sys
+report = json.load(open(sys.argv[1]))
+(impl,) = report["implementations"]
+assert impl["name"] == "example-adapter" and impl["verdict_word"] == "PASS", impl
+assert set(impl["roles"]) == {"adapter_loader"}, impl
+props = set(report["properties"])
+for prop in ("lora_bit_exact", "lora_coverage", "lora_scale_once", "base_untouched",
+             "lora_versions"):
+    assert prop in props, (prop, props)
+print(f"wheel-check: example-adapter PASS ({impl['ran']} tests, properties {sorted(props)})")
+EOF
 echo "wheel-check: OK in $((SECONDS - start)) s"

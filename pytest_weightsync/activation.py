@@ -40,7 +40,8 @@ OWN_MARKERS = ("weightsync", "ranks", "weightsync_property", "weightsync_backend
 OWN_FIXTURES = ("rank_pool", "weightsync_impl", "weightsync_loader", "weightsync_exporter",
                 "weightsync_distributed_exporter", "weightsync_serving_engine",
                 "weightsync_orchestrator", "weightsync_adapter_loader",
-                "weightsync_adapter_merger", "weightsync_implementations",
+                "weightsync_adapter_exporter", "weightsync_adapter_merger",
+                "weightsync_implementations",
                 "weightsync_record_property", "throughput", "eligibility_impl")
 
 #: Sub-plugins, by module path, registered at configure time. Each is a module whose

@@ -159,7 +159,7 @@ Two roles judge what happens around the copy while an engine serves (``docs/refi
     in flight, it pauses, updates with ``buckets``, flushes, publishes ``version`` and resumes
     in its own order.
 
-Two roles sync LoRA adapters instead of weights (``docs/lora.md``,
+Three roles sync LoRA adapters instead of weights (``docs/lora.md``,
 ``suites/conformance/test_lora.py``), claimed with ``Capabilities.lora``:
 
 ``load_adapter(params, slots, payload, *, adapter, topology, rank, slot, layout)``
@@ -167,6 +167,10 @@ Two roles sync LoRA adapters instead of weights (``docs/lora.md``,
     Megatron-Bridge exports them, ``<module>.lora_A.weight``, unsharded) into slot ``slot`` of the engine rank's adapter buffers ``slots``, laid
     out as ``layout`` (:data:`LORA_LAYOUTS`) holds them; ``params`` (the base weights) must stay
     bit-identical. ``evict_adapter(slots, *, ...)`` (optional) frees the slot.
+``export_adapter(trainer_states, *, adapter, trainer, receiver, rank[, bucket_bytes])``
+    The trainer side: from every trainer rank's Megatron-Bridge adapter shards
+    (``...linear_qkv.adapter.linear_in.weight`` ..., ``reference_impl/trainer/lora_state.py``),
+    the adapter engine rank ``rank`` loads, as a bucket stream (pairs or any transport).
 ``merge_adapter(base, tensors, *, adapter)``
     The merged path: every targeted base weight with the adapter merged into it.
 
@@ -271,6 +275,8 @@ SIGNATURES = {
     "load_adapter": (("params", "slots", "payload"),
                      ("adapter", "topology", "rank", "slot", "layout"), ()),
     "evict_adapter": (("slots",), ("adapter", "topology", "rank", "slot", "layout"), ()),
+    "export_adapter": (("trainer_states",), ("adapter", "trainer", "receiver", "rank"),
+                       ("bucket_bytes",)),
     "merge_adapter": (("base", "tensors"), ("adapter",), ()),
 }
 

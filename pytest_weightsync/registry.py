@@ -81,6 +81,7 @@ IMPL_FIXTURES = {"weightsync_impl": None, "weightsync_loader": "loader",
                  "weightsync_serving_engine": "serving_engine",
                  "weightsync_orchestrator": "orchestrator",
                  "weightsync_adapter_loader": "adapter_loader",
+                 "weightsync_adapter_exporter": "adapter_exporter",
                  "weightsync_adapter_merger": "adapter_merger"}
 
 _BASE = pytest.StashKey["Registry"]()
@@ -503,6 +504,7 @@ weightsync_distributed_exporter = _role_fixture("weightsync_distributed_exporter
 weightsync_serving_engine = _role_fixture("weightsync_serving_engine", "serving_engine")
 weightsync_orchestrator = _role_fixture("weightsync_orchestrator", "orchestrator")
 weightsync_adapter_loader = _role_fixture("weightsync_adapter_loader", "adapter_loader")
+weightsync_adapter_exporter = _role_fixture("weightsync_adapter_exporter", "adapter_exporter")
 weightsync_adapter_merger = _role_fixture("weightsync_adapter_merger", "adapter_merger")
 
 

@@ -105,7 +105,8 @@ LOADER_TRANSPORTS = ("tensors", "flattened_bucket")
 ROLES = {"loader": "load_weights", "exporter": "export_weights",
          "distributed_exporter": "export_weights_distributed",
          "serving_engine": "open_serving_engine", "orchestrator": "refit_engine",
-         "adapter_loader": "load_adapter", "adapter_merger": "merge_adapter"}
+         "adapter_loader": "load_adapter", "adapter_exporter": "export_adapter",
+         "adapter_merger": "merge_adapter"}
 #: How an engine holds LoRA adapters (``Capabilities.lora``; ``docs/lora.md``): ``sglang`` -
 #: SGLang 0.5.23's memory pool, per-slot A and B buffers TP-sliced per module kind, the scaling
 #: kept apart and applied at run time; ``vllm`` - vLLM 0.33's ``LoRAModel``, ``lora_alpha / r``
@@ -209,9 +210,9 @@ PROPERTIES = {
     "flush_after_pause": "serving_engine",  # flushing after any pause: accepted or refused, alive
     # ... and RL frameworks' refit sequences (orchestrators):
     "refit_sequence": "orchestrator",       # pause, update, flush, publish, resume keep them all
-    # LoRA refit (suites/conformance/test_lora.py), adapter loaders and mergers:
-    "lora_bit_exact": "adapter_loader",    # every A/B in the engine's buffers bit for bit
-    "lora_coverage": "adapter_loader",     # every targeted module gets A and B, nothing else
+    # LoRA refit (suites/conformance/test_lora.py), adapter loaders, exporters and mergers:
+    "lora_bit_exact": None,                # every A/B in the engine's buffers bit for bit
+    "lora_coverage": None,                 # every targeted module gets A and B, nothing else
     "lora_scale_once": "adapter_loader",   # alpha / r applied once, also after evict + rebuild
     "base_untouched": "adapter_loader",    # the base weights bit-identical after adapter syncs
     "lora_versions": "adapter_loader",     # a new version replaces the old in its slot, no mix
@@ -246,7 +247,7 @@ CONFORMANCE_MODULES = {
     "test_model_distributed": ("distributed_exporter",),
     "test_lifecycle": ("loader",),
     "test_serving": ("serving_engine", "orchestrator"),
-    "test_lora": ("adapter_loader", "adapter_merger"),
+    "test_lora": ("adapter_loader", "adapter_exporter", "adapter_merger"),
 }
 
 #: Verdict words, best first. PASS: every case the implementation claims was selected and

@@ -420,6 +420,14 @@ class ReferenceImplementation:
 
         evict_adapter(slots, slot=slot)
 
+    def export_adapter(self, trainer_states, *, adapter, trainer, receiver, rank,
+                       bucket_bytes=None):
+        """The reference adapter exporter (:mod:`pytest_weightsync.reference_impl.senders.adapter_export`)."""
+        from pytest_weightsync.reference_impl.senders.adapter_export import export_adapter
+
+        return export_adapter(trainer_states, adapter=adapter, trainer=trainer, receiver=receiver,
+                              rank=rank, bucket_bytes=bucket_bytes)
+
     def merge_adapter(self, base, tensors, *, adapter):
         """The merged path (:mod:`pytest_weightsync.reference_impl.senders.adapter_merge`)."""
         from pytest_weightsync.reference_impl.senders.adapter_merge import merge_adapter

@@ -16,7 +16,7 @@ import torch
 from pytest_weightsync.reference_impl.model.adapter_spec import AdapterSpec, lora_params
 from pytest_weightsync.reference_impl.oracle import model_synth, synth
 
-__all__ = ["adapter_tensors", "expected_slots", "lora_tensor", "merged", "merged_model"]
+__all__ = ["adapter_tensors", "bridge_adapter_tensors", "expected_slots", "lora_tensor", "merged", "merged_model"]
 
 
 def lora_tensor(name: str, shape: tuple, dtype, version: int, seed: int = 0, *, device=None):
@@ -36,6 +36,31 @@ def adapter_tensors(adapter: AdapterSpec, version: int, seed: int = 0, *, device
                                         seed, device=device)
         out[param.b_name] = lora_tensor(param.b_name, param.b_shape, adapter.dtype, version,
                                         seed, device=device)
+    return out
+
+
+def bridge_adapter_tensors(adapter: AdapterSpec, version: int, trainer_ep: int = 1,
+                           seed: int = 0, *, device=None) -> dict:
+    """The adapter a Megatron-Bridge trainer holds (``reference_impl/backends/lora_facts.py``):
+    one A per fused base - q, k and v share the q projection's A, up shares gate's - and one
+    adapter per expert group of the trainer's ``trainer_ep`` (every expert of a group holds
+    the group's first expert's A and B). Names and shapes as :func:`adapter_tensors`."""
+    own = adapter_tensors(adapter, version, seed, device=device)
+    per = adapter.model.num_experts // trainer_ep
+    out = {}
+    for param in lora_params(adapter).values():
+        source = param
+        if param.expert is not None and param.expert % per:
+            first = param.base.replace(f".experts.{param.expert}.",
+                                       f".experts.{param.expert - param.expert % per}.")
+            source = lora_params(adapter)[first]
+        a_from = source
+        for fused, leader in (("k_proj", "q_proj"), ("v_proj", "q_proj"), ("up_proj", "gate_proj")):
+            leader_base = a_from.base.replace(f".{fused}.", f".{leader}.")
+            if a_from.module == fused and leader_base in lora_params(adapter):
+                a_from = lora_params(adapter)[leader_base]
+        out[param.a_name] = own[a_from.a_name]
+        out[param.b_name] = own[source.b_name]
     return out
 
 
@@ -64,22 +89,25 @@ def merged_model(adapter: AdapterSpec, base_version: int, version: int, seed: in
 
 def expected_slots(adapter: AdapterSpec, topo, rank: int, layout: str, slots: int,
                    versions: dict, seed: int = 0, *, device=None, folds: int = 1,
-                   place=None) -> dict:
+                   place=None, tensors: dict = None) -> dict:
     """Buffer name -> what engine rank ``rank``'s adapter buffers hold with version
     ``versions[slot]`` of ``adapter`` in each slot listed (the other slots zero): every piece
     of the layout at its place, scaled (``B * alpha / r`` in float32, rounded once) where the
     layout folds the scaling, and SGLang's per-slot ``scalings``. ``folds``: how many times the
     scaling is folded into B (1; the judge asks for 0 and 2 to name a bug); ``place``: a
     function of ``(buffer, piece)`` returning the piece to write instead (the judge's models of
-    misplaced pieces), ``None`` to drop it."""
+    misplaced pieces), ``None`` to drop it. ``tensors``: ``{version: adapter tensors}`` to place
+    instead of :func:`adapter_tensors` (a Megatron-Bridge-shaped adapter)."""
     from pytest_weightsync.reference_impl.model.adapter_layout import SCALINGS, adapter_buffers
 
     buffers = adapter_buffers(adapter, topo, rank, layout, slots)
     out = {name: torch.zeros(buf.shape, dtype=torch.float32 if name == SCALINGS
                              else adapter.dtype, device=device)
            for name, buf in buffers.items()}
+    given = tensors
     for slot, version in versions.items():
-        tensors = adapter_tensors(adapter, version, seed, device=device)
+        tensors = given[version] if given is not None else \
+            adapter_tensors(adapter, version, seed, device=device)
         if SCALINGS in out:
             out[SCALINGS][slot] = adapter.scaling
         for name, buf in buffers.items():

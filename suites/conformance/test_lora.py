@@ -7,7 +7,9 @@ adapter cases of ``harness.lora.ADAPTER_CASES`` (Qwen3-MoE and Qwen3.5-MoE, rank
 each layout the loader claims (``Capabilities.lora``):
 
 - ``lora_bit_exact``: every A and B lands in the engine's buffers bit for bit, on every rank,
-  in its slot;
+  in its slot - loaded by the loader under test, or exported by the exporter under test from
+  every trainer rank's Megatron-Bridge shards (TP, EP, ETP, PP; several buckets) and loaded by
+  the reference;
 - ``lora_coverage``: every targeted module gets A and B, nothing else is written; an adapter the
   engine cannot load as configured (a missing B, a wrong dtype, another rank, the 3-D expert
   layout) is refused before anything is written;
@@ -180,6 +182,12 @@ def test_a_new_version_replaces_the_old_and_adapters_coexist(weightsync_adapter_
             pass
         lora.check_slots(impl, case, rank, layout, slots, {1: 3, 2: 2},
                          "after a refused load of version 4 into slot 1 (no mix of 3 and 4)")
+
+
+@pytest.mark.weightsync_property("lora_bit_exact")
+@pytest.mark.parametrize("case", lora.EXPORT_PARAMS)
+def test_an_exported_adapter_lands_bit_exact_on_every_rank(weightsync_adapter_exporter, case):
+    lora.export_and_check(weightsync_adapter_exporter, case)
 
 
 @pytest.mark.weightsync_property("lora_merged")

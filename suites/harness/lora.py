@@ -19,36 +19,54 @@ from . import calls
 
 @dataclass(frozen=True)
 class AdapterCase:
-    """One adapter on one engine topology."""
+    """One adapter on one engine topology, exported from one trainer topology."""
 
     adapter: object
     receiver: object
+    trainer: object = None
 
     @property
     def id(self) -> str:
-        r = self.receiver
-        return f"{self.adapter.id}-R.tp{r.tp}ep{r.moe_ep}"
+        r, t = self.receiver, self.trainer
+        trained = "" if t is None else f"-T.tp{t.tp}ep{t.ep}etp{t.etp}pp{t.pp}"
+        return f"{self.adapter.id}-R.tp{r.tp}ep{r.moe_ep}{trained}"
+
+    @property
+    def bridge_expressible(self) -> bool:
+        """Whether Megatron-Bridge's LoRA can hold this adapter: one adapter per fused base,
+        so q/k/v and gate/up targeted together or not at all."""
+        modules = set(self.adapter.modules)
+        return all(len(modules & group) in (0, len(group))
+                   for group in ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}))
 
 
 def _cases() -> list:
     from pytest_weightsync.reference_impl.model.adapter_spec import AdapterSpec
-    from pytest_weightsync.reference_impl.model.layout import ReceiverTopology
+    from pytest_weightsync.reference_impl.model.layout import ReceiverTopology, TrainerTopology
     from pytest_weightsync.reference_impl.model.model_spec import qwen3_5_moe, qwen3_moe
 
     q3, q35 = qwen3_moe(num_heads=4, num_kv_heads=2), qwen3_5_moe()
     return [
-        AdapterCase(AdapterSpec(q3, 8, 16), ReceiverTopology(tp=1)),
+        AdapterCase(AdapterSpec(q3, 8, 16), ReceiverTopology(tp=1),
+                    TrainerTopology(tp=2, ep=2)),
         AdapterCase(AdapterSpec(q3, 16, 24, targets=("q_proj", "v_proj", "down_proj"),
                                 experts=False), ReceiverTopology(tp=2)),
-        AdapterCase(AdapterSpec(q35, 64, 16), ReceiverTopology(tp=2, moe_ep=2)),
-        AdapterCase(AdapterSpec(q35, 32, 64, experts=False), ReceiverTopology(tp=2)),
+        AdapterCase(AdapterSpec(q35, 64, 16), ReceiverTopology(tp=2, moe_ep=2),
+                    TrainerTopology(tp=2, ep=2, etp=2, pp=2)),
+        AdapterCase(AdapterSpec(q35, 32, 64, experts=False), ReceiverTopology(tp=2),
+                    TrainerTopology(tp=1, pp=2)),
         AdapterCase(AdapterSpec(q3, 48, 96, targets=("o_proj", "gate_proj", "up_proj")),
-                    ReceiverTopology(tp=4, moe_ep=2)),
+                    ReceiverTopology(tp=4, moe_ep=2), TrainerTopology(tp=2, ep=4)),
     ]
 
 
 ADAPTER_CASES = _cases()
 CASE_PARAMS = [pytest.param(c, id=c.id) for c in ADAPTER_CASES]
+#: The cases a Megatron-Bridge trainer can hold (an exporter's input), with buckets of at most
+#: :data:`EXPORT_BUCKET` bytes: an adapter of several buckets.
+EXPORT_PARAMS = [pytest.param(c, id=c.id) for c in ADAPTER_CASES
+                 if c.trainer is not None and c.bridge_expressible]
+EXPORT_BUCKET = 2048
 
 
 class LoraConformanceError(AssertionError):
@@ -208,3 +226,66 @@ def slot_pattern(case, rank, layout, slots, name, versions) -> str:
         return "a tensor of the adapter never arrived (its last bucket dropped?)"
     return ("not this adapter's values at these places (A and B swapped, A sliced on the wrong "
             "dimension for a row-parallel base, or another version)")
+
+
+def export_and_check(impl, case: AdapterCase, layout: str = "sglang", version: int = 1) -> None:
+    """``impl.export_adapter`` from every trainer rank's Megatron-Bridge shards, for every
+    engine rank: the stream (decoded from whatever transport it travels on) loads into the
+    reference adapter loader and every buffer holds the oracle's adapter; the trainer shards
+    unchanged; no bucket over the limit by more than one tensor."""
+    from pytest_weightsync import compare, distributed
+    from pytest_weightsync.protocols import as_stream
+    from pytest_weightsync.reference_impl.engine.adapter_receiver import load_adapter
+    from pytest_weightsync.reference_impl.oracle import adapter_synth
+    from pytest_weightsync.reference_impl.trainer import lora_state
+
+    adapter = case.adapter
+    tensors = adapter_synth.bridge_adapter_tensors(adapter, version, case.trainer.ep)
+    states = lora_state.adapter_states(adapter, case.trainer, tensors)
+    kept = [compare.snapshot(state) for state in states]
+    source = f"{impl.name}.export_adapter"
+    for rank in range(case.receiver.tp):
+        result = calls.call(impl, "export_adapter", states, adapter=adapter,
+                            trainer=case.trainer, receiver=case.receiver, rank=rank,
+                            bucket_bytes=EXPORT_BUCKET)
+        for state, before in zip(states, kept):
+            compare.assert_unchanged(before, state)
+        try:
+            stream = as_stream(distributed.decoded_stream(
+                result, engine_rank=rank, engine_tp=case.receiver.tp, source=source,
+                transports_met=set()), source=source)
+        except (TypeError, distributed.DistributedExportError) as error:
+            raise LoraConformanceError(f"{source} for engine rank {rank}: {error}") from None
+        for index, bucket in enumerate(stream):
+            size = sum(t.numel() * t.element_size() for _, t in bucket)
+            if len(bucket) > 1 and size > EXPORT_BUCKET:
+                raise LoraConformanceError(f"{source} for engine rank {rank}: bucket {index} "
+                                           f"holds {size} bytes over the {EXPORT_BUCKET} limit")
+        params, slots = engine_state(case, rank, layout)
+        try:
+            load_adapter(params, slots, [pair for bucket in stream for pair in bucket],
+                         adapter=adapter, topology=case.receiver, rank=rank, slot=1,
+                         layout=layout)
+        except Exception as error:  # noqa: BLE001 - the reference's refusal names it
+            raise LoraConformanceError(
+                f"{source} for engine rank {rank}: the reference adapter loader refused the "
+                f"exported adapter: {error}{export_hint(error)}") from None
+        expected = adapter_synth.expected_slots(adapter, case.receiver, rank, layout, SLOTS,
+                                                {1: version}, tensors={version: tensors})
+        for name, tensor in expected.items():
+            try:
+                compare.assert_bitwise_equal(slots[name], tensor, name=name, rank=rank)
+            except compare.ComparisonError as error:
+                raise LoraConformanceError(f"{source} ({layout}): {error} - not the trainer's "
+                                           f"adapter (A sharded on the wrong dimension, A and B "
+                                           f"swapped, an expert group's adapter under another "
+                                           f"expert's name, or gate/up split wrongly)") from None
+
+
+def export_hint(error) -> str:
+    text = str(error)
+    if "3-D expert layout" in text:
+        return " - 3-D expert LoRA sent where the flat per-expert layout is expected (SkyRL#1852)"
+    if "lacks" in text:
+        return " - a tensor never sent (the adapter's last bucket dropped?)"
+    return ""

@@ -182,3 +182,79 @@ def test_every_merge_mutant_is_killed(mutant, pattern):
     with pytest.raises(lora.LoraConformanceError, match=pattern):
         suite.test_the_merged_path_equals_the_oracle_merge(impl, CASE0)
     suite.test_the_merged_path_equals_the_oracle_merge(ReferenceImplementation(), CASE0)
+
+
+# -- the trainer side: exporters ---------------------------------------------------------------
+
+class Exports3D(ReferenceImplementation):
+    """SkyRL#1852: the routed experts' LoRA sent as 3-D ``mlp.experts.gate_up_proj`` tensors."""
+
+    def export_adapter(self, trainer_states, **kw):
+        stream = super().export_adapter(trainer_states, **kw)
+        flat = [(n, t) for bucket in stream for n, t in bucket if ".mlp.experts." not in n]
+        stacked = [(n.split(".experts.")[0] + ".experts.gate_up_proj.lora_A.weight", t)
+                   for bucket in stream for n, t in bucket if ".experts.0.gate_proj.lora_A" in n]
+        return [flat + stacked]
+
+
+class DropsLastBucket(ReferenceImplementation):
+    """verl#7413: an adapter of several buckets, the last one never sent."""
+
+    def export_adapter(self, trainer_states, **kw):
+        return super().export_adapter(trainer_states, **kw)[:-1]
+
+
+class RowAOnRankDim(ReferenceImplementation):
+    """A of a row-parallel base gathered on its rank dim instead of its in dim."""
+
+    def export_adapter(self, trainer_states, **kw):
+        from pytest_weightsync.reference_impl.senders import adapter_export as ae
+
+        real = ae.torch.cat
+
+        def cat(tensors, dim=0):
+            tensors = list(tensors)
+            if dim == 1 and len(tensors) > 1 and tensors[0].shape[0] == kw["adapter"].rank:
+                return real([t for t in tensors], dim=0).reshape(tensors[0].shape[0], -1)
+            return real(tensors, dim=dim)
+
+        ae.torch.cat = cat
+        try:
+            return super().export_adapter(trainer_states, **kw)
+        finally:
+            ae.torch.cat = real
+
+
+EXPORT_CASE = next(c for c in lora.ADAPTER_CASES
+                   if c.trainer is not None and c.trainer.tp > 1 and c.adapter.experts)
+
+
+@pytest.mark.parametrize("mutant, pattern", [
+    (Exports3D, "3-D expert LoRA sent where the flat per-expert layout is expected"),
+    (DropsLastBucket, "never sent"),
+    (RowAOnRankDim, "A sharded on the wrong dimension")])
+def test_every_lora_exporter_mutant_is_killed_by_name(mutant, pattern):
+    impl = mutant()
+    impl.name = f"mutant-{mutant.__name__}"
+    with pytest.raises(lora.LoraConformanceError, match=pattern):
+        suite.test_an_exported_adapter_lands_bit_exact_on_every_rank(impl, EXPORT_CASE)
+    suite.test_an_exported_adapter_lands_bit_exact_on_every_rank(ReferenceImplementation(),
+                                                                 EXPORT_CASE)
+
+
+@pytest.mark.parametrize("transport", ["flattened_bucket", "serialized"])
+def test_an_adapter_on_a_wire_transport_is_decoded_and_lands(transport):
+    """The reference exporter's buckets re-encoded on a transport (``docs/transports.md``):
+    every suite decodes them before the loader sees them."""
+    from pytest_weightsync import transports
+
+    class OnTheWire(ReferenceImplementation):
+        name = f"reference-adapter-{transport}"
+
+        def export_adapter(self, trainer_states, **kw):
+            stream = super().export_adapter(trainer_states, **kw)
+            stream = [[(n, t.clone()) for n, t in bucket] for bucket in stream]
+            return transports.get(transport).encode(stream, engine_rank=kw["rank"],
+                                                    engine_tp=kw["receiver"].tp)
+
+    suite.test_an_exported_adapter_lands_bit_exact_on_every_rank(OnTheWire(), EXPORT_CASE)

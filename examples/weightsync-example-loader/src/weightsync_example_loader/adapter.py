@@ -64,6 +64,8 @@ class ExampleAdapterLoader:
 
     def load_adapter(self, params, slots, payload, *, adapter, topology, rank, slot,
                      layout) -> None:
+        """Write the adapter in ``payload`` into ``slot``: planned and checked whole first, so
+        a refused adapter leaves the slot (and the other slots) as they were."""
         if layout != "sglang":
             raise AdapterPayloadError(f"this loader reads SGLang's adapter buffers, not {layout!r}")
         copies = self.plan(slots, list(payload), adapter, topology, rank, slot)
