@@ -147,8 +147,8 @@ Two roles judge what happens around the copy while an engine serves (``docs/refi
 ``open_serving_engine(*, spec, version, dialect, seed=0)``
     A serving engine holding whole model ``spec`` at ``version`` (also its first published
     label), speaking the control plane ``dialect`` (:data:`SERVING_DIALECTS`, claimed in
-    ``Capabilities.serving``): ``submit(prompt, max_new_tokens) -> rid``, ``step()`` (one
-    scheduler iteration), ``request(rid)`` (``output``, ``logprobs``, ``token_versions``,
+    ``Capabilities.serving``): ``dialect``, ``submit(prompt, max_new_tokens) -> rid``,
+    ``step()`` (one scheduler iteration), ``request(rid)`` (``output``, ``logprobs``, ``token_versions``,
     ``prompt_versions``, ``cached_tokens``, ``status``, ``abort_reason``, ``retractions``),
     ``weight_version``, ``pause_generation(mode, clear_cache=None)``, ``continue_generation()``
     / ``resume_generation()``, ``flush_cache()`` / ``reset_prefix_cache()``,
