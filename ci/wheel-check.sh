@@ -147,25 +147,33 @@ suite() { "$VPY" -m pytest -p weightsync --pyargs pytest_weightsync.suites -q -p
 inner() { sed 's/^/wheel-check: inner run: /' "$1" | tail -40 >&2; }
 matrix() { grep -E "^(implementation|example)" "$1" | sed 's/^/wheel-check: matrix: /'; }
 
-set +e
-suite --weightsync-only example --weightsync-report ok.json > ok.txt 2>&1
-rc=$?
-set -e
-matrix ok.txt
-[ $rc -eq 0 ] || { inner ok.txt; fail "the example's conformance run exited $rc, expected 0"; }
-"$VPY" - ok.json <<'EOF' || { inner ok.txt; fail "the example is not PASS"; }
+# expect_pass NAME REPORT "ROLES" "PROPERTIES": NAME's run alone exits 0, its verdict is PASS
+# with exactly ROLES, every one of PROPERTIES ran, and no self-test was shipped
+expect_pass() {
+    local name=$1 report=$2 roles=$3 props=$4
+    set +e
+    suite --weightsync-only "$name" --weightsync-report "$report.json" > "$report.txt" 2>&1
+    local rc=$?
+    set -e
+    matrix "$report.txt"
+    [ $rc -eq 0 ] || { inner "$report.txt"; fail "$name's conformance run exited $rc, expected 0"; }
+    "$VPY" - "$report.json" "$name" "$roles" "$props" <<'EOF' || { inner "$report.txt"; fail "$name is not PASS"; }
 import json, sys
 report = json.load(open(sys.argv[1]))
+name, roles, wanted = sys.argv[2], set(sys.argv[3].split()), sys.argv[4].split()
 (impl,) = report["implementations"]
-assert impl["name"] == "example" and impl["verdict_word"] == "PASS", impl
-assert set(impl["roles"]) == {"loader", "distributed_exporter"}, impl
+assert impl["name"] == name and impl["verdict_word"] == "PASS", impl
+assert set(impl["roles"]) == roles, impl
 props = set(report["properties"])
-for prop in ("bit_exact", "in_place", "no_stale_values", "distributed_export_bit_exact",
-             "coverage", "model_bit_exact", "tied_embeddings", "targets"):
+for prop in wanted:
     assert prop in props, (prop, props)
 assert not any("selftest" in t["nodeid"] for t in report["tests"])
-print(f"wheel-check: example PASS ({impl['ran']} tests, properties {sorted(props)})")
+print(f"wheel-check: {name} PASS ({impl['ran']} tests, properties {sorted(props)})")
 EOF
+}
+
+expect_pass example ok "loader distributed_exporter" \
+    "bit_exact in_place no_stale_values distributed_export_bit_exact coverage model_bit_exact tied_embeddings targets"
 
 for twin in example-swapped example-unregrouped; do
     set +e
@@ -196,22 +204,6 @@ EOF
 done
 
 # the example's LoRA adapter loader, alone: exit 0, verdict PASS on every LoRA property it claims
-set +e
-suite --weightsync-only example-adapter --weightsync-report adapter.json > adapter.txt 2>&1
-rc=$?
-set -e
-matrix adapter.txt
-[ $rc -eq 0 ] || { inner adapter.txt; fail "example-adapter's conformance run exited $rc, expected 0"; }
-"$VPY" - adapter.json <<'EOF' || { inner adapter.txt; fail "example-adapter is not PASS"; }
-import json, sys
-report = json.load(open(sys.argv[1]))
-(impl,) = report["implementations"]
-assert impl["name"] == "example-adapter" and impl["verdict_word"] == "PASS", impl
-assert set(impl["roles"]) == {"adapter_loader"}, impl
-props = set(report["properties"])
-for prop in ("lora_bit_exact", "lora_coverage", "lora_scale_once", "base_untouched",
-             "lora_versions"):
-    assert prop in props, (prop, props)
-print(f"wheel-check: example-adapter PASS ({impl['ran']} tests, properties {sorted(props)})")
-EOF
+expect_pass example-adapter adapter "adapter_loader" \
+    "lora_bit_exact lora_coverage lora_scale_once base_untouched lora_versions"
 echo "wheel-check: OK in $((SECONDS - start)) s"

@@ -81,8 +81,8 @@ def test_requests_in_flight_end_as_the_pause_mode_says(weightsync_serving_engine
                                                        mode):
     impl = weightsync_serving_engine
     engine = _open(impl, dialect, mode)
-    engine_max = serving.PROMPTS[:2]
-    rids = _submit_all(engine, engine_max)
+    running_prompts = serving.PROMPTS[:2]
+    rids = _submit_all(engine, running_prompts)
     for _ in range(3):
         engine.step()
     before = {rid: len(engine.request(rid).output) for rid in rids}
@@ -93,7 +93,7 @@ def test_requests_in_flight_end_as_the_pause_mode_says(weightsync_serving_engine
     engine.update_weights(serving.update_buckets(2), flush_cache=not keeps, weight_version=2)
     engine.continue_generation() if dialect == "sglang" else engine.resume_generation()
     serving.run_to_end(engine, rids + [waiting])
-    for rid, prompt in zip(rids, engine_max):
+    for rid, prompt in zip(rids, running_prompts):
         request = engine.request(rid)
         if mode == "abort":
             if request.status != "aborted" or not request.abort_reason:

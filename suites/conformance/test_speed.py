@@ -145,9 +145,24 @@ def timed_rounds(update, nbytes: int) -> dict:
 
 def _ratios(timed: dict) -> dict:
     """A plain copy of the written bytes over the update, per round: median, min and max."""
-    ratios = [c / p for c, p in zip(timed["copy"], timed["path"])]
-    return {"cpu_ratio": round(statistics.median(ratios), 4),
-            "cpu_ratio_min": round(min(ratios), 4), "cpu_ratio_max": round(max(ratios), 4)}
+    return _ratio_fields("cpu_ratio", [c / p for c, p in zip(timed["copy"], timed["path"])])
+
+
+def _ratio_fields(key: str, ratios: list) -> dict:
+    """``key``, ``key_min``, ``key_max``: the median and spread of per-round ratios."""
+    return {key: round(statistics.median(ratios), 4), f"{key}_min": round(min(ratios), 4),
+            f"{key}_max": round(max(ratios), 4)}
+
+
+def gpu_ratios(impl, update, written: int, name: str, throughput) -> list:
+    """Per-round ratios of a plain device copy of ``written`` bytes over ``update``
+    (:func:`guarded_rounds`), the median recorded under ``name`` for the baseline guard."""
+    rounds = guarded_rounds(impl, {"path": update, "copy": plain_copy(written, "cuda")})
+    ratios = [c / p for c, p in zip(rounds["copy"], rounds["path"])]
+    throughput.record(Measurement(name, written, statistics.median(rounds["path"]),
+                                  statistics.median(rounds["copy"]), "cuda",
+                                  statistics.median(ratios)))
+    return ratios
 
 
 @pytest.mark.gpu
@@ -173,20 +188,14 @@ def test_loader_update_throughput_on_gpu(weightsync_loader, payload_format, thro
     torch.cuda.synchronize()
     expected = inputs.expected(case, rank, 1, "cuda")
     written = sum(t.numel() * t.element_size() for t in expected.values())
-    rounds = guarded_rounds(weightsync_loader, {
-        "path": unguarded_update(weightsync_loader, params, stream, payload_format, case, rank),
-        "copy": plain_copy(written, "cuda")})
-    ratios = [c / p for c, p in zip(rounds["copy"], rounds["path"])]
-    name = f"speed-gpu/{weightsync_loader.name}/{payload_format}"
-    throughput.record(Measurement(name, written, statistics.median(rounds["path"]),
-                                  statistics.median(rounds["copy"]), "cuda",
-                                  statistics.median(ratios)))
+    ratios = gpu_ratios(
+        weightsync_loader,
+        unguarded_update(weightsync_loader, params, stream, payload_format, case, rank),
+        written, f"speed-gpu/{weightsync_loader.name}/{payload_format}", throughput)
     judge.check_rank(params, case, rank, 1, device="cuda")
     compare.assert_same_storage(before, params)
     weightsync_record_property("weightsync_speed", json.dumps({
-        "format": payload_format, "gpu_ratio": round(statistics.median(ratios), 4),
-        "gpu_ratio_min": round(min(ratios), 4), "gpu_ratio_max": round(max(ratios), 4),
-        "bytes": written}))
+        "format": payload_format, **_ratio_fields("gpu_ratio", ratios), "bytes": written}))
 
 
 @pytest.mark.gpu
@@ -228,18 +237,13 @@ def test_exporter_update_throughput_on_gpu(weightsync_exporter, payload_format, 
     torch.cuda.synchronize()
     expected = inputs.expected(case, rank, 1, "cuda")
     written = sum(t.numel() * t.element_size() for t in expected.values())
-    rounds = guarded_rounds(weightsync_exporter, {"path": update,
-                                                  "copy": plain_copy(written, "cuda")})
-    ratios = [c / p for c, p in zip(rounds["copy"], rounds["path"])]
-    name = f"speed-gpu-export/{weightsync_exporter.name}/{payload_format}"
-    throughput.record(Measurement(name, written, statistics.median(rounds["path"]),
-                                  statistics.median(rounds["copy"]), "cuda",
-                                  statistics.median(ratios)))
+    ratios = gpu_ratios(weightsync_exporter, update, written,
+                        f"speed-gpu-export/{weightsync_exporter.name}/{payload_format}",
+                        throughput)
     judge.check_rank(params, case, rank, 1, device="cuda")
     weightsync_record_property("weightsync_speed", json.dumps({
-        "format": payload_format, "export_gpu_ratio": round(statistics.median(ratios), 4),
-        "export_gpu_ratio_min": round(min(ratios), 4),
-        "export_gpu_ratio_max": round(max(ratios), 4), "export_bytes": written}))
+        "format": payload_format, **_ratio_fields("export_gpu_ratio", ratios),
+        "export_bytes": written}))
 
 
 def unguarded_update(impl, params, stream, fmt, case, rank):

@@ -124,12 +124,11 @@ def merge_pattern(got, name, base, tensors, adapter) -> str:
     guesses = {
         "the scaling applied twice": (w.float() + (b.float() @ a.float()) * adapter.scaling ** 2),
         "the scaling never applied": (w.float() + b.float() @ a.float()),
-        "A and B swapped (B^T A^T)": None,
         "B @ A rounded to the base dtype before the add": (
             w.float() + ((b.float() @ a.float()) * adapter.scaling).to(w.dtype).float()),
     }
     for what, value in guesses.items():
-        if value is not None and torch.equal(value.to(w.dtype).view(torch.int16),
+        if torch.equal(value.to(w.dtype).view(torch.int16),
                                              got.view(torch.int16)):
             return what
     return "not a merge of this base and adapter"

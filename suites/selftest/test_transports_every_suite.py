@@ -57,7 +57,11 @@ def encode(transport: str, stream: list, engine_rank: int, engine_tp: int):
 
 
 def _family(transport: str) -> str:
-    return transport.replace("serialized_flattened", "serialized")
+    """The registered transport a reference transport name sends on (``*_flattened``: its
+    one-buffer option)."""
+    from pytest_weightsync.reference_impl.senders.distributed_export import wire_transport
+
+    return wire_transport(transport)[0].name
 
 
 class OnEveryWire(ReferenceImplementation):
@@ -143,8 +147,7 @@ def test_every_transport_runs_through_every_suite():
             scopes.setdefault(_family(transport), set()).add("whole-model distributed")
     for param in TRANSPORT_CASES:
         for transport in param.values[2]:
-            scopes.setdefault(_family(transport).replace("broadcast_flattened", "broadcast"),
-                              set()).add("expert distributed")
+            scopes.setdefault(_family(transport), set()).add("expert distributed")
     # pairs: the distributed suites' own default, run by every conformance case
     scopes["tensors"] |= {"whole-model distributed", "expert distributed"}
     assert set(scopes) == set(TRANSPORTS), scopes

@@ -19,7 +19,10 @@ import pytest
 from ..harness import distributed as dh
 from ..harness import judge
 from ..harness.cases import DIST_CASES
-from pytest_weightsync.reference_impl.senders.distributed_export import REFERENCE_TRANSPORTS
+from pytest_weightsync.reference_impl.senders.distributed_export import (
+    REFERENCE_TRANSPORTS,
+    wire_transport,
+)
 from pytest_weightsync.reference_impl.impl import ReferenceImplementation
 
 pytestmark = pytest.mark.weightsync_property("mutation_detected")
@@ -89,8 +92,7 @@ def test_the_reference_lands_bit_exact_on_every_transport(rank_pool, wire_case, 
     dh.require_megatron()
     result = dh.run_and_judge(rank_pool, OnTheWire(rotation), wire_case, formats)
     assert len(result.checked) == len(rotation)
-    families = {"broadcast_flattened": "broadcast", "serialized_flattened": "serialized"}
-    assert result.transports == {families.get(t, t) for t in rotation}
+    assert result.transports == {wire_transport(t)[0].name for t in rotation}
 
 
 class _Encoder(ReferenceImplementation):
