@@ -214,7 +214,8 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         sender = part.sender(fmt, topo, args.staging_mib << 20,
                              bucket_bytes=None if not bucket_mib else bucket_mib << 20)
         build = time.perf_counter() - t0
-        sync = ColocatedSync(sender, engines, per_update=per_update)
+        sync = ColocatedSync(sender, engines, per_update=per_update,
+                             chain=getattr(args, "chain_ranks", False))
         register = sync.register()
         problems, digests = [], 0
 
@@ -246,11 +247,13 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         bits = "exact" if not problems else "; ".join(problems)
         if bits != "exact":
             failures.append(f"{'per-update' if per_update else 'registered'} {fmt} MoE-TP {tp}: {bits}")
+        chained = sync.chain
         sync.close()
         ratios = [plain / timing.wall for timing, plain in rounds]
         cache = [c for timing, _ in rounds for c in timing.cache]
         row = dict(
             path="per_update" if per_update else "registered", format=fmt, moe_tp=tp,
+            chain=chained,
             layers=part.spec.num_layers,
             entries=sender.entries, buckets=len(sender.buckets), nbytes=nbytes,
             staged_bytes=sender.staged_bytes, storages=sum(len(b.shared[r].wholes)
@@ -292,65 +295,55 @@ STATELESS = (("per_tensor", "tensors", False), ("per_tensor_cached", "tensors", 
 
 
 def per_tensor_rows(part, engines, topo, tp, args, masks, ptrs, failures) -> list:
-    """A stateless sender every update: ``senders.export`` of every layer of ``part``, then
-    SGLang's per-tensor wire (``ipc.serialize``: one share per tensor) with the engines' plan
-    cache off and on, and one share per storage (``shared_payload.serialize_storages``). Digests after
-    every update, every bit after the last."""
-    from pytest_weightsync.reference_impl.sharing import ipc, shared_payload
-    from pytest_weightsync.reference_impl.senders import formats as senders
+    """A stateless sender every update (``senders.stateless.StatelessSync``): per bucket of
+    ``--stateless-bucket-layers`` layers ``senders.export`` for every rank, serialized on
+    SGLang's per-tensor wire (``ipc.serialize``) with the engines' plan cache off and on, or
+    with one share per storage (``shared_payload.serialize_storages``), and sent while the
+    engines copy the previous bucket. Digests after every update, every bit after the last."""
+    from pytest_weightsync.reference_impl.sharing import ipc
+    from pytest_weightsync.reference_impl.senders.stateless import StatelessSync
 
     rows = []
     device = part.buffers[0].device
     nbytes = part.written_bytes(topo)
     limit = PlainCopy(nbytes, device, args.chunk_mib << 20)
-    serializers = {"tensors": ipc.serialize, "storages": shared_payload.serialize_storages}
+    chosen = [s for s in STATELESS if s[0] in args.stateless]
     for fmt in args.formats:
-        for label, wire, cached in STATELESS:
+        for label, wire, cached in chosen:
             for engine in engines:
                 engine.reset(plan_cache=cached)
+            sync = StatelessSync(fmt, part.spec, topo, engines, wire=wire,
+                                 bucket_layers=args.stateless_bucket_layers)
             rounds, problems = [], []
             for step in range(args.warmup + args.per_tensor_repeats):
                 part.set_mask(masks.next())
-                start = time.perf_counter()
-                payloads = [senders.export(fmt, part.spec, topo, r, part.full)
-                            for r in range(topo.world_size)]
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t1 = time.perf_counter()
-                data = []
-                for rank, engine in enumerate(engines):  # rank r loads while r + 1 serializes
-                    data.append(serializers[wire](payloads[rank]))
-                    engine.post_update(data[rank], senders_load_format(fmt), memory=False)
-                t2 = time.perf_counter()
-                reports = [engine.result() for engine in engines]
-                wall = time.perf_counter() - start
-                del payloads, data
+                timing = sync.update(part.full)
                 ipc.collect(device)
                 problem = part.digest_problem(engines, part.digest())
                 if problem and len(problems) < 3:
                     problems.append(f"update {step + 1}: {problem}")
-                for report in reports:
+                for report in [r for bucket in timing.reports for r in bucket]:
                     if dict(report.param_ptrs) != ptrs[report.rank]:
                         problems.append(f"rank {report.rank} parameters moved")
                 if step >= args.warmup:
-                    rounds.append(dict(export=t1 - start, serialize=t2 - t1, wall=wall,
-                                       reports=reports, plain=limit.seconds()))
+                    rounds.append((timing, limit.seconds()))
             problems += [p for p in part.check(engines) if p]
             bits = "exact" if not problems else "; ".join(problems)
             if bits != "exact":
                 failures.append(f"{label} {fmt} MoE-TP {tp}: {bits}")
-            entries = sum(r.entries for r in rounds[-1]["reports"])
-            stage = lambda name: median([max(r.seconds[name] for r in x["reports"]) for x in rounds])  # noqa: E731
-            ratios = [x["plain"] / x["wall"] for x in rounds]
-            host = median([x["export"] + x["serialize"] for x in rounds]) + stage("receive") + stage("load")
-            cache = [c for x in rounds for r in x["reports"] for c in r.cache]
+            last = rounds[-1][0]
+            entries = sum(r.entries for bucket in last.reports for r in bucket)
+            ratios = [plain / t.wall for t, plain in rounds]
+            stage = lambda name: median([t.stage(name) for t, _ in rounds])  # noqa: E731
+            host = median([t.export + t.serialize for t, _ in rounds]) + stage("receive") + stage("load")
+            cache = [c for t, _ in rounds for bucket in t.reports for r in bucket for c in r.cache]
             row = dict(
                 path=label, wire=wire, plan_cache=cached, format=fmt, moe_tp=tp,
-                layers=part.spec.num_layers, entries=entries,
-                nbytes=nbytes, export_s=median([x["export"] for x in rounds]),
-                serialize_s=median([x["serialize"] for x in rounds]), receive_s=stage("receive"),
+                layers=part.spec.num_layers, entries=entries, buckets=len(last.reports),
+                nbytes=nbytes, export_s=median([t.export for t, _ in rounds]),
+                serialize_s=median([t.serialize for t, _ in rounds]), receive_s=stage("receive"),
                 load_s=stage("load"), synchronize_s=stage("synchronize"),
-                wall_s=median([x["wall"] for x in rounds]), plain_copy_s=median([x["plain"] for x in rounds]),
+                wall_s=median([t.wall for t, _ in rounds]), plain_copy_s=median([p for _, p in rounds]),
                 ratio=median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
                 host_us_per_entry=1e6 * host / max(1, entries // topo.world_size),
                 cache_hits=cache.count("hit"), cache_other=len(cache) - cache.count("hit"),
@@ -360,13 +353,10 @@ def per_tensor_rows(part, engines, topo, tp, args, masks, ptrs, failures) -> lis
             print_row(row)
             if args.progress is not None:
                 args.progress(row)
+            del sync
             release(device)
     del limit
     return rows
-
-
-def senders_load_format(fmt: str):
-    return "direct" if fmt == "direct" else None
 
 
 def print_row(r) -> None:
@@ -483,6 +473,15 @@ def main(argv=None) -> int:
                    "per-tensor wire (plan cache off / on) and one share per storage")
     p.add_argument("--per-tensor-layers", type=int, default=4)
     p.add_argument("--per-tensor-repeats", type=int, default=5)
+    p.add_argument("--stateless", nargs="+", choices=[s[0] for s in STATELESS],
+                   default=["per_tensor_cached", "per_storage"],
+                   help="which stateless rows --per-tensor times")
+    p.add_argument("--stateless-bucket-layers", type=int, default=1,
+                   help="layers per bucket of the stateless sender (sent while the engines "
+                   "copy the previous bucket)")
+    p.add_argument("--chain-ranks", action="store_true",
+                   help="engine rank r copies a bucket of views after rank r - 1 on the device "
+                   "(ColocatedSync(chain=True)): one engine context at a time")
     p.add_argument("--no-digest", dest="digest", action="store_false",
                    help="skip the digest check after every update of the whole-model rows")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per engine request")

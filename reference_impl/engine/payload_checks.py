@@ -72,8 +72,7 @@ class PayloadShapeError(PayloadError):
 
 
 class TensorLayoutError(PayloadError):
-    """A sparse tensor, a tensor on the wrong device, or a non-contiguous one where the format
-    needs contiguity."""
+    """A sparse or otherwise non-dense tensor, or a tensor on the wrong device."""
 
 
 class MemoryOverlapError(PayloadError):
@@ -120,14 +119,13 @@ def entry_pair(index: int, item, where_of) -> tuple[str, "torch.Tensor", str]:
 
 
 def entry_fits(tensor, shape, load_format: str, where: str, what: str = "") -> None:
-    """Refuse an entry whose shape is not ``shape`` (``what`` says whose), or that is not
-    contiguous where ``load_format='direct'`` copies it whole."""
+    """Refuse an entry whose shape is not ``shape`` (``what`` says whose). Its strides are
+    free in every format: ``load_format='direct'`` copies each tensor whole as SGLang's
+    ``default_weight_loader`` does (the shape checked, then ``param.copy_``), so a strided
+    view - a rank's fc2 columns of a trainer buffer - loads as a contiguous tensor would."""
     if tuple(tensor.shape) != tuple(shape):
         raise PayloadShapeError(f"{where}: shape {tuple(tensor.shape)}, expected "
                                 f"{tuple(shape)}{what}")
-    if load_format == "direct" and not tensor.is_contiguous():
-        raise TensorLayoutError(f"{where}: non-contiguous tensor (strides {tensor.stride()}); "
-                                f"load_format='direct' needs contiguous tensors")
 
 
 def entry_readable_on(tensor, device, rank: int, where: str) -> None:

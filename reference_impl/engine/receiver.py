@@ -37,7 +37,8 @@ Payload formats (one ``load`` call = one bucket):
   Mixing naming schemes in one bucket is refused: SGLang mis-routes per-expert names that
   follow a fused name in the same ``load_weights`` call.
 * ``load_format="direct"``: the receiver's own parameter names with exactly their shapes,
-  contiguous; copied whole.
+  any strides; copied whole (SGLang's ``default_weight_loader``: the shape checked, then
+  ``param.copy_``).
 
 Atomicity promise:
 

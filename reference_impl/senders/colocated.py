@@ -291,18 +291,26 @@ class ColocatedSync:
     anew, the table pickled once per bucket) and the engine rebuilds, recognises and loads it,
     then drops it."""
 
-    def __init__(self, sender: ColocatedSender, engines: Sequence, *, per_update: bool = False):
+    def __init__(self, sender: ColocatedSender, engines: Sequence, *, per_update: bool = False,
+                 chain: bool = False):
         if len(engines) != sender.topo.world_size:
             raise WeightSyncError(f"{len(engines)} engine process(es) for a receiver of "
                                   f"{sender.topo.world_size} rank(s)")
         self.sender, self.engines = sender, list(engines)
         self.per_update = bool(per_update)
         self.registrations: list = []
+        self._early: list = []  # answers of the posted bucket taken while it was sent (chain)
+        gpu = sender.device.type == "cuda"
+        #: ``chain``: on one GPU, engine rank ``r``'s copies of a bucket of views wait on the
+        #: device for rank ``r - 1``'s (an IPC event rank ``r - 1`` records before it answers;
+        #: rank ``r`` is sent the bucket after that answer), so one engine context at a time
+        #: has copies to run instead of the GPU slicing its time between them.
+        self.chain = bool(chain) and gpu and len(self.engines) > 1
         #: Staged buckets on a GPU are ordered by CUDA IPC events, not host waits (see
         #: :meth:`update`): ("staged", bucket) recorded here, ("copied", bucket, rank) by the
         #: engine rank.
         self.events = None
-        if sender.device.type == "cuda" and any(b.staged_bytes for b in sender.buckets):
+        if gpu and (self.chain or any(b.staged_bytes for b in sender.buckets)):
             from pytest_weightsync.reference_impl.sharing.ipc_events import EventPool
 
             self.events = EventPool(sender.device)
@@ -363,16 +371,23 @@ class ColocatedSync:
                 # bucket is prepared and sent. The update's last bucket is always waited for.
                 sync = staged and not evented
                 wait = self.events.handle(("staged", index)) if evented else None
+                chained = self.chain and not staged
+                early: list = []
                 for rank, engine in enumerate(self.engines):
                     if self.per_update:  # the bytes SGLang's update_weights_from_tensor gets
                         data = self.sender.serialize(index, rank, wait=not evented)
                         registered = ()
                     else:
                         data, registered = None, [self.registrations[index][rank]]
-                    signal = self.events.handle(("copied", index, rank)) if evented else None
+                    signal = (self.events.handle(("copied", index, rank))
+                              if evented or chained else None)
+                    if chained and rank:  # after rank - 1 queued its copies and its record
+                        early.append(self.engines[rank - 1].result())
+                        wait = self.events.handle(("copied", index, rank - 1))
                     engine.post_update(data, self.sender.load_format, registered,
                                        begin=index == 0, end=index == last, memory=memory,
                                        sync=sync, wait=wait, signal=signal)
+                self._early = early
                 timing.export += t1 - t0
                 timing.serialize += time.perf_counter() - t2
             pending = self._collect(timing)
@@ -399,7 +414,8 @@ class ColocatedSync:
 
     def _collect(self, timing: SyncTiming) -> None:
         """Every engine's answer to the posted bucket (all of them, then the first error)."""
-        reports, error = [], None
+        reports, error = self._early, None
+        self._early = []
         for engine in self.engines:
             if not engine.pending:
                 continue

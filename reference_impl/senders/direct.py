@@ -14,7 +14,6 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from pytest_weightsync.reference_impl.kernels import fastcopy
-from pytest_weightsync.reference_impl.senders import zerocopy
 from pytest_weightsync.reference_impl.model.layout import (
     ExpertWeights,
     MoESpec,
@@ -24,6 +23,7 @@ from pytest_weightsync.reference_impl.model.layout import (
     gate_up_halves,
     receiver_shard,
 )
+from pytest_weightsync.reference_impl.kernels.strided_blocks import grid_view
 from pytest_weightsync.reference_impl.senders.zerocopy import staging_tensor
 
 
@@ -31,11 +31,18 @@ def layer_payload(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
                   experts: Sequence[ExpertWeights], device=None,
                   alloc=None) -> tuple[list[tuple[str, torch.Tensor]], list]:
     """Rank-local ``w13``/``w2`` of one layer for receiver ``rank`` and the ``(dst, src)``
-    pairs still to be copied into them. A tensor whose sources already lie in its layout (an
-    unpadded rank holding every row, trainer experts in one buffer:
-    :func:`zerocopy.tiled_view`) is a view of them; otherwise a staging tensor from
-    ``alloc(shape, dtype, device, zero)`` (zeroed where the receiver pads) that the pairs
-    fill. ``experts`` holds every expert of the layer, indexed by global expert id."""
+    pairs still to be copied into them. ``experts`` holds every expert of the layer, indexed
+    by global expert id.
+
+    A tensor whose sources already lie in its shape in one storage is a view of them
+    (:func:`~pytest_weightsync.reference_impl.kernels.strided_blocks.grid_view`): every ``w13`` and ``w2`` of a rank holding every row of a
+    grouped-GEMM trainer's buffers, and at MoE-TP > 1 the rank's fc2 columns, a strided view
+    ``[E_local, H, rows]`` that ``load_format="direct"`` copies as it is (SGLang's
+    ``default_weight_loader`` checks the shape, then ``param.copy_``). Otherwise a staging
+    tensor from ``alloc(shape, dtype, device, zero)`` (zeroed where the receiver pads) that
+    the pairs fill: strided views of all its blocks where they lie at fixed steps (the rank's
+    gate rows of every expert, then its up rows: two batched copies), else one pair per block
+    (separate allocations, EPLB's repeated experts)."""
     if len(experts) != spec.num_experts:
         raise WeightSyncError(f"direct export of layer {layer} needs all {spec.num_experts} "
                               f"experts (indexed by global id), got {len(experts)}")
@@ -46,29 +53,47 @@ def layer_payload(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
     padded = buf != rows
     lo, hi = shard.row_start, shard.row_start + rows
     w13_shape, w2_shape = (n_local, 2 * buf, spec.hidden), (n_local, spec.hidden, buf)
-    w13 = w2 = None
-    if not padded:
-        halves = gate_up_halves(topo.order)
-        held = shard.slot_experts(layer)  # the expert of every slot (EPLB: physical copies)
-        w13 = zerocopy.tiled_view([experts[e][p][lo:hi] for e in held for p in halves],
-                                  w13_shape, spec.dtype, device)
-        w2 = zerocopy.tiled_view([experts[e].down[:, lo:hi] for e in held],
-                                 w2_shape, spec.dtype, device)
-    stage13, stage2 = w13 is None, w2 is None
-    if stage13:
-        w13 = alloc(w13_shape, spec.dtype, device, padded)
-    if stage2:
-        w2 = alloc(w2_shape, spec.dtype, device, padded)
+    halves = gate_up_halves(topo.order)
+    held = shard.slot_experts(layer)  # the expert of every slot (EPLB: physical copies)
+    gate_up = [experts[e][p] for e in held for p in halves]
+    downs = [experts[e].down for e in held]
+    # The rank's rows of every block at once: a slice of the blocks' grid, not one per block.
+    grid13 = grid_view(gate_up, (n_local, 2), spec.dtype, device)  # [E, 2, I, H]
+    grid2 = grid_view(downs, (n_local,), spec.dtype, device)  # [E, H, I]
+    grid13 = None if grid13 is None else grid13[:, :, lo:hi]
+    grid2 = None if grid2 is None else grid2[:, :, lo:hi]
+    w13 = _viewed(grid13, w13_shape) if not padded else None
+    w2 = grid2 if not padded and grid2 is not None and tuple(grid2.shape) == w2_shape else None
     pairs = []
-    for slot, expert in enumerate(shard.slot_experts(layer)):  # every physical copy (EPLB)
-        weights = experts[expert]
-        if stage13:
-            for projection in ("gate", "up"):
-                off = shard.half_offset(projection, topo.order)
-                pairs.append((w13[slot, off:off + rows], weights[projection][lo:hi]))
-        if stage2:
-            pairs.append((w2[slot, :, :rows], weights.down[:, lo:hi]))
+    if w13 is None:
+        w13 = alloc(w13_shape, spec.dtype, device, padded)
+        halves13 = w13.view(n_local, 2, buf, spec.hidden)[:, :, :rows]
+        if grid13 is not None:  # per half: each a 2-D strided copy (fastcopy's kernel)
+            pairs.extend((halves13[:, half], grid13[:, half]) for half in range(2))
+        else:
+            pairs.extend((halves13[slot, half], block[lo:hi])
+                         for (slot, half), block in zip(_cells(n_local, 2), gate_up))
+    if w2 is None:
+        w2 = alloc(w2_shape, spec.dtype, device, padded)
+        if grid2 is not None:
+            pairs.append((w2[:, :, :rows], grid2))
+        else:
+            pairs.extend((w2[slot, :, :rows], block[:, lo:hi]) for slot, block in enumerate(downs))
     return [(fused_name(layer, "w13"), w13), (fused_name(layer, "w2"), w2)], pairs
+
+
+def _viewed(grid: "torch.Tensor | None", shape) -> "torch.Tensor | None":
+    """``grid`` as ``shape`` where its strides allow it without a copy, else ``None``."""
+    if grid is None:
+        return None
+    try:
+        return grid.view(tuple(shape))
+    except RuntimeError:
+        return None
+
+
+def _cells(*grid: int) -> list:
+    return [(i, j) for i in range(grid[0]) for j in range(grid[1])]
 
 
 def export_layer(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,

@@ -23,6 +23,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from pytest_weightsync.reference_impl.kernels.strided_blocks import grid_view
+
 
 def tiled_view(sources: Sequence[torch.Tensor], shape: Sequence[int], dtype: torch.dtype,
                device=None) -> Optional[torch.Tensor]:
@@ -30,42 +32,21 @@ def tiled_view(sources: Sequence[torch.Tensor], shape: Sequence[int], dtype: tor
 
     ``sources`` are the blocks a sender would copy into a contiguous tensor of ``shape``, in
     the order they land in it (block ``k`` right after block ``k - 1``). The view exists when
-    the sources lie the same way in one storage (see the module docstring); ``device`` (when
-    given) must be theirs, since a copy to another device cannot be a view."""
-    if not sources:
+    the sources are contiguous blocks of one shape lying the same way in one storage (see the
+    module docstring); ``device`` (when given) must be theirs, since a copy to another device
+    cannot be a view."""
+    if not sources or not sources[0].is_contiguous():
         return None
-    first = sources[0]
-    if device is not None and torch.device(device) != first.device:
-        want = torch.device(device)
-        if not (want.type == first.device.type and want.index is None):
-            return None
     numel = 1
     for size in shape:
         numel *= int(size)
-    storage = first.untyped_storage()
-    base = storage.data_ptr()
-    elem = first.element_size()
-    expected_ptr = first.data_ptr()
-    total = 0
-    for src in sources:
-        if (src.dtype != dtype or src.device != first.device or not src.is_contiguous()
-                or src.is_conj() or src.is_neg() or src.layout != torch.strided):
-            return None
-        if src.untyped_storage().data_ptr() != base or src.data_ptr() != expected_ptr:
-            return None
-        expected_ptr += src.numel() * elem
-        total += src.numel()
-    if total != numel or numel == 0:
+    block = sources[0].numel()
+    if block == 0 or block * len(sources) != numel:
         return None
-    offset_bytes = first.data_ptr() - base
-    if offset_bytes % elem or offset_bytes + numel * elem > storage.nbytes():
-        return None
-    strides, step = [], 1
-    for size in reversed(tuple(shape)):
-        strides.append(step)
-        step *= int(size)
-    view = torch.empty(0, dtype=dtype, device=first.device)
-    return view.set_(storage, offset_bytes // elem, tuple(shape), tuple(reversed(strides)))
+    stacked = grid_view(sources, (len(sources),), dtype, device)
+    if stacked is None or (len(sources) > 1 and stacked.stride(0) != block):
+        return None  # blocks with a gap between them
+    return stacked.view(tuple(shape))
 
 
 def staging_tensor(shape, dtype: torch.dtype, device, zero: bool) -> torch.Tensor:

@@ -85,27 +85,90 @@ def merge_etp_shards(fc1_shards: Sequence[torch.Tensor],
                          down=torch.cat(list(fc2_shards), dim=-1))
 
 
+def fc1_targets(fc1: torch.Tensor, row_start: int, rows: int, size: int):
+    """Where an ETP rank's fc1 shard ``[gate_r; up_r]`` (rows ``[row_start, row_start + rows)``
+    of gate and of up) lands in a full ``[gate; up]`` buffer ``fc1 [..., 2 * size, H]``: its
+    first ``rows`` rows at gate's rows, the next ``rows`` at up's - not the shard's ``2 * rows``
+    rows side by side, which is what gathering it as a plain slice of ``[gate; up]`` does."""
+    return (fc1[..., row_start:row_start + rows, :],
+            fc1[..., size + row_start:size + row_start + rows, :])
+
+
 def gather_full_weights(spec: MoESpec, topo: TrainerTopology,
                         states: Sequence[Mapping[str, torch.Tensor]]
                         ) -> dict[int, tuple[ExpertWeights, ...]]:
     """Full HF expert weights of every layer from all trainer ranks' state dicts (single
-    process). Replicas (expert data parallel) are identical; EDP rank 0 is read."""
+    process). Replicas (expert data parallel) are identical; EDP rank 0 is read.
+
+    The result lies the way a grouped-GEMM trainer holds its experts: per layer one fc1 buffer
+    ``[E, 2I, H]`` (``[gate; up]`` per expert) and one fc2 buffer ``[E, H, I]``, every
+    :class:`ExpertWeights` tensor a view into them, so the fused exporters send views of it
+    (``senders.zerocopy``) instead of copying again. Every
+    shard is checked (name, shape, dtype, device) before anything is copied; the copies are
+    batched: an ETP rank's shards of every local expert of a layer, where they lie at fixed
+    steps in one storage (a grouped trainer buffer), move as three strided copies (its gate
+    rows, its up rows, its fc2 columns), otherwise one per expert, all in one planned copy
+    (:func:`fastcopy.copy_pairs`)."""
+    from pytest_weightsync.reference_impl.kernels import fastcopy
+    from pytest_weightsync.reference_impl.kernels.strided_blocks import grid_view
+
     if len(states) != topo.world_size:
         raise TrainerStateError(f"expected {topo.world_size} trainer state dicts (one per rank "
                                 f"of {topo}), got {len(states)}")
     shards = [trainer_shard(spec, topo, r) for r in range(topo.world_size)]
-    full: dict[int, list] = {layer: [None] * spec.num_experts for layer in range(spec.num_layers)}
+    size, hidden = spec.intermediate, spec.hidden
+    reads = []  # (layer, global experts, shard, fc1 shards, fc2 shards), all checked first
     for etp_group in trainer_groups(spec, topo, "etp"):
         members = [shards[r] for r in etp_group]
         if members[0].edp_rank != 0:
             continue
         for local_layer, layer in enumerate(members[0].layers):
-            for local_expert, expert in enumerate(members[0].experts):
+            for s in members:
                 pieces = [_shard_fc(spec, topo, s, states[s.rank], local_layer, local_expert)
-                          for s in members]
-                full[layer][expert] = merge_etp_shards([p[0] for p in pieces],
-                                                       [p[1] for p in pieces])
-    return {layer: tuple(experts) for layer, experts in full.items()}
+                          for local_expert in range(len(s.experts))]
+                reads.append((layer, s.experts, s, [p[0] for p in pieces], [p[1] for p in pieces]))
+    if not reads or not reads[0][3]:
+        raise TrainerStateError(f"no expert shards to gather for {topo}")
+    first = reads[0][3][0]
+    dtype, device = first.dtype, first.device
+    for layer, _, s, ones, twos in reads:
+        for t in ones + twos:
+            if t.dtype != dtype or t.device != device:
+                raise TrainerStateError(f"trainer rank {s.rank} layer {layer}: a {t.dtype} shard on "
+                                        f"{t.device}; the others are {dtype} on {device}")
+    fc1 = {layer: torch.empty((spec.num_experts, 2 * size, hidden), dtype=dtype, device=device)
+           for layer in range(spec.num_layers)}
+    fc2 = {layer: torch.empty((spec.num_experts, hidden, size), dtype=dtype, device=device)
+           for layer in range(spec.num_layers)}
+    pairs, rows_read = [], {}
+    for layer, experts, s, ones, twos in reads:
+        lo, rows = s.row_start, s.rows
+        for e in experts:
+            rows_read[(layer, e)] = rows_read.get((layer, e), 0) + rows
+        span = slice(experts[0], experts[-1] + 1) if experts.step == 1 and len(experts) else None
+        g1 = grid_view(ones, (len(ones),), dtype) if span else None
+        g2 = grid_view(twos, (len(twos),), dtype) if span else None
+        if g1 is not None:
+            gate, up = fc1_targets(fc1[layer][span], lo, rows, size)
+            pairs += [(gate, g1[:, :rows]), (up, g1[:, rows:])]
+        else:
+            for e, t in zip(experts, ones):
+                gate, up = fc1_targets(fc1[layer][e], lo, rows, size)
+                pairs += [(gate, t[:rows]), (up, t[rows:])]
+        if g2 is not None:
+            pairs.append((fc2[layer][span, :, lo:lo + rows], g2))
+        else:
+            pairs += [(fc2[layer][e, :, lo:lo + rows], t) for e, t in zip(experts, twos)]
+    missing = [(layer, e) for layer in range(spec.num_layers) for e in range(spec.num_experts)
+               if rows_read.get((layer, e)) != size]
+    if missing:
+        raise TrainerStateError(f"the trainer ranks' shards do not cover (layer, expert) "
+                                f"{missing[:4]} ({len(missing)} in all) exactly once")
+    with torch.no_grad():
+        fastcopy.copy_pairs(pairs)
+    return {layer: tuple(ExpertWeights(fc1[layer][e, :size], fc1[layer][e, size:], fc2[layer][e])
+                         for e in range(spec.num_experts))
+            for layer in range(spec.num_layers)}
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from . import calls
+from . import calls, memo
 
 
 @dataclass(frozen=True)
@@ -142,17 +142,53 @@ def engine_state(case: AdapterCase, rank: int, layout: str):
     """``(params, slots)`` of engine rank ``rank``: the base weights at version 1 (the
     whole-model engine parameters) and zeroed adapter buffers of ``layout``."""
     from pytest_weightsync.reference_impl.engine.adapter_receiver import allocate_slots
-    from pytest_weightsync.reference_impl.oracle import model_synth
 
-    params = model_synth.expected_engine_params(case.adapter.model, case.receiver, rank, 1)
+    params = _fresh(_base_params(case.adapter.model, case.receiver, rank))
     return params, allocate_slots(case.adapter, case.receiver, rank, layout, SLOTS)
 
 
 def payload(adapter, version: int) -> list:
-    """The adapter's tensors at ``version`` as a trainer exports them (Megatron-Bridge names)."""
+    """The adapter's tensors at ``version`` as a trainer exports them (Megatron-Bridge names):
+    fresh tensors every call (a loader may scale what it is handed in place)."""
+    return list(_fresh(_adapter_tensors(adapter, version)).items())
+
+
+# The oracle's values are computed once per (adapter or model, topology, rank, version) - every
+# test of a case and every rank loop asks for the same ones - and handed out as copies, so
+# nothing a loader does to its inputs reaches the next test.
+
+@memo.memo(maxsize=32)
+def _base_params(model, receiver, rank: int) -> tuple:
+    from pytest_weightsync.reference_impl.oracle import model_synth
+
+    return tuple(model_synth.expected_engine_params(model, receiver, rank, 1).items())
+
+
+@memo.memo(maxsize=32)
+def _adapter_tensors(adapter, version: int) -> tuple:
     from pytest_weightsync.reference_impl.oracle import adapter_synth
 
-    return list(adapter_synth.adapter_tensors(adapter, version).items())
+    return tuple(adapter_synth.adapter_tensors(adapter, version).items())
+
+
+@memo.memo(maxsize=128)
+def _expected_slots(adapter, receiver, rank: int, layout: str, versions: tuple) -> dict:
+    """The oracle's buffers (:func:`check_slots` only reads them)."""
+    from pytest_weightsync.reference_impl.oracle import adapter_synth
+
+    return adapter_synth.expected_slots(adapter, receiver, rank, layout, SLOTS, dict(versions))
+
+
+def _fresh(pairs) -> dict:
+    """``name -> tensor`` copies of ``pairs`` (a dict or its items); one object aliased under
+    two names stays one object."""
+    copies: dict = {}
+    out = {}
+    for name, tensor in (pairs.items() if isinstance(pairs, dict) else pairs):
+        if id(tensor) not in copies:
+            copies[id(tensor)] = tensor.clone()
+        out[name] = copies[id(tensor)]
+    return out
 
 
 def load(impl, case: AdapterCase, rank: int, layout: str, params, slots, items, slot: int):
@@ -165,10 +201,9 @@ def check_slots(impl, case: AdapterCase, rank: int, layout: str, slots, versions
     """Every buffer of ``slots`` holds what the oracle places there for ``versions``
     (``{slot: version}``; other slots zero), bit for bit; the first difference located."""
     from pytest_weightsync import compare
-    from pytest_weightsync.reference_impl.oracle import adapter_synth
 
-    expected = adapter_synth.expected_slots(case.adapter, case.receiver, rank, layout, SLOTS,
-                                            versions)
+    expected = _expected_slots(case.adapter, case.receiver, rank, layout,
+                               tuple(versions.items()))
     if set(slots) != set(expected):
         raise LoraConformanceError(f"{impl.name}: rank {rank} ({layout}) buffers "
                                    f"{sorted(set(slots) ^ set(expected))[:4]} differ from the "

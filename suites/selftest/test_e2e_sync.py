@@ -150,6 +150,35 @@ def test_tiled_view_refuses_every_layout_that_is_not_exactly_the_payloads():
     assert tiled_view([z[:4].conj(), z[4:].conj()], (8,), torch.complex64) is None, "lazy conjugate"
 
 
+def test_grid_view_is_the_blocks_at_fixed_steps_or_nothing():
+    from pytest_weightsync.reference_impl.kernels.strided_blocks import grid_view
+
+    buf = torch.arange(96, dtype=torch.int16).view(torch.bfloat16).view(4, 2, 3, 4)  # [E, 2, r, H]
+    blocks = [buf[e, h] for e in range(4) for h in range(2)]
+    view = grid_view(blocks, (4, 2), torch.bfloat16)
+    assert view is not None and view.data_ptr() == buf.data_ptr()
+    assert torch.equal(bits(view), bits(buf))
+    rows = grid_view([buf[e, h, 1:] for e in range(4) for h in range(2)], (4, 2), torch.bfloat16)
+    assert rows is not None and torch.equal(bits(rows), bits(buf[:, :, 1:])), "strided blocks"
+    cols = grid_view([buf[e, 0, :, 1:3] for e in (1, 2, 3)], (3,), torch.bfloat16)
+    assert cols is not None and torch.equal(bits(cols), bits(buf[1:, 0, :, 1:3]))
+    assert grid_view(blocks, (2, 4), torch.bfloat16) is not None, "another grid of one layout"
+    assert grid_view(blocks[::-1], (4, 2), torch.bfloat16) is None, "negative steps"
+    assert grid_view(blocks[:3] + blocks[4:], (7,), torch.bfloat16) is None, "a gap"
+    assert grid_view(blocks[:1] * 2, (2,), torch.bfloat16) is None, "one block twice"
+    assert grid_view(blocks, (3, 2), torch.bfloat16) is None, "the grid's count"
+    copy = [b.clone() if i == 5 else b for i, b in enumerate(blocks)]
+    assert grid_view(copy, (4, 2), torch.bfloat16) is None, "another storage"
+    assert grid_view([buf[0, 0], buf[0, 1, :2]], (2,), torch.bfloat16) is None, "shapes"
+    assert grid_view([buf[0, 0], buf[0, 1].t().t()], (2,), torch.bfloat16) is not None
+    assert grid_view(blocks, (4, 2), torch.float16) is None, "dtype"
+    assert grid_view(blocks, (4, 2), torch.bfloat16, device="meta") is None, "device"
+    assert grid_view([buf[0, 0].to_sparse()], (1,), torch.bfloat16) is None, "sparse"
+    z = torch.zeros(8, dtype=torch.complex64)
+    assert grid_view([z[:4].conj(), z[4:].conj()], (2,), torch.complex64) is None, "lazy conjugate"
+    assert grid_view([], (0,), torch.bfloat16) is None
+
+
 # --------------------------------------------------------------------------------------------
 # Payloads shared once
 # --------------------------------------------------------------------------------------------
@@ -286,11 +315,15 @@ def test_colocated_sender_views_when_it_can_and_buckets_staging_within_its_budge
     for fmt in ("packed", "hf_fused", "compat"):
         assert ColocatedSender(fmt, SPEC, ReceiverTopology(tp=2), full).staged_bytes == 0
     assert ColocatedSender("direct", SPEC, ReceiverTopology(), full).staged_bytes == 0
-    layer = 3 * SPEC.num_experts * SPEC.intermediate * SPEC.hidden * 2  # both ranks' halves
+    # Both ranks' [gate_r; up_r] rows are staged; their fc2 columns are strided views.
+    layer = 2 * SPEC.num_experts * SPEC.intermediate * SPEC.hidden * 2
     arena = lambda s, b: s.buckets[b].entries[0][0][1].untyped_storage().data_ptr()  # noqa: E731
     one = ColocatedSender("direct", SPEC, ReceiverTopology(tp=2), full, staging_bytes=layer + 4096)
     assert [b.layers for b in one.buckets] == [[0], [1], [2]]
     assert one.staged_bytes == SPEC.num_layers * layer
+    w2 = dict(one.payload(0, 1))[fused_name(0, "w2")]
+    assert not w2.is_contiguous() and w2.untyped_storage().data_ptr() in {
+        w.down.untyped_storage().data_ptr() for w in full[0]}, "fc2 columns: a view"
     assert arena(one, 0) == arena(one, 1), "a layer does not fit half the budget: one arena"
     whole = ColocatedSender("direct", SPEC, ReceiverTopology(tp=2), full, staging_bytes=3 * layer)
     assert [b.layers for b in whole.buckets] == [[0, 1, 2]], "exactly the budget: one bucket"
@@ -420,12 +453,13 @@ def test_gpu_colocated_sync_over_cuda_ipc_is_exact_and_replays_cuda_graphs(fmt, 
 
 
 def gpu_sync_rounds(fmt, tp, *, seed, steps, per_update=False, bucket_layers=False,
-                    check_sender=None, after_update=None):
+                    check_sender=None, after_update=None, chain=False):
     """Updates of 3 small layers over CUDA IPC into ``tp`` engine processes on GPU 0: the
     trainer's bits xor-ed in place before each, every bucket a plan-cache miss on the first
     update and a hit after, parameters never moved, the oracle's bits after the last.
     ``per_update``: SGLang's protocol (serialized every update) instead of registered
-    payloads; ``bucket_layers``: one layer per bucket; ``after_update(engines, full, step)``."""
+    payloads; ``bucket_layers``: one layer per bucket; ``after_update(engines, full, step)``;
+    ``chain``: the engine ranks' copies of a bucket of views one after the other."""
     spec = MoESpec(num_layers=3, num_experts=16, hidden=256, intermediate=128)
     topo = ReceiverTopology(tp=tp)
     full = synth.grouped_full_weights(spec, seed, device="cuda")
@@ -437,7 +471,8 @@ def gpu_sync_rounds(fmt, tp, *, seed, steps, per_update=False, bucket_layers=Fal
                                  bucket_bytes=layer if bucket_layers else None)
         if check_sender is not None:
             assert check_sender(sender)
-        sync = ColocatedSync(sender, engines, per_update=per_update)
+        sync = ColocatedSync(sender, engines, per_update=per_update, chain=chain)
+        assert sync.chain == (chain and tp > 1)
         if not per_update:
             sync.register()
         mask = 0

@@ -170,7 +170,12 @@ def test_etp_shards_concatenated_without_split_is_located(monkeypatch):
         gate, up = fc1.chunk(2, dim=-2)
         return ExpertWeights(gate, up, torch.cat(list(fc2_shards), dim=-1))
 
-    monkeypatch.setattr(trainer, "merge_etp_shards", naive_merge)
+    def side_by_side(fc1, row_start, rows, size):  # the shard's rows as one slice of [gate; up]
+        return (fc1[..., 2 * row_start:2 * row_start + rows, :],
+                fc1[..., 2 * row_start + rows:2 * row_start + 2 * rows, :])
+
+    monkeypatch.setattr(trainer, "merge_etp_shards", naive_merge)  # the gather of the ranks
+    monkeypatch.setattr(trainer, "fc1_targets", side_by_side)  # the gather of their state dicts
     err = _run_mutant(ReferenceReceiver, "direct")
     assert isinstance(err.mismatch, compare.BitMismatchError)
     # naive: [g0; u0; g1; u1] halved -> gate = [g0; u0] (rows 0..3 right by accident), up =

@@ -357,7 +357,12 @@ def test_etp_merge_without_split_is_located(monkeypatch):
         gate, up = torch.cat(list(fc1_shards), dim=-2).chunk(2, dim=-2)
         return ExpertWeights(gate, up, torch.cat(list(fc2_shards), dim=-1))
 
+    def side_by_side(fc1, row_start, rows, size):  # the shard's rows as one slice of [gate; up]
+        return (fc1[..., 2 * row_start:2 * row_start + rows, :],
+                fc1[..., 2 * row_start + rows:2 * row_start + 2 * rows, :])
+
     monkeypatch.setattr(trainer, "merge_etp_shards", naive)
+    monkeypatch.setattr(trainer, "fc1_targets", side_by_side)
     killed(lambda case: conformance(case, ["packed"]), SQUARE, "projection=", "row=")
 
 

@@ -114,12 +114,6 @@ def _alias_written_param(tensor, name, rec):
     return None
 
 
-def _transposed_square(tensor, name, rec):
-    if tensor.dim() < 2 or tensor.shape[-1] != tensor.shape[-2] or tensor.shape[-1] < 2:
-        return None
-    return tensor.transpose(-1, -2)  # same shape, non-contiguous, other values
-
-
 def _non_contiguous(tensor, name, rec):
     if tensor.dim() < 2:
         return None
@@ -151,7 +145,6 @@ MUTATIONS = {
     "shape-extra-dim": _retensor(lambda t, n, r: t.unsqueeze(0)),
     "scalar": _retensor(lambda t, n, r: t.reshape(-1)[0]),
     "empty-tensor": _retensor(lambda t, n, r: t.reshape(-1)[:0]),
-    "transposed-square": _retensor(_transposed_square),
     "sparse": _retensor(lambda t, n, r: t.to_sparse()),
     "meta-device": _retensor(lambda t, n, r: torch.empty_like(t, device="meta")),
     "alias-of-written-param": _retensor(_alias_written_param),
@@ -165,11 +158,10 @@ MUTATIONS = {
     "payload-dict": _whole(lambda b: dict(b)),
     "payload-tensor": _whole(lambda b: b[0][1]),
 }
-#: Mutations that break only some formats (the others legitimately accept the result).
-ONLY = {
-    # a transposed square tensor is valid data to a slicing loader; only direct needs contiguity
-    "transposed-square": {"direct"},
-}
+#: Mutations that break only some formats (the others legitimately accept the result). A
+#: transposed square tensor is none: its shape is right and every format, direct included
+#: (SGLang's ``default_weight_loader`` copies any strides), takes it as data.
+ONLY: dict = {}
 
 
 def _mutated(kind, fmt, key, rank, index):

@@ -185,7 +185,8 @@ def test_buckets_hold_at_most_bucket_bytes_of_payload_per_rank():
         [[0], [1], [2]], "a layer larger than the limit travels alone"
     staged = ColocatedSender("direct", SPEC, ReceiverTopology(tp=2), full,
                              staging_bytes=3 * layer, bucket_bytes=layer // 2)
-    assert groups(staged) == [[0], [1], [2]] and staged.staged_bytes == 3 * layer
+    # The ranks' [gate_r; up_r] rows are staged (2/3 of a layer); their fc2 columns are views.
+    assert groups(staged) == [[0], [1], [2]] and staged.staged_bytes == 3 * layer * 2 // 3
     with pytest.raises(Exception, match="bucket_bytes"):
         ColocatedSender("packed", SPEC, ReceiverTopology(), full, bucket_bytes=-1)
 
@@ -256,6 +257,65 @@ def test_per_update_protocol_refuses_a_bad_bucket_and_keeps_the_parameters(cpu_e
 
 
 # --------------------------------------------------------------------------------------------
+# A stateless sender: exported and shared anew every update, bucket after bucket
+# --------------------------------------------------------------------------------------------
+
+
+def stateless_rounds(engines, fmt, topo, *, seed, wire, bucket_layers, steps=3):
+    """Updates from a :class:`StatelessSync` after the trainer's bits changed in place: the
+    engine digests equal the trainer's after every update, the buckets after the first update
+    are recognised (views of the same trainer memory; staged ones are planned again), addresses
+    never move, and every element equals the oracle's after the last."""
+    from pytest_weightsync.reference_impl.senders.stateless import StatelessSync
+
+    full = synth.grouped_full_weights(SPEC, seed, device=engines[0].device)
+    ptrs = [e.configure(SPEC, topo, r) for r, e in enumerate(engines)]
+    for engine in engines:
+        engine.reset(plan_cache=True)
+    sync = StatelessSync(fmt, SPEC, topo, engines, wire=wire, bucket_layers=bucket_layers)
+    mask = 0
+    for step in range(steps):
+        new = 0x2469 * (step + 1) & 0x7FFF
+        xor_weights(full, mask ^ new)
+        mask = new
+        timing = sync.update(full)
+        assert len(timing.reports) == len(sync.buckets(range(SPEC.num_layers)))
+        reports = [r for bucket in timing.reports for r in bucket]
+        assert all(dict(r.param_ptrs) == ptrs[r.rank] for r in reports), "parameters moved"
+        if step:  # staged tensors are fresh memory each update: checked and planned again
+            want = {"hit", "replan"} if fmt == "direct" and topo.moe_tp > 1 else {"hit"}
+            assert {c for r in reports for c in r.cache} <= want, [r.cache for r in reports]
+        got = [e.digest() for e in engines]
+        assert tuple(map(sum, zip(*got))) == trainer_digest(full), f"update {step}"
+    assert [e.check(seed, 0, mask) for e in engines] == [None] * len(engines)
+
+
+@pytest.mark.parametrize("fmt, tp, wire, bucket_layers", [
+    ("direct", 2, "storages", 1), ("packed", 2, "tensors", 2), ("hf_fused", 1, "storages", 3),
+    ("compat", 2, "storages", 2), ("compat", 1, "tensors", 1), ("direct", 1, "tensors", 1)])
+def test_stateless_sender_streams_buckets_exactly(cpu_engines, fmt, tp, wire, bucket_layers):
+    stateless_rounds(cpu_engines[:tp], fmt, ReceiverTopology(tp=tp), seed=9, wire=wire,
+                     bucket_layers=bucket_layers)
+
+
+def test_stateless_sender_refuses_a_bad_configuration_before_sending(cpu_engines):
+    from pytest_weightsync.reference_impl.errors import WeightSyncError
+    from pytest_weightsync.reference_impl.senders.stateless import StatelessSync
+
+    topo = ReceiverTopology(tp=2)
+    for kwargs, fragment in [(dict(wire="nccl"), "unknown wire 'nccl'"),
+                             (dict(bucket_layers=0), "bucket_layers must be an int >= 1"),
+                             (dict(bucket_layers=True), "bucket_layers must be an int >= 1")]:
+        with pytest.raises(WeightSyncError, match=fragment):
+            StatelessSync("packed", SPEC, topo, cpu_engines, **kwargs)
+    with pytest.raises(WeightSyncError, match="1 engine process"):
+        StatelessSync("packed", SPEC, topo, cpu_engines[:1])
+    with pytest.raises(WeightSyncError, match="unknown payload format"):
+        StatelessSync("fused", SPEC, topo, cpu_engines)
+    assert not any(e.pending for e in cpu_engines)
+
+
+# --------------------------------------------------------------------------------------------
 # GPU: the same path over CUDA IPC
 # --------------------------------------------------------------------------------------------
 
@@ -271,3 +331,25 @@ def test_gpu_per_update_protocol_over_cuda_ipc_is_exact_and_replays_cuda_graphs(
     gpu_sync_rounds(fmt, tp, seed=7, steps=5, per_update=True, bucket_layers=True,
                     check_sender=lambda sender: len(sender.buckets) == 3,
                     after_update=digests_agree)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_update", [False, True], ids=["registered", "per-update"])
+@pytest.mark.parametrize("fmt", ["packed", "direct"])
+def test_gpu_chained_engine_ranks_copy_exactly(fmt, per_update):
+    # rank 1 copies each bucket of views after rank 0 on the device; staged buckets keep their
+    # own events (direct at MoE-TP 2 stages its [gate_r; up_r] rows)
+    gpu_sync_rounds(fmt, 2, seed=13, steps=4, per_update=per_update, bucket_layers=True,
+                    chain=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, tp, wire", [("direct", 2, "storages"), ("compat", 1, "tensors"),
+                                           ("hf_fused", 2, "storages")])
+def test_gpu_stateless_sender_streams_buckets_exactly_over_cuda_ipc(fmt, tp, wire):
+    engines = [engine_process.ReceiverProcess("cuda:0", timeout=120) for _ in range(tp)]
+    try:
+        stateless_rounds(engines, fmt, ReceiverTopology(tp=tp), seed=11, wire=wire, bucket_layers=1)
+    finally:
+        for engine in engines:
+            engine.close()

@@ -155,12 +155,22 @@ def test_packed_and_direct_payloads_reproduce_real_loader_result(moe_tp, moe_ep,
         via_direct.load(direct_payload, load_format="direct")
         assert_state_equal(via_direct.params, truth, locate=locate, rank=rank)
 
-        # SGLang's own direct loader takes the same rank-local tensors.
-        fresh = build_fused_moe(num_experts=SPEC.num_experts, hidden_size=SPEC.hidden,
-                                intermediate_size=SPEC.intermediate, placement=real.placement,
-                                runner=runner, dtype=SPEC.dtype)
-        fresh.load_direct(direct_payload)
-        assert_state_equal(_as_reference_names(fresh), truth, locate=locate, rank=rank)
+        # SGLang's own direct loader takes the same rank-local tensors, and the views of a
+        # grouped-GEMM trainer's buffers the direct exporter sends instead of staging copies
+        # (at MoE-TP > 1 the rank's fc2 columns: strided, which default_weight_loader copies
+        # as they are), through the reference receiver too.
+        grouped = direct.export(SPEC, topo, rank, synth.grouped_full_weights(SPEC, VERSION))
+        if moe_tp > 1:
+            assert not dict(grouped)[fused_name(0, "w2")].is_contiguous(), "w2 was staged"
+        for sent in (direct_payload, grouped):
+            fresh = build_fused_moe(num_experts=SPEC.num_experts, hidden_size=SPEC.hidden,
+                                    intermediate_size=SPEC.intermediate, placement=real.placement,
+                                    runner=runner, dtype=SPEC.dtype)
+            fresh.load_direct(sent)
+            assert_state_equal(_as_reference_names(fresh), truth, locate=locate, rank=rank)
+        via_views = ReferenceReceiver(SPEC, topo, rank)
+        via_views.load(grouped, load_format="direct")
+        assert_state_equal(via_views.params, truth, locate=locate, rank=rank)
 
 
 @pytest.mark.parametrize("moe_tp, moe_ep", [(2, 2), (1, 4)])

@@ -8,6 +8,12 @@ by the toy transport, pass the expert-only and the whole-model suites, single-pr
 distributed (the rank processes find the entry point too); a sender bug on that wire (one
 flipped bit) is located; a transport that does not load, or is named unlike its entry point,
 is refused by the registry before any test runs.
+
+The inner session runs without the optional stock SGLang rows (``WEIGHTSYNC_OPTIONAL_BUILTINS``
+empty, as every inner session of ``tests/`` runs): after decoding, every transport hands the
+same pairs on, and the stock rows' judging of those pairs runs in the outer session
+(``test_transports_every_suite.py`` and the conformance suites); probing SGLang and building
+its rows would be a third of the inner session's time.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from pytest_weightsync import transports
+from pytest_weightsync.registry import OPTIONAL_BUILTINS_ENV
 
 pytestmark = pytest.mark.weightsync_property("mutation_detected")
 
@@ -84,6 +91,7 @@ def test_a_transport_from_the_entry_point_is_decoded_by_every_suite(pytester):
     pytester.makepyfile(test_toy_transport=INNER)
     pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     pytester._monkeypatch.setenv("PYTHONPATH", pythonpath)
+    pytester._monkeypatch.setenv(OPTIONAL_BUILTINS_ENV, "none")
     result = pytester.runpytest_subprocess(
         "-p", "weightsync", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
         "-W", "ignore::UserWarning", "--weightsync-threads", "1",

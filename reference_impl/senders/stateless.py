@@ -1,0 +1,150 @@
+"""A stateless sender: every update exported, shared and loaded anew, bucket by bucket.
+
+Most clients keep nothing between updates: per update they call an exporter
+(:func:`senders.export`), serialize what it returns and hand it to SGLang's
+``update_weights_from_tensor``, one bucket after another. Done as one bucket of the whole
+model, every piece of host work (export, sharing, the engine's rebuild and recognition)
+stands in front of the copy, and the device idles while the host works. Done as a stream of
+buckets, bucket ``b + 1`` is exported, serialized and sent while the engines copy bucket
+``b``: the engine answers a bucket that is not the update's last as soon as its copies are
+queued (``ReceiverProcess.post_update(sync=False)``) and the sender holds that bucket's
+tensors until the update ends, so only the first bucket's host work and the last bucket's
+copy are not overlapped.
+
+Nothing is kept between updates: each bucket's payload is built from the trainer's current
+tensors, and the engines recognise a bucket by its signature or table and addresses (the plan
+cache, :mod:`~pytest_weightsync.reference_impl.engine.plan_cache`), which a stateless sender's
+views of the same trainer memory give every update. :data:`WIRES` are the two ways to send a
+bucket: SGLang's per-tensor wire (one IPC share per tensor) and one share per storage
+(:func:`~pytest_weightsync.reference_impl.sharing.shared_payload.serialize_storages`, the default:
+for a payload of views of a few trainer buffers it shares 2 storages per layer where the
+per-tensor wire shares 768 tensors per layer for ``compat``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+from pytest_weightsync.reference_impl.errors import WeightSyncError
+from pytest_weightsync.reference_impl.senders import formats as senders
+
+#: Wire name -> what it is; the serializers are imported on first use (torch).
+WIRES = {"storages": "one IPC share per storage, the table of entries alongside",
+         "tensors": "SGLang's per-tensor wire: one IPC share per tensor"}
+
+
+def _serializer(wire: str):
+    if wire == "storages":
+        from pytest_weightsync.reference_impl.sharing.shared_payload import serialize_storages
+
+        return serialize_storages
+    from pytest_weightsync.reference_impl.sharing.ipc import serialize
+
+    return serialize
+
+
+@dataclass
+class StatelessTiming:
+    """Seconds of one update: ``export`` and ``serialize`` (the sender, summed over buckets),
+    the engines' reports per bucket, and ``wall`` (until the last rank answered)."""
+
+    export: float = 0.0
+    serialize: float = 0.0
+    wall: float = 0.0
+    reports: list = field(default_factory=list)
+
+    def stage(self, name: str) -> float:
+        """An engine stage summed over buckets, the slowest rank's."""
+        per_rank: dict = {}
+        for bucket in self.reports:
+            for report in bucket:
+                per_rank[report.rank] = per_rank.get(report.rank, 0.0) + report.seconds.get(name, 0.0)
+        return max(per_rank.values(), default=0.0)
+
+
+class StatelessSync:
+    """Send ``full`` (the trainer's expert weights, ``{layer: (ExpertWeights, ...)}``) in
+    ``fmt`` to ``engines`` (one configured
+    :class:`~pytest_weightsync.reference_impl.engine.process.ReceiverProcess` per receiver
+    rank) with nothing kept between updates: ``bucket_layers`` layers per bucket, ``wire``
+    one of :data:`WIRES`. See the module docstring."""
+
+    def __init__(self, fmt: str, spec, topo, engines: Sequence, *, wire: str = "storages",
+                 bucket_layers: int = 1):
+        senders.check_format(fmt)
+        if wire not in WIRES:
+            raise WeightSyncError(f"unknown wire {wire!r}; expected one of {sorted(WIRES)}")
+        if isinstance(bucket_layers, bool) or not isinstance(bucket_layers, int) or bucket_layers < 1:
+            raise WeightSyncError(f"bucket_layers must be an int >= 1, got {bucket_layers!r}")
+        if len(engines) != topo.world_size:
+            raise WeightSyncError(f"{len(engines)} engine process(es) for a receiver of "
+                                  f"{topo.world_size} rank(s)")
+        self.fmt, self.spec, self.topo, self.engines = fmt, spec, topo, list(engines)
+        self.wire, self.bucket_layers = wire, bucket_layers
+        self.load_format = "direct" if fmt == "direct" else None
+        self._serialize = _serializer(wire)
+
+    def buckets(self, layers: Iterable[int]) -> list[list[int]]:
+        layers = list(layers)
+        step = self.bucket_layers
+        return [layers[i:i + step] for i in range(0, len(layers), step)]
+
+    def update(self, full, layers: Optional[Iterable[int]] = None) -> StatelessTiming:
+        """One complete update of every rank from the trainer's current ``full``; raises what
+        a rank raised (after every rank's answer is in)."""
+        timing = StatelessTiming()
+        groups = self.buckets(sorted(full) if layers is None else layers)
+        if not groups:
+            raise WeightSyncError("a stateless update needs at least one layer")
+        shared = senders.rank_independent(self.fmt)
+        ranks = range(len(self.engines))
+        held = []  # every bucket's payload and bytes, alive until the update's last answer
+        start = time.perf_counter()
+        try:
+            for index, group in enumerate(groups):
+                t0 = time.perf_counter()
+                if shared:
+                    one = senders.export(self.fmt, self.spec, self.topo, 0, full, group)
+                    payloads = [one] * len(self.engines)
+                else:
+                    payloads = [senders.export(self.fmt, self.spec, self.topo, r, full, group)
+                                for r in ranks]
+                t1 = time.perf_counter()
+                data = [self._serialize(payloads[r]) for r in ranks]
+                t2 = time.perf_counter()
+                self._collect(timing)
+                last = index == len(groups) - 1
+                for rank, engine in enumerate(self.engines):
+                    engine.post_update(data[rank], self.load_format, begin=index == 0, end=last,
+                                       memory=False, sync=last)
+                held.append((payloads, data))
+                timing.export += t1 - t0
+                timing.serialize += t2 - t1
+            self._collect(timing)
+        finally:
+            for engine in self.engines:
+                if engine.pending:
+                    try:
+                        engine.result()
+                    except Exception:
+                        pass
+        timing.wall = time.perf_counter() - start
+        del held
+        return timing
+
+    def _collect(self, timing: StatelessTiming) -> None:
+        """Every engine's answer to the posted bucket (all of them, then the first error)."""
+        reports, error = [], None
+        for engine in self.engines:
+            if not engine.pending:
+                continue
+            try:
+                reports.append(engine.result())
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        if reports:
+            timing.reports.append(reports)
