@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import operator
 import pickle
 from typing import Iterable, Optional
@@ -46,18 +47,22 @@ class SharedPayloadError(WeightSyncError):
 _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
+_NAME = operator.itemgetter(0)
+_TENSOR = operator.itemgetter(1)
 
 
 def _check_items(items: list) -> None:
     """Refuse anything but ``(str, dense tensor without grad or lazy bits)`` pairs, naming the
-    first bad entry; the common all-good case is checked in bulk."""
-    pairs = all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                and isinstance(item[1], torch.Tensor) for item in items)
-    tensors = [item[1] for item in items] if pairs else []
-    if (pairs and not any(map(operator.attrgetter("requires_grad"), tensors))
-            and all(layout is torch.strided for layout in map(operator.attrgetter("layout"), tensors))
-            and not any(map(torch.Tensor.is_conj, tensors)) and not any(map(torch.Tensor.is_neg, tensors))):
-        return
+    first bad entry; the common all-good case is checked in bulk, in C."""
+    if (set(map(type, items)) <= {tuple} and set(map(len, items)) <= {2}
+            and set(map(type, map(_NAME, items))) <= {str}
+            and all(map(isinstance, map(_TENSOR, items), itertools.repeat(torch.Tensor)))):
+        tensors = list(map(_TENSOR, items))
+        if (not any(map(operator.attrgetter("requires_grad"), tensors))
+                and set(map(operator.attrgetter("layout"), tensors)) <= {torch.strided}
+                and not any(map(torch.Tensor.is_conj, tensors))
+                and not any(map(torch.Tensor.is_neg, tensors))):
+            return
     for i, item in enumerate(items):
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], torch.Tensor)):
@@ -81,8 +86,8 @@ class SharedPayload:
     def __init__(self, named_tensors: Iterable):
         items = list(named_tensors)
         _check_items(items)
-        names = [name for name, _ in items]
-        tensors = [tensor for _, tensor in items]
+        names = list(map(_NAME, items))
+        tensors = list(map(_TENSOR, items))
         # Every attribute of every entry read in C, one ``map`` per attribute: a payload built
         # every update (a stateless sender's 768 per-expert views per layer) costs per entry
         # what a few dict lookups cost, not a Python frame per attribute.
@@ -91,17 +96,18 @@ class SharedPayload:
         sizes = list(map(torch.UntypedStorage.nbytes, storages))
         devices = list(map(_DEVICE, tensors))
         names_of = {device: str(device) for device in set(devices)}
-        wholes, index, slots = [], {}, []
-        for storage, ptr, size, device in zip(storages, ptrs, sizes, devices):
-            if size == 0:
-                slots.append(-1)
-                continue
-            slot = index.get((device, ptr))
-            if slot is None:
-                slot = index[(device, ptr)] = len(wholes)
-                whole = torch.empty(0, dtype=torch.uint8, device=device)
+        keys = list(zip(devices, ptrs))
+        wholes, index = [], {}
+        # Distinct storages in order of first use (a dict keeps its keys' first order).
+        for key, (storage, size) in dict(zip(keys, zip(storages, sizes))).items():
+            if size:
+                index[key] = len(wholes)
+                whole = torch.empty(0, dtype=torch.uint8, device=key[0])
                 wholes.append(whole.set_(storage, 0, (size,), (1,)))
-            slots.append(slot)
+        if 0 in sizes:  # an empty tensor has no storage to share
+            slots = [index[key] if size else -1 for key, size in zip(keys, sizes)]
+        else:
+            slots = list(map(index.__getitem__, keys))
         rows = tuple(zip(slots, map(_DTYPE, tensors), [names_of[d] for d in devices],
                          map(torch.Tensor.storage_offset, tensors), map(tuple, map(_SHAPE, tensors)),
                          map(torch.Tensor.stride, tensors)))
