@@ -477,10 +477,49 @@ class ReferenceReceiver:
         else:
             self._write_w13(plan, parsed.layer, slot, parsed.projection, tensor)
 
+    def _expert_span(self, layer: int) -> Optional[tuple[int, int]]:
+        """``(first expert, count)`` when an all-expert tensor's experts of ``layer`` go to slots
+        ``0..count-1`` in order through this class's own placement (:data:`_PLACEMENT`): one
+        strided pair per projection half then writes what a pair per expert would, so a fresh
+        payload is planned in a few pairs instead of 768 per layer."""
+        cls = type(self)
+        if any(getattr(cls, name) is not getattr(ReferenceReceiver, name) for name in _PLACEMENT):
+            return None
+        slots = self._planned_slots(layer)
+        if not slots:
+            return None
+        start = slots[0][0]
+        want = [(start + k, k) for k in range(len(slots))]
+        return (start, len(slots)) if slots == want else None
+
+    def _write_span(self, plan: LoadPlan, layer: int, count: int, projection: str,
+                    full: torch.Tensor) -> None:
+        """:meth:`_write_w13` / :meth:`_write_w2` for slots ``0..count-1`` at once (``full``:
+        their experts' full ``projection``, ``[count, I, H]`` or ``[count, H, I]``)."""
+        name, dim = fused_name(layer, "w2" if projection == "down" else "w13"), 1 + (projection == "down")
+        buf, rows = self.shard.buffer_rows, self.shard.rows
+        off = 0 if dim == 2 else self._half_offset(projection)
+        dst = self.params[name][:count]
+        plan.pairs.append((dst.narrow(dim, off, rows), full.narrow(dim, self.shard.row_start, rows)))
+        if buf > rows:
+            plan.zero.append(dst.narrow(dim, off + rows, buf - rows))
+        plan.touched.add(name)
+
     def _plan_packed(self, plan: LoadPlan, parsed, tensor) -> None:
         """Receiver-order halves: ``w13[e]`` is ``[first; second]`` of ``self.topo.order``."""
         size = self.spec.intermediate
         first, _ = gate_up_halves(self.topo.order)
+        span = self._expert_span(parsed.layer)
+        if span is not None:
+            chosen = tensor[span[0]:span[0] + span[1]]
+            if parsed.projection == "w13":
+                for projection in ("gate", "up"):
+                    start = 0 if projection == first else size
+                    self._write_span(plan, parsed.layer, span[1], projection,
+                                     chosen.narrow(1, start, size))
+            else:
+                self._write_span(plan, parsed.layer, span[1], "down", chosen)
+            return
         for expert, slot in self._planned_slots(parsed.layer):
             if parsed.projection == "w13":
                 for projection in ("gate", "up"):
@@ -493,6 +532,15 @@ class ReferenceReceiver:
     def _plan_hf_fused(self, plan: LoadPlan, parsed, tensor) -> None:
         """Gate rows first whatever the receiver order (SGLang splits with ``chunk(2, -2)``)."""
         size = self.spec.intermediate
+        span = self._expert_span(parsed.layer)
+        if span is not None:
+            chosen = tensor[span[0]:span[0] + span[1]]
+            if parsed.projection == "gate_up":
+                self._write_span(plan, parsed.layer, span[1], "gate", chosen.narrow(1, 0, size))
+                self._write_span(plan, parsed.layer, span[1], "up", chosen.narrow(1, size, size))
+            else:
+                self._write_span(plan, parsed.layer, span[1], "down", chosen)
+            return
         for expert, slot in self._planned_slots(parsed.layer):
             if parsed.projection == "gate_up":
                 self._write_w13(plan, parsed.layer, slot, "gate", tensor[expert].narrow(0, 0, size))
@@ -539,6 +587,12 @@ class ReferenceReceiver:
                         f"{self._where(index, name)}: its memory overlaps receiver parameter "
                         f"{param!r}, which this bucket writes; send a copy")
                 k -= 1
+
+
+#: What places an all-expert tensor's experts, slots and rows: a subclass overriding any of
+#: them (EPLB, a loader variant) is planned one expert at a time through its own methods.
+_PLACEMENT = ("_write_w13", "_write_w2", "_planned_slots", "_local_slot", "_tp_rows",
+              "_half_offset", "_plan_packed", "_plan_hf_fused")
 
 
 def make_receivers(spec: MoESpec, topo: ReceiverTopology, device="cpu") -> list[ReferenceReceiver]:
