@@ -41,7 +41,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 import torch
 
 from pytest_weightsync.reference_impl.kernels import fastcopy
-from pytest_weightsync.reference_impl.senders import formats as senders
+from pytest_weightsync.reference_impl.senders import answers, formats as senders
 from pytest_weightsync.reference_impl.errors import WeightSyncError
 from pytest_weightsync.reference_impl.sharing.shared_payload import SharedPayload
 
@@ -393,12 +393,7 @@ class ColocatedSync:
             pending = self._collect(timing)
         finally:
             if pending is not None:  # something failed mid-bucket: take every answer still due
-                for engine in self.engines:
-                    if engine.pending:
-                        try:
-                            engine.result()
-                        except Exception:
-                            pass
+                answers.drain(self.engines)
         timing.wall = time.perf_counter() - start
         return timing
 
@@ -414,17 +409,7 @@ class ColocatedSync:
 
     def _collect(self, timing: SyncTiming) -> None:
         """Every engine's answer to the posted bucket (all of them, then the first error)."""
-        reports, error = self._early, None
-        self._early = []
-        for engine in self.engines:
-            if not engine.pending:
-                continue
-            try:
-                reports.append(engine.result())
-            except Exception as exc:
-                error = error or exc
-        if error is not None:
-            raise error
+        reports, self._early = answers.collect(self.engines, self._early), []
         timing.reports.append(reports)
         for report in reports:
             stages = timing.ranks.setdefault(report.rank, {})

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 from pytest_weightsync.reference_impl.errors import WeightSyncError
-from pytest_weightsync.reference_impl.senders import formats as senders
+from pytest_weightsync.reference_impl.senders import answers, formats as senders
 
 #: Wire name -> what it is; the serializers are imported on first use (torch).
 WIRES = {"storages": "one IPC share per storage, the table of entries alongside",
@@ -124,27 +124,12 @@ class StatelessSync:
                 timing.serialize += t2 - t1
             self._collect(timing)
         finally:
-            for engine in self.engines:
-                if engine.pending:
-                    try:
-                        engine.result()
-                    except Exception:
-                        pass
+            answers.drain(self.engines)
         timing.wall = time.perf_counter() - start
         del held
         return timing
 
     def _collect(self, timing: StatelessTiming) -> None:
-        """Every engine's answer to the posted bucket (all of them, then the first error)."""
-        reports, error = [], None
-        for engine in self.engines:
-            if not engine.pending:
-                continue
-            try:
-                reports.append(engine.result())
-            except Exception as exc:
-                error = error or exc
-        if error is not None:
-            raise error
+        reports = answers.collect(self.engines)
         if reports:
             timing.reports.append(reports)
