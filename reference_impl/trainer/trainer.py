@@ -105,10 +105,11 @@ def gather_full_weights(spec: MoESpec, topo: TrainerTopology,
     :class:`ExpertWeights` tensor a view into them, so the fused exporters send views of it
     (``senders.zerocopy``) instead of copying again. Every
     shard is checked (name, shape, dtype, device) before anything is copied; the copies are
-    batched: an ETP rank's shards of every local expert of a layer, where they lie at fixed
-    steps in one storage (a grouped trainer buffer), move as three strided copies (its gate
-    rows, its up rows, its fc2 columns), otherwise one per expert, all in one planned copy
-    (:func:`fastcopy.copy_pairs`)."""
+    batched: an ETP rank's shards of every local expert of a layer move as three strided
+    copies (its gate rows, its up rows, its fc2 columns) from one tensor of them - a view where
+    they lie at fixed steps in one storage (a grouped trainer buffer), else one ``torch.stack``
+    (separate per-expert parameters: one launch, not one copy per expert) - all in one planned
+    copy (:func:`fastcopy.copy_pairs`)."""
     from pytest_weightsync.reference_impl.kernels import fastcopy
     from pytest_weightsync.reference_impl.kernels.strided_blocks import grid_view
 
@@ -146,8 +147,13 @@ def gather_full_weights(spec: MoESpec, topo: TrainerTopology,
         for e in experts:
             rows_read[(layer, e)] = rows_read.get((layer, e), 0) + rows
         span = slice(experts[0], experts[-1] + 1) if experts.step == 1 and len(experts) else None
-        g1 = grid_view(ones, (len(ones),), dtype) if span else None
-        g2 = grid_view(twos, (len(twos),), dtype) if span else None
+        if span:  # the shards as one tensor: a view where they lie at fixed steps, else stacked
+            g1 = grid_view(ones, (len(ones),), dtype)
+            g2 = grid_view(twos, (len(twos),), dtype)
+            g1 = torch.stack(ones) if g1 is None else g1
+            g2 = torch.stack(twos) if g2 is None else g2
+        else:
+            g1 = g2 = None
         if g1 is not None:
             gate, up = fc1_targets(fc1[layer][span], lo, rows, size)
             pairs += [(gate, g1[:, :rows]), (up, g1[:, rows:])]
