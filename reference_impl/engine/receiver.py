@@ -488,9 +488,23 @@ class ReferenceReceiver:
         slots = self._planned_slots(layer)
         if not slots:
             return None
-        start = slots[0][0]
-        want = [(start + k, k) for k in range(len(slots))]
-        return (start, len(slots)) if slots == want else None
+        start, count = slots[0][0], len(slots)
+        return (start, count) if slots == [(start + k, k) for k in range(count)] else None
+
+    def _plan_span(self, plan: LoadPlan, parsed, tensor, span, gate_start: int) -> None:
+        """An all-expert tensor into slots ``0..count-1`` at once (:meth:`_expert_span`);
+        ``gate_start``: where gate's rows start in each expert. One whole pair where the rank
+        holds every row in the tensor's order (a contiguous copy), else a strided pair per half."""
+        size, count = self.spec.intermediate, span[1]
+        chosen = tensor[span[0]:span[0] + count]
+        if parsed.projection in ("w2", "down"):
+            return self._write_span(plan, parsed.layer, count, "down", chosen)
+        if self.shard.rows == self.shard.buffer_rows == size and self._half_offset("gate") == gate_start:
+            name = fused_name(parsed.layer, "w13")
+            plan.pairs.append((self.params[name][:count], chosen))
+            return plan.touched.add(name)
+        for projection, start in (("gate", gate_start), ("up", size - gate_start)):
+            self._write_span(plan, parsed.layer, count, projection, chosen.narrow(1, start, size))
 
     def _write_span(self, plan: LoadPlan, layer: int, count: int, projection: str,
                     full: torch.Tensor) -> None:
@@ -511,15 +525,7 @@ class ReferenceReceiver:
         first, _ = gate_up_halves(self.topo.order)
         span = self._expert_span(parsed.layer)
         if span is not None:
-            chosen = tensor[span[0]:span[0] + span[1]]
-            if parsed.projection == "w13":
-                for projection in ("gate", "up"):
-                    start = 0 if projection == first else size
-                    self._write_span(plan, parsed.layer, span[1], projection,
-                                     chosen.narrow(1, start, size))
-            else:
-                self._write_span(plan, parsed.layer, span[1], "down", chosen)
-            return
+            return self._plan_span(plan, parsed, tensor, span, 0 if first == "gate" else size)
         for expert, slot in self._planned_slots(parsed.layer):
             if parsed.projection == "w13":
                 for projection in ("gate", "up"):
@@ -534,13 +540,7 @@ class ReferenceReceiver:
         size = self.spec.intermediate
         span = self._expert_span(parsed.layer)
         if span is not None:
-            chosen = tensor[span[0]:span[0] + span[1]]
-            if parsed.projection == "gate_up":
-                self._write_span(plan, parsed.layer, span[1], "gate", chosen.narrow(1, 0, size))
-                self._write_span(plan, parsed.layer, span[1], "up", chosen.narrow(1, size, size))
-            else:
-                self._write_span(plan, parsed.layer, span[1], "down", chosen)
-            return
+            return self._plan_span(plan, parsed, tensor, span, 0)
         for expert, slot in self._planned_slots(parsed.layer):
             if parsed.projection == "gate_up":
                 self._write_w13(plan, parsed.layer, slot, "gate", tensor[expert].narrow(0, 0, size))
