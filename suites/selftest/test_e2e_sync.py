@@ -179,6 +179,33 @@ def test_grid_view_is_the_blocks_at_fixed_steps_or_nothing():
     assert grid_view([], (0,), torch.bfloat16) is None
 
 
+@pytest.mark.parametrize("fmt", ["packed", "hf_fused"])
+@pytest.mark.parametrize("topo", [ReceiverTopology(), ReceiverTopology(tp=2),
+                                  ReceiverTopology(tp=2, intermediate_padded=12),
+                                  ReceiverTopology(order="up_gate"), ReceiverTopology(tp=2, moe_ep=2)],
+                         ids=["tp1", "tp2", "tp2-padded", "up_gate", "ep2"])
+def test_a_fresh_all_expert_tensor_is_planned_in_a_few_pairs(fmt, topo):
+    """The reference receiver plans an all-expert tensor for its slots at once (a whole pair
+    or a strided pair per half), not a pair per expert; a subclass that places experts its own
+    way keeps the per-expert path. Both land the oracle's bits."""
+    full = synth.grouped_full_weights(SPEC, 3)
+
+    class OwnPlacement(ReferenceReceiver):
+        def _write_w2(self, plan, layer, slot, full):
+            super()._write_w2(plan, layer, slot, full)
+
+    for rank in range(topo.world_size):
+        payload = senders.export(fmt, SPEC, topo, rank, full)
+        fast = poisoned(SPEC, topo, rank, plan_cache=False)
+        per_expert = OwnPlacement(SPEC, topo, rank, "cpu", plan_cache=False)
+        local = len(fast.shard.experts) * SPEC.num_layers
+        assert len(fast.plan(payload, None).pairs) <= 3 * SPEC.num_layers
+        assert len(per_expert.plan(payload, None).pairs) == 3 * local
+        for receiver in (fast, per_expert):
+            one_update(receiver, payload, None)
+            assert first_mismatch(receiver.params, SPEC, topo, rank, 3) is None
+
+
 # --------------------------------------------------------------------------------------------
 # Payloads shared once
 # --------------------------------------------------------------------------------------------
