@@ -249,7 +249,7 @@ ONE_GPU_FILES=(
     "suites/selftest/test_fastcopy.py 30"
     "suites/selftest/test_gpu_ipc.py 60"
     "suites/selftest/test_e2e_sync.py 90"
-    "suites/selftest/test_per_update_sync.py 90"
+    "suites/selftest/test_per_update_sync.py 120"
     "suites/selftest/test_gpu_nccl.py 20"
     "suites/conformance/test_loader.py 30"
     "suites/conformance/test_speed.py 30"
