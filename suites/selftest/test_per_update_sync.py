@@ -298,6 +298,23 @@ def test_stateless_sender_streams_buckets_exactly(cpu_engines, fmt, tp, wire, bu
                      bucket_layers=bucket_layers)
 
 
+def test_stateless_update_refused_by_an_engine_raises_and_leaves_nothing_pending(cpu_engines):
+    from pytest_weightsync.reference_impl.errors import WeightSyncError
+    from pytest_weightsync.reference_impl.senders.stateless import StatelessSync
+
+    topo = ReceiverTopology(tp=2)
+    stateless_rounds(cpu_engines, "packed", topo, seed=4, wire="storages", bucket_layers=1, steps=1)
+    wider = type(SPEC)(num_layers=SPEC.num_layers, num_experts=SPEC.num_experts,
+                       hidden=SPEC.hidden * 2, intermediate=SPEC.intermediate)
+    sync = StatelessSync("packed", wider, topo, cpu_engines, bucket_layers=1)
+    with pytest.raises(WeightSyncError, match="shape"):
+        sync.update(synth.grouped_full_weights(wider, 4))
+    assert not any(e.pending for e in cpu_engines), "an answer left pending"
+    assert [e.check(4, 0, 0x2469) for e in cpu_engines] == [None, None], "a refused bucket wrote"
+    stateless_rounds(cpu_engines, "packed", topo, seed=4, wire="storages", bucket_layers=1,
+                     steps=1)  # the engines take the next update
+
+
 def test_stateless_sender_refuses_a_bad_configuration_before_sending(cpu_engines):
     from pytest_weightsync.reference_impl.errors import WeightSyncError
     from pytest_weightsync.reference_impl.senders.stateless import StatelessSync
