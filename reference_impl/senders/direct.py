@@ -35,8 +35,9 @@ def layer_payload(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
     by global expert id.
 
     A tensor whose sources already lie in its shape in one storage is a view of them
-    (:func:`~pytest_weightsync.reference_impl.kernels.strided_blocks.grid_view`): every ``w13`` and ``w2`` of a rank holding every row of a
-    grouped-GEMM trainer's buffers, and at MoE-TP > 1 the rank's fc2 columns, a strided view
+    (:func:`~pytest_weightsync.reference_impl.kernels.strided_blocks.grid_view`): every
+    ``w13`` and ``w2`` of a rank holding every row of a grouped-GEMM trainer's buffers, and
+    at MoE-TP > 1 the rank's fc2 columns, a strided view
     ``[E_local, H, rows]`` that ``load_format="direct"`` copies as it is (SGLang's
     ``default_weight_loader`` checks the shape, then ``param.copy_``). Otherwise a staging
     tensor from ``alloc(shape, dtype, device, zero)`` (zeroed where the receiver pads) that
