@@ -87,6 +87,7 @@ class StatelessSync:
         self._serialize = _serializer(wire)
 
     def buckets(self, layers: Iterable[int]) -> list[list[int]]:
+        """``layers`` in order, ``bucket_layers`` at a time: what one update sends."""
         layers = list(layers)
         step = self.bucket_layers
         return [layers[i:i + step] for i in range(0, len(layers), step)]
