@@ -451,21 +451,21 @@ class ReferenceReceiver:
     def _write_w13(self, plan: LoadPlan, layer: int, slot: int, projection: str,
                    full: torch.Tensor) -> None:
         name = fused_name(layer, "w13")
-        buf, rows = self.shard.buffer_rows, self.shard.rows
-        off = self._half_offset(projection)
-        dst = self.params[name][slot]
-        plan.pairs.append((dst.narrow(0, off, rows), self._tp_rows(full, 0)))
-        if buf > rows:
-            plan.zero.append(dst.narrow(0, off + rows, buf - rows))
-        plan.touched.add(name)
+        self._place(plan, name, self.params[name][slot], 0, self._half_offset(projection),
+                    self._tp_rows(full, 0))
 
     def _write_w2(self, plan: LoadPlan, layer: int, slot: int, full: torch.Tensor) -> None:
         name = fused_name(layer, "w2")
+        self._place(plan, name, self.params[name][slot], 1, 0, self._tp_rows(full, 1))
+
+    def _place(self, plan: LoadPlan, name: str, dst: torch.Tensor, dim: int, off: int,
+               rows_of: torch.Tensor) -> None:
+        """``rows_of`` (this rank's MoE-TP rows) into ``dst``'s rows ``[off, off + rows)``
+        along ``dim``, the buffer's padding after them zeroed: one slot or a span of them."""
         buf, rows = self.shard.buffer_rows, self.shard.rows
-        dst = self.params[name][slot]
-        plan.pairs.append((dst.narrow(1, 0, rows), self._tp_rows(full, 1)))
+        plan.pairs.append((dst.narrow(dim, off, rows), rows_of))
         if buf > rows:
-            plan.zero.append(dst.narrow(1, rows, buf - rows))
+            plan.zero.append(dst.narrow(dim, off + rows, buf - rows))
         plan.touched.add(name)
 
     def _plan_per_expert(self, plan: LoadPlan, parsed, tensor) -> None:
@@ -510,14 +510,10 @@ class ReferenceReceiver:
                     full: torch.Tensor) -> None:
         """:meth:`_write_w13` / :meth:`_write_w2` for slots ``0..count-1`` at once (``full``:
         their experts' full ``projection``, ``[count, I, H]`` or ``[count, H, I]``)."""
-        name, dim = fused_name(layer, "w2" if projection == "down" else "w13"), 1 + (projection == "down")
-        buf, rows = self.shard.buffer_rows, self.shard.rows
-        off = 0 if dim == 2 else self._half_offset(projection)
-        dst = self.params[name][:count]
-        plan.pairs.append((dst.narrow(dim, off, rows), full.narrow(dim, self.shard.row_start, rows)))
-        if buf > rows:
-            plan.zero.append(dst.narrow(dim, off + rows, buf - rows))
-        plan.touched.add(name)
+        down = projection == "down"
+        name, dim = fused_name(layer, "w2" if down else "w13"), 2 if down else 1
+        self._place(plan, name, self.params[name][:count], dim,
+                    0 if down else self._half_offset(projection), self._tp_rows(full, dim))
 
     def _plan_packed(self, plan: LoadPlan, parsed, tensor) -> None:
         """Receiver-order halves: ``w13[e]`` is ``[first; second]`` of ``self.topo.order``."""

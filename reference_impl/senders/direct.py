@@ -9,6 +9,7 @@ must match the parameter shapes exactly.
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -72,8 +73,9 @@ def layer_payload(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
         if grid13 is not None:  # per half: each a 2-D strided copy (fastcopy's kernel)
             pairs.extend((halves13[:, half], grid13[:, half]) for half in range(2))
         else:
+            cells = itertools.product(range(n_local), range(2))  # (slot, half), as gate_up
             pairs.extend((halves13[slot, half], block[lo:hi])
-                         for (slot, half), block in zip(_cells(n_local, 2), gate_up))
+                         for (slot, half), block in zip(cells, gate_up))
     if w2 is None:
         w2 = alloc(w2_shape, spec.dtype, device, padded)
         if grid2 is not None:
@@ -92,9 +94,6 @@ def _viewed(grid: "torch.Tensor | None", shape) -> "torch.Tensor | None":
     except RuntimeError:
         return None
 
-
-def _cells(*grid: int) -> list:
-    return [(i, j) for i in range(grid[0]) for j in range(grid[1])]
 
 
 def export_layer(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,

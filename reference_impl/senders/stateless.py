@@ -127,7 +127,6 @@ class StatelessSync:
         finally:
             answers.drain(self.engines)
         timing.wall = time.perf_counter() - start
-        del held
         return timing
 
     def _collect(self, timing: StatelessTiming) -> None:

@@ -94,6 +94,15 @@ def fc1_targets(fc1: torch.Tensor, row_start: int, rows: int, size: int):
             fc1[..., size + row_start:size + row_start + rows, :])
 
 
+def _as_one(blocks: Sequence[torch.Tensor], dtype) -> torch.Tensor:
+    """``blocks`` as one ``[n, *block]`` tensor: a view where they lie at fixed steps in one
+    storage, else one ``torch.stack`` (one launch, where a copy per block is one each)."""
+    from pytest_weightsync.reference_impl.kernels.strided_blocks import grid_view
+
+    view = grid_view(blocks, (len(blocks),), dtype)
+    return torch.stack(list(blocks)) if view is None else view
+
+
 def gather_full_weights(spec: MoESpec, topo: TrainerTopology,
                         states: Sequence[Mapping[str, torch.Tensor]]
                         ) -> dict[int, tuple[ExpertWeights, ...]]:
@@ -111,7 +120,6 @@ def gather_full_weights(spec: MoESpec, topo: TrainerTopology,
     (separate per-expert parameters: one launch, not one copy per expert) - all in one planned
     copy (:func:`fastcopy.copy_pairs`)."""
     from pytest_weightsync.reference_impl.kernels import fastcopy
-    from pytest_weightsync.reference_impl.kernels.strided_blocks import grid_view
 
     if len(states) != topo.world_size:
         raise TrainerStateError(f"expected {topo.world_size} trainer state dicts (one per rank "
@@ -141,35 +149,28 @@ def gather_full_weights(spec: MoESpec, topo: TrainerTopology,
            for layer in range(spec.num_layers)}
     fc2 = {layer: torch.empty((spec.num_experts, hidden, size), dtype=dtype, device=device)
            for layer in range(spec.num_layers)}
-    pairs, rows_read = [], {}
-    for layer, experts, s, ones, twos in reads:
-        lo, rows = s.row_start, s.rows
+    rows_read: dict = {}
+    for layer, experts, s, _, _ in reads:
         for e in experts:
-            rows_read[(layer, e)] = rows_read.get((layer, e), 0) + rows
-        span = slice(experts[0], experts[-1] + 1) if experts.step == 1 and len(experts) else None
-        if span:  # the shards as one tensor: a view where they lie at fixed steps, else stacked
-            g1 = grid_view(ones, (len(ones),), dtype)
-            g2 = grid_view(twos, (len(twos),), dtype)
-            g1 = torch.stack(ones) if g1 is None else g1
-            g2 = torch.stack(twos) if g2 is None else g2
-        else:
-            g1 = g2 = None
-        if g1 is not None:
-            gate, up = fc1_targets(fc1[layer][span], lo, rows, size)
-            pairs += [(gate, g1[:, :rows]), (up, g1[:, rows:])]
-        else:
-            for e, t in zip(experts, ones):
-                gate, up = fc1_targets(fc1[layer][e], lo, rows, size)
-                pairs += [(gate, t[:rows]), (up, t[rows:])]
-        if g2 is not None:
-            pairs.append((fc2[layer][span, :, lo:lo + rows], g2))
-        else:
-            pairs += [(fc2[layer][e, :, lo:lo + rows], t) for e, t in zip(experts, twos)]
+            rows_read[(layer, e)] = rows_read.get((layer, e), 0) + s.rows
     missing = [(layer, e) for layer in range(spec.num_layers) for e in range(spec.num_experts)
                if rows_read.get((layer, e)) != size]
     if missing:
         raise TrainerStateError(f"the trainer ranks' shards do not cover (layer, expert) "
                                 f"{missing[:4]} ({len(missing)} in all) exactly once")
+    pairs = []
+    for layer, experts, s, ones, twos in reads:
+        lo, rows = s.row_start, s.rows
+        if experts.step == 1 and len(experts):  # every local expert at once
+            span = slice(experts[0], experts[-1] + 1)
+            g1, g2 = _as_one(ones, dtype), _as_one(twos, dtype)
+            gate, up = fc1_targets(fc1[layer][span], lo, rows, size)
+            pairs += [(gate, g1[:, :rows]), (up, g1[:, rows:]),
+                      (fc2[layer][span, :, lo:lo + rows], g2)]
+            continue
+        for e, one, two in zip(experts, ones, twos):
+            gate, up = fc1_targets(fc1[layer][e], lo, rows, size)
+            pairs += [(gate, one[:rows]), (up, one[rows:]), (fc2[layer][e, :, lo:lo + rows], two)]
     with torch.no_grad():
         fastcopy.copy_pairs(pairs)
     return {layer: tuple(ExpertWeights(fc1[layer][e, :size], fc1[layer][e, size:], fc2[layer][e])

@@ -252,3 +252,15 @@ def test_trainer_state_missing_a_shard_is_named():
     del states[1][name]
     with pytest.raises(trainer.TrainerStateError, match=f"trainer rank 1 has no parameter '{name}'"):
         trainer.gather_full_weights(case.spec, case.trainer, states)
+
+
+def test_trainer_shards_that_leave_an_expert_uncovered_are_named(monkeypatch):
+    # the gather writes into fresh grouped buffers: an (layer, expert) no ETP group read would
+    # keep whatever memory held, so a topology that misses one is an error, not a result
+    case = matrix.ANCHORS[1]
+    states = trainer.trainer_states(case.spec, case.trainer, synth.full_weights(case.spec, 0))
+    groups = trainer.trainer_groups
+    # every ETP group loses its last rank: half of every expert's rows are never read
+    monkeypatch.setattr(trainer, "trainer_groups", lambda *a: [g[:-1] for g in groups(*a)])
+    with pytest.raises(trainer.TrainerStateError, match=r"do not cover \(layer, expert\)"):
+        trainer.gather_full_weights(case.spec, case.trainer, states)
