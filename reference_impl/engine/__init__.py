@@ -7,8 +7,8 @@ stricter on bad input), the entry checks and payload errors every receiver share
 block receiver (:mod:`.fp8_receiver`), the whole-model receiver (:mod:`.model_receiver`), the
 checks that decide whether a tensor can be read at all (:mod:`.tensor_checks`), the plan cache
 that replays a validated bucket (:mod:`.plan_cache`), the memo that checks a receiver's
-parameters once while they stay as they were (:mod:`.checked_memo`), the native passes both
-trust tensor objects with (:mod:`.tensor_guard`), and one receiver rank in its own process
+parameters once while they stay as they were (:mod:`.checked_memo`; both trust tensor objects
+through the native passes of ``sharing.tensor_guard``), and one receiver rank in its own process
 (:mod:`.process`). Receivers never read the oracle; only :mod:`.process` calls it, to poison
 fresh parameters and check them where they live when a test asks.
 """

@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from pytest_weightsync.reference_impl.engine.tensor_guard import native_metadata_guard
+from pytest_weightsync.reference_impl.sharing.tensor_guard import native_metadata_guard
 
 #: Parameter mappings remembered at once (least recently used forgotten first).
 MAX_ENTRIES = 64
@@ -52,7 +52,7 @@ def _where(tensor: torch.Tensor) -> tuple:
 
 class _Entry:
     """One check that passed: the tensors (weakly), and what it read of them: with the native
-    guard (:func:`~pytest_weightsync.reference_impl.engine.tensor_guard.native_metadata_guard`)
+    guard (:func:`~pytest_weightsync.reference_impl.sharing.tensor_guard.native_metadata_guard`)
     their addresses and storage offsets beside it (a storage freed, shrunk or swapped moves
     the address), else :func:`_state` of each."""
 

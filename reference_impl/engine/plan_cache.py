@@ -58,7 +58,7 @@ from typing import Any, Optional
 import torch
 
 from pytest_weightsync.reference_impl.engine.tensor_checks import PLAIN_TYPES
-from pytest_weightsync.reference_impl.engine.tensor_guard import PTRS_EQUAL, native_metadata_guard
+from pytest_weightsync.reference_impl.sharing.tensor_guard import PTRS_EQUAL, native_metadata_guard
 from pytest_weightsync.reference_impl.kernels import fastcopy
 
 #: Buckets a receiver remembers (least recently used dropped first).

@@ -5,7 +5,7 @@ of it) pays host work per block - a Python call, a slice, an entry in a copy pla
 times per fused layer tensor. Where the blocks lie in one storage at fixed steps (a
 grouped-GEMM trainer's one buffer per layer and projection, experts ``e`` at ``start + e *
 step``), they are one strided tensor ``[*grid, *block]``: a payload that needs no copy at all
-(``senders.zerocopy.tiled_view``), or the source of one batched copy (a receiver rank's
+(``senders.zerocopy.expert_grids``), or the source of one batched copy (a receiver rank's
 ``[gate_r; up_r]`` rows, an ETP rank's shards of every local expert).
 
 The check is strict, because a wrong view would read unrelated memory: every block of one

@@ -163,6 +163,19 @@ class LaunchShape:
         return width, self.even(copy, width)
 
 
+def _to_device(table: torch.Tensor, device) -> torch.Tensor:
+    """A launch table on ``device`` without waiting for the device.
+
+    A blocking copy from pageable host memory (``tensor.to(device)``) synchronizes the current
+    stream: a receiver planning bucket ``b + 1`` while its stream still copies bucket ``b``
+    would wait for that copy on the host, and the pipeline of buckets would run one after the
+    other. From pinned memory the copy is queued like any other work (torch's pinned-memory
+    allocator keeps the host block until the copy has run)."""
+    if torch.device(device).type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
+
+
 class TritonCopyLaunch:
     """One launch over 2-D copies of one element width and tile width, reusable.
 
@@ -211,11 +224,10 @@ class TritonCopyLaunch:
             blocks_per_pair.append(blocks)
             first += blocks
         self.n_blocks = first
-        self.meta = torch.tensor(meta, dtype=torch.int64).reshape(-1, _META_WIDTH).to(device)
         counts = torch.tensor(blocks_per_pair, dtype=torch.int64)
-        self.block_pair = torch.repeat_interleave(
-            torch.arange(len(copies), dtype=torch.int32), counts
-        ).to(device)
+        self.meta = _to_device(torch.tensor(meta, dtype=torch.int64).reshape(-1, _META_WIDTH), device)
+        self.block_pair = _to_device(torch.repeat_interleave(
+            torch.arange(len(copies), dtype=torch.int32), counts), device)
 
     def run(self) -> None:
         if self.n_blocks == 0:

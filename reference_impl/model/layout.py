@@ -39,9 +39,11 @@ from pytest_weightsync.reference_impl.model.moe_spec import (
     RECEIVER_PARAMS,
     ExpertWeights,
     FullWeights,
+    GroupedExperts,
     MoESpec,
     TopologyError,
     gate_up_halves,
+    grouped_buffers,
 )
 from pytest_weightsync.reference_impl.model.receiver_layout import (
     ReceiverShard,
@@ -76,6 +78,7 @@ __all__ = [
     "ExpertWeights",
     "FullWeights",
     "GATE_UP_ORDERS",
+    "GroupedExperts",
     "MoESpec",
     "ORDERS",
     "PAD_MODES",
@@ -93,6 +96,7 @@ __all__ = [
     "ep_experts",
     "fused_name",
     "gate_up_halves",
+    "grouped_buffers",
     "hf_expert_name",
     "hf_fused_name",
     "megatron_expert_name",

@@ -20,12 +20,14 @@ __all__ = [
     "ExpertWeights",
     "FullWeights",
     "GATE_UP_ORDERS",
+    "GroupedExperts",
     "MoESpec",
     "PROJECTIONS",
     "PROJECTION_INDEX",
     "RECEIVER_PARAMS",
     "TopologyError",
     "gate_up_halves",
+    "grouped_buffers",
 ]
 
 #: Projections of one gated expert, in Hugging Face terms.
@@ -99,6 +101,74 @@ class ExpertWeights:
 
     def __getitem__(self, projection: str) -> torch.Tensor:
         return getattr(self, projection)
+
+
+class GroupedExperts(tuple):
+    """One layer's :class:`ExpertWeights`, all views of a grouped-GEMM trainer's two buffers:
+    ``fc1 [E, 2I, H]`` (``[gate; up]`` per expert) and ``fc2 [E, H, I]``.
+
+    A tuple like any other layer of :data:`FullWeights`, so every reader takes it; what it
+    adds is that the layout is known by construction. An exporter that would otherwise prove,
+    block by block, that 768 per-expert views lie at fixed steps in one storage (host work per
+    expert, every update of a stateless sender) slices the buffers instead (:meth:`buffers`).
+    The views are made here from the buffers, never accepted from outside, and every
+    :meth:`buffers` call checks (O(1)) that they still lie in the buffers' memory, so a buffer
+    given other memory underneath (``set_``) is never trusted."""
+
+    def __new__(cls, fc1: torch.Tensor, fc2: torch.Tensor):
+        if (not isinstance(fc1, torch.Tensor) or not isinstance(fc2, torch.Tensor)
+                or fc1.dim() != 3 or fc2.dim() != 3 or fc1.shape[1] % 2):
+            raise WeightSyncError("GroupedExperts takes fc1 [E, 2I, H] and fc2 [E, H, I]")
+        n, two_i, hidden = fc1.shape
+        size = two_i // 2
+        if (tuple(fc2.shape) != (n, hidden, size) or fc1.dtype != fc2.dtype
+                or fc1.device != fc2.device or not fc1.is_contiguous() or not fc2.is_contiguous()):
+            raise WeightSyncError(f"GroupedExperts: fc1 {tuple(fc1.shape)} {fc1.dtype} and fc2 "
+                                  f"{tuple(fc2.shape)} {fc2.dtype} must be contiguous [E, 2I, H] "
+                                  f"and [E, H, I] of one dtype and device")
+        self = super().__new__(cls, (ExpertWeights(fc1[e, :size], fc1[e, size:], fc2[e])
+                                     for e in range(n)))
+        self._fc1, self._fc2 = fc1, fc2
+        return self
+
+    def __reduce__(self):
+        return (GroupedExperts, (self._fc1, self._fc2))
+
+    def buffers(self):
+        """``(fc1, fc2)`` while the experts are still views of them, else ``None``: the first
+        and last expert's tensors must start where the buffers say, in the buffers' storages
+        (memory moved into shared memory moves the views with it; a buffer given new memory
+        with ``set_`` leaves them behind)."""
+        fc1, fc2 = self._fc1, self._fc2
+        if not self:
+            return None
+        size, last = fc1.shape[1] // 2, len(self) - 1
+        s1, s2 = fc1.untyped_storage().data_ptr(), fc2.untyped_storage().data_ptr()
+        for e, gate, down in ((0, self[0].gate, self[0].down), (last, self[last].up, self[last].down)):
+            start = e * fc1.stride(0) + (size * fc1.stride(1) if e == last else 0)
+            if (gate.untyped_storage().data_ptr() != s1 or down.untyped_storage().data_ptr() != s2
+                    or gate.data_ptr() != fc1.data_ptr() + start * fc1.element_size()
+                    or down.data_ptr() != fc2.data_ptr() + e * fc2.stride(0) * fc2.element_size()):
+                return None
+        return fc1, fc2
+
+
+def grouped_buffers(experts, dtype=None, device=None):
+    """``(fc1, fc2)`` of ``experts`` when it is an intact :class:`GroupedExperts` of ``dtype``
+    on ``device`` (either ``None``: any), else ``None``."""
+    if not isinstance(experts, GroupedExperts):
+        return None
+    found = experts.buffers()
+    if found is None:
+        return None
+    fc1 = found[0]
+    if dtype is not None and fc1.dtype != dtype:
+        return None
+    if device is not None:
+        want = torch.device(device)
+        if want.type != fc1.device.type or (want.index is not None and want != fc1.device):
+            return None
+    return found
 
 
 #: Full (unsharded) expert weights, as every sender path takes them:

@@ -35,6 +35,7 @@ from pytest_weightsync.reference_impl.model.layout import (
     PROJECTION_INDEX,
     PROJECTIONS,
     ExpertWeights,
+    GroupedExperts,
     MoESpec,
     ReceiverTopology,
     fused_name,
@@ -346,7 +347,7 @@ def grouped_full_weights(spec: MoESpec, version: int, seed: int = 0, layers=None
                     spec, version, layer, chosen, projection, rows_i, cols_h, seed, finite)
             fc2[chosen.start:chosen.stop] = expert_blocks(
                 spec, version, layer, chosen, "down", cols_h, rows_i, seed, finite)
-        out[layer] = tuple(ExpertWeights(fc1[e, :size], fc1[e, size:], fc2[e]) for e in range(n))
+        out[layer] = GroupedExperts(fc1, fc2)
     return out
 
 

@@ -7,6 +7,9 @@ experts. It is the baseline the faster paths must match bit for bit.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -18,12 +21,28 @@ def export(full: Mapping[int, Sequence[ExpertWeights]], layers: Iterable[int] | 
            experts: Iterable[int] | None = None) -> list[tuple[str, torch.Tensor]]:
     """Payload ``[(model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight, tensor)]`` for
     ``layers`` (default all) and ``experts`` (default all). Tensors are the full ones, not
-    copies: this path moves no bytes on the sender."""
+    copies: this path moves no bytes on the sender. A stateless sender calls this every
+    update, so a layer's names are made once per process (:func:`_layer_names`) and its
+    tensors read in C."""
     out = []
+    chosen = None if experts is None else tuple(experts)
     for layer in (sorted(full) if layers is None else layers):
-        chosen = range(len(full[layer])) if experts is None else experts
-        for expert in chosen:
-            weights = full[layer][expert]
-            for projection in PROJECTIONS:
-                out.append((hf_expert_name(layer, expert, projection), weights[projection]))
+        weights = full[layer]
+        if chosen is None:
+            names = _layer_names(layer, len(weights))
+            tensors = map(_PROJECTION_TENSORS, weights)
+        else:
+            names = [hf_expert_name(layer, e, p) for e in chosen for p in PROJECTIONS]
+            tensors = (_PROJECTION_TENSORS(weights[e]) for e in chosen)
+        out.extend(zip(names, itertools.chain.from_iterable(tensors)))
     return out
+
+
+#: One expert's tensors in :data:`PROJECTIONS` order, read in C.
+_PROJECTION_TENSORS = operator.attrgetter(*PROJECTIONS)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_names(layer: int, n_experts: int) -> tuple[str, ...]:
+    """Every name of one layer's compat payload, expert-major in :data:`PROJECTIONS` order."""
+    return tuple(hf_expert_name(layer, e, p) for e in range(n_experts) for p in PROJECTIONS)

@@ -24,8 +24,12 @@ from pytest_weightsync.reference_impl.model.layout import (
     gate_up_halves,
     receiver_shard,
 )
-from pytest_weightsync.reference_impl.kernels.strided_blocks import grid_view
-from pytest_weightsync.reference_impl.senders.zerocopy import staging_tensor
+from pytest_weightsync.reference_impl.senders.zerocopy import (
+    as_shape,
+    expert_grids,
+    staging_kwargs,
+    staging_tensor,
+)
 
 
 def layer_payload(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
@@ -36,7 +40,8 @@ def layer_payload(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
     by global expert id.
 
     A tensor whose sources already lie in its shape in one storage is a view of them
-    (:func:`~pytest_weightsync.reference_impl.kernels.strided_blocks.grid_view`): every
+    (:func:`~pytest_weightsync.reference_impl.senders.zerocopy.expert_grids`: sliced out of a
+    :class:`GroupedExperts` layer's buffers, else proven block by block): every
     ``w13`` and ``w2`` of a rank holding every row of a grouped-GEMM trainer's buffers, and
     at MoE-TP > 1 the rank's fc2 columns, a strided view
     ``[E_local, H, rows]`` that ``load_format="direct"`` copies as it is (SGLang's
@@ -57,63 +62,66 @@ def layer_payload(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
     w13_shape, w2_shape = (n_local, 2 * buf, spec.hidden), (n_local, spec.hidden, buf)
     halves = gate_up_halves(topo.order)
     held = shard.slot_experts(layer)  # the expert of every slot (EPLB: physical copies)
-    gate_up = [experts[e][p] for e in held for p in halves]
-    downs = [experts[e].down for e in held]
     # The rank's rows of every block at once: a slice of the blocks' grid, not one per block.
-    grid13 = grid_view(gate_up, (n_local, 2), spec.dtype, device)  # [E, 2, I, H]
-    grid2 = grid_view(downs, (n_local,), spec.dtype, device)  # [E, H, I]
-    grid13 = None if grid13 is None else grid13[:, :, lo:hi]
-    grid2 = None if grid2 is None else grid2[:, :, lo:hi]
-    w13 = _viewed(grid13, w13_shape) if not padded else None
-    w2 = grid2 if not padded and grid2 is not None and tuple(grid2.shape) == w2_shape else None
+    joined, parts, grid2 = expert_grids(experts, held, halves, spec.dtype, device)
+    blocks13 = (n_local, 2, spec.intermediate, spec.hidden)
+    if joined is not None and tuple(joined.shape) != blocks13:
+        joined = parts = None
+    if grid2 is not None and tuple(grid2.shape) != (n_local, spec.hidden, spec.intermediate):
+        grid2 = None
+    w13 = None if padded or joined is None else as_shape(
+        joined[:, :, lo:hi], (n_local, 2, rows, spec.hidden), w13_shape)
+    w2 = None if padded or grid2 is None else grid2[:, :, lo:hi]
     pairs = []
     if w13 is None:
         w13 = alloc(w13_shape, spec.dtype, device, padded)
         halves13 = w13.view(n_local, 2, buf, spec.hidden)[:, :, :rows]
-        if grid13 is not None:  # per half: each a 2-D strided copy (fastcopy's kernel)
-            pairs.extend((halves13[:, half], grid13[:, half]) for half in range(2))
+        if parts is not None and tuple(parts[0].shape) == blocks13[:1] + blocks13[2:]:
+            # per half: each a 2-D strided copy (fastcopy's kernel)
+            pairs.extend((halves13[:, half], parts[half][:, lo:hi]) for half in range(2))
         else:
+            gate_up = [experts[e][p] for e in held for p in halves]
             cells = itertools.product(range(n_local), range(2))  # (slot, half), as gate_up
             pairs.extend((halves13[slot, half], block[lo:hi])
                          for (slot, half), block in zip(cells, gate_up))
     if w2 is None:
         w2 = alloc(w2_shape, spec.dtype, device, padded)
         if grid2 is not None:
-            pairs.append((w2[:, :, :rows], grid2))
+            pairs.append((w2[:, :, :rows], grid2[:, :, lo:hi]))
         else:
-            pairs.extend((w2[slot, :, :rows], block[:, lo:hi]) for slot, block in enumerate(downs))
+            pairs.extend((w2[slot, :, :rows], experts[e].down[:, lo:hi])
+                         for slot, e in enumerate(held))
     return [(fused_name(layer, "w13"), w13), (fused_name(layer, "w2"), w2)], pairs
 
 
-def _viewed(grid: "torch.Tensor | None", shape) -> "torch.Tensor | None":
-    """``grid`` as ``shape`` where its strides allow it without a copy, else ``None``."""
-    if grid is None:
-        return None
-    try:
-        return grid.view(tuple(shape))
-    except RuntimeError:
-        return None
-
-
-
 def export_layer(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
-                 experts: Sequence[ExpertWeights], device=None) -> list[tuple[str, torch.Tensor]]:
+                 experts: Sequence[ExpertWeights], device=None,
+                 alloc=None) -> list[tuple[str, torch.Tensor]]:
     """Rank-local ``w13``/``w2`` of one layer for receiver ``rank`` (padding zeroed): views of
     the trainer's memory where it already has this layout, else filled staging tensors.
     ``experts`` holds every expert of the layer, indexed by global expert id."""
-    entries, pairs = layer_payload(spec, topo, rank, layer, experts, device)
+    entries, pairs = layer_payload(spec, topo, rank, layer, experts, device, alloc)
     fastcopy.copy_pairs(pairs)
     if topo.engine_layout == "transposed":  # the rank's parameters are stored transposed
-        return [(name, t.transpose(-2, -1).contiguous()) for name, t in entries]
+        return [(name, _transposed(t, alloc)) for name, t in entries]
     return entries
+
+
+def _transposed(t: torch.Tensor, alloc=None) -> torch.Tensor:
+    """``t`` with its last two dims swapped, contiguous, in memory from ``alloc``."""
+    flipped = t.transpose(-2, -1)
+    if alloc is None:
+        return flipped.contiguous()
+    out = alloc(tuple(flipped.shape), t.dtype, t.device, False)
+    return out.copy_(flipped)
 
 
 def export(spec: MoESpec, topo: ReceiverTopology, rank: int,
            full: Mapping[int, Sequence[ExpertWeights]], layers: Iterable[int] | None = None,
-           device=None) -> list[tuple[str, torch.Tensor]]:
+           device=None, alloc=None) -> list[tuple[str, torch.Tensor]]:
     """Direct payload for receiver ``rank`` of ``layers`` (default all)."""
     out = []
     for layer in (sorted(full) if layers is None else layers):
-        out.extend(export_layer(spec, topo, rank, layer, full[layer], device))
+        out.extend(export_layer(spec, topo, rank, layer, full[layer], device, **staging_kwargs(alloc)))
     return out
 

@@ -24,21 +24,24 @@ def check_format(fmt) -> None:
 
 
 def export(fmt: str, spec, receiver, rank: int, full: Mapping[int, Sequence],
-           layers: Optional[Iterable[int]] = None) -> list:
+           layers: Optional[Iterable[int]] = None, alloc=None) -> list:
     """The ``fmt`` payload of ``layers`` (default all) for receiver ``rank`` of ``receiver``
     (a :class:`~pytest_weightsync.reference_impl.model.layout.ReceiverTopology`), built from the full
     expert weights ``full``; one bucket of ``(name, tensor)`` pairs. Only ``direct`` depends on
-    the rank."""
+    the rank. Staging tensors (a payload tensor that is no view of the trainer's memory) come
+    from ``alloc(shape, dtype, device, zero)``, default fresh ones
+    (:class:`~pytest_weightsync.reference_impl.senders.zerocopy.StagingPool`: the same memory
+    every update)."""
     check_format(fmt)
     from pytest_weightsync.reference_impl.senders import compat, direct, hf_fused, packed
 
     if fmt == "compat":
         return compat.export(full, layers)
     if fmt == "hf_fused":
-        return hf_fused.export(full, layers)
+        return hf_fused.export(full, layers, alloc=alloc)
     if fmt == "packed":
-        return packed.export(spec, full, receiver.order, layers)
-    return direct.export(spec, receiver, rank, full, layers)
+        return packed.export(spec, full, receiver.order, layers, alloc=alloc)
+    return direct.export(spec, receiver, rank, full, layers, alloc=alloc)
 
 
 def layer_payload(fmt: str, spec, receiver, rank: int, full: Mapping[int, Sequence], layer: int,

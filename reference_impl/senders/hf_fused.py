@@ -24,7 +24,7 @@ def layer_payload(layer: int, experts: Sequence[ExpertWeights], device=None,
                   alloc=None) -> tuple[list[tuple[str, torch.Tensor]], list]:
     """``[(gate_up_proj name, [E, 2I, H]), (down_proj name, [E, H, I])]`` of one layer and the
     ``(dst, src)`` pairs still to be copied into it: views of the trainer's memory where it
-    already has this layout (:func:`zerocopy.tiled_view`), else staging tensors from
+    already has this layout (:func:`zerocopy.expert_grids`), else staging tensors from
     ``alloc(shape, dtype, device, zero)`` that the pairs fill. ``experts`` holds every expert
     of the layer, indexed by global id."""
     if not experts:
@@ -37,18 +37,18 @@ def layer_payload(layer: int, experts: Sequence[ExpertWeights], device=None,
 
 
 def export_layer(layer: int, experts: Sequence[ExpertWeights],
-                 device=None) -> list[tuple[str, torch.Tensor]]:
+                 device=None, alloc=None) -> list[tuple[str, torch.Tensor]]:
     """``[(gate_up_proj name, [E, 2I, H]), (down_proj name, [E, H, I])]`` of one layer; views
     of the trainer's memory where it already has this layout, else filled staging tensors."""
-    entries, pairs = layer_payload(layer, experts, device)
+    entries, pairs = layer_payload(layer, experts, device, alloc)
     fastcopy.copy_pairs(pairs)
     return entries
 
 
 def export(full: Mapping[int, Sequence[ExpertWeights]], layers: Iterable[int] | None = None,
-           device=None) -> list[tuple[str, torch.Tensor]]:
+           device=None, alloc=None) -> list[tuple[str, torch.Tensor]]:
     """hf_fused payload of ``layers`` (default all), layer by layer."""
     out = []
     for layer in (sorted(full) if layers is None else layers):
-        out.extend(export_layer(layer, full[layer], device))
+        out.extend(export_layer(layer, full[layer], device, **zerocopy.staging_kwargs(alloc)))
     return out

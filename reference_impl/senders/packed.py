@@ -31,7 +31,7 @@ def layer_payload(spec: MoESpec, layer: int, experts: Sequence[ExpertWeights], o
                   device=None, alloc=None) -> tuple[list[tuple[str, torch.Tensor]], list]:
     """The layer's payload ``[(w13 name, [E, 2I, H]), (w2 name, [E, H, I])]`` in ``order`` and
     the ``(dst, src)`` pairs still to be copied into it. A tensor whose sources already lie in
-    its layout in one storage is a view of them (:func:`zerocopy.tiled_view`: no pairs);
+    its layout in one storage is a view of them (:func:`zerocopy.expert_grids`: no pairs);
     otherwise it is a staging tensor from ``alloc(shape, dtype, device, zero)`` (default
     ``torch.empty``) that the pairs fill."""
     if len(experts) != spec.num_experts:
@@ -44,18 +44,19 @@ def layer_payload(spec: MoESpec, layer: int, experts: Sequence[ExpertWeights], o
 
 
 def export_layer(spec: MoESpec, layer: int, experts: Sequence[ExpertWeights], order: str,
-                 device=None) -> list[tuple[str, torch.Tensor]]:
+                 device=None, alloc=None) -> list[tuple[str, torch.Tensor]]:
     """``[(w13 name, [E, 2I, H]), (w2 name, [E, H, I])]`` of one layer in ``order``: views of
     the trainer's memory where it already has this layout, else filled staging tensors."""
-    entries, pairs = layer_payload(spec, layer, experts, order, device)
+    entries, pairs = layer_payload(spec, layer, experts, order, device, alloc)
     fastcopy.copy_pairs(pairs)
     return entries
 
 
 def export(spec: MoESpec, full: Mapping[int, Sequence[ExpertWeights]], order: str,
-           layers: Iterable[int] | None = None, device=None) -> list[tuple[str, torch.Tensor]]:
+           layers: Iterable[int] | None = None, device=None,
+           alloc=None) -> list[tuple[str, torch.Tensor]]:
     """Packed payload of ``layers`` (default all), layer by layer."""
     out = []
     for layer in (sorted(full) if layers is None else layers):
-        out.extend(export_layer(spec, layer, full[layer], order, device))
+        out.extend(export_layer(spec, layer, full[layer], order, device, **zerocopy.staging_kwargs(alloc)))
     return out

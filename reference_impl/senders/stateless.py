@@ -23,6 +23,7 @@ per-tensor wire shares 768 tensors per layer for ``compat``).
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
@@ -36,13 +37,37 @@ WIRES = {"storages": "one IPC share per storage, the table of entries alongside"
 
 
 def _serializer(wire: str):
+    """The wire's serializer of one rank's payload, and whether one built form of a payload
+    serializes for every rank (a table made once, a share per rank and message)."""
     if wire == "storages":
-        from pytest_weightsync.reference_impl.sharing.shared_payload import serialize_storages
+        from pytest_weightsync.reference_impl.sharing.shared_payload import SharedPayload
 
-        return serialize_storages
+        return SharedPayload, True
     from pytest_weightsync.reference_impl.sharing.ipc import serialize
 
-    return serialize
+    return serialize, False
+
+
+def _staging_pool():
+    from pytest_weightsync.reference_impl.senders.zerocopy import StagingPool  # torch
+
+    return StagingPool()
+
+
+def _wait_for_writes(payloads: list) -> None:
+    """Wait until the writes queued on the payloads' GPUs are done (a staging copy, the
+    trainer's own step). An engine that still maps a storage from an earlier message (views of
+    the same trainer memory, the sender's staging pool) reopens nothing, so torch's per-share
+    CUDA event is never waited for there: the per-tensor wire must be ready before it is sent,
+    as a per-storage payload is (``SharedPayload.ready``)."""
+    import torch
+
+    devices = set()
+    for payload in payloads:
+        devices.update(map(operator.attrgetter("device"), map(operator.itemgetter(1), payload)))
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
 
 @dataclass
@@ -84,7 +109,9 @@ class StatelessSync:
         self.fmt, self.spec, self.topo, self.engines = fmt, spec, topo, list(engines)
         self.wire, self.bucket_layers = wire, bucket_layers
         self.load_format = "direct" if fmt == "direct" else None
-        self._serialize = _serializer(wire)
+        #: What must be staged goes to the same memory every update (see StagingPool).
+        self._staging = _staging_pool()
+        self._serializer, self._built = _serializer(wire)
 
     def buckets(self, layers: Iterable[int]) -> list[list[int]]:
         """``layers`` in order, ``bucket_layers`` at a time: what one update sends."""
@@ -103,17 +130,19 @@ class StatelessSync:
         ranks = range(len(self.engines))
         held = []  # every bucket's payload and bytes, alive until the update's last answer
         start = time.perf_counter()
+        self._staging.rewind()  # the last update ended with every engine's copies done
         try:
             for index, group in enumerate(groups):
                 t0 = time.perf_counter()
                 if shared:
-                    one = senders.export(self.fmt, self.spec, self.topo, 0, full, group)
+                    one = senders.export(self.fmt, self.spec, self.topo, 0, full, group,
+                                         alloc=self._staging)
                     payloads = [one] * len(self.engines)
                 else:
-                    payloads = [senders.export(self.fmt, self.spec, self.topo, r, full, group)
-                                for r in ranks]
+                    payloads = [senders.export(self.fmt, self.spec, self.topo, r, full, group,
+                                               alloc=self._staging) for r in ranks]
                 t1 = time.perf_counter()
-                data = [self._serialize(payloads[r]) for r in ranks]
+                data = self._serialized(payloads, shared)
                 t2 = time.perf_counter()
                 self._collect(timing)
                 last = index == len(groups) - 1
@@ -124,10 +153,27 @@ class StatelessSync:
                 timing.export += t1 - t0
                 timing.serialize += t2 - t1
             self._collect(timing)
+        except BaseException:
+            # an engine may still be copying a posted bucket: never stage into its memory again
+            self._staging = _staging_pool()
+            raise
         finally:
             answers.drain(self.engines)
         timing.wall = time.perf_counter() - start
         return timing
+
+    def _serialized(self, payloads: list, shared: bool) -> list:
+        """Each rank's bytes of its payload. Where every rank gets the same payload the
+        storages wire builds its table once and serializes it per rank (torch counts its
+        shares per message), so a rank-independent format's host work does not grow with
+        MoE-TP."""
+        if not self._built:
+            _wait_for_writes(payloads)
+            return [self._serializer(p) for p in payloads]
+        if shared:
+            built = self._serializer(payloads[0])
+            return [built.serialize() for _ in payloads]
+        return [self._serializer(p).serialize() for p in payloads]
 
     def _collect(self, timing: StatelessTiming) -> None:
         reports = answers.collect(self.engines)

@@ -36,6 +36,7 @@ from typing import Iterable, Optional
 import torch
 
 from pytest_weightsync.reference_impl.errors import WeightSyncError, shown
+from pytest_weightsync.reference_impl.sharing import known_tables
 
 
 class SharedPayloadError(WeightSyncError):
@@ -85,6 +86,12 @@ class SharedPayload:
 
     def __init__(self, named_tensors: Iterable):
         items = list(named_tensors)
+        if set(map(type, items)) <= {tuple} and set(map(len, items)) <= {2}:
+            names, tensors = list(map(_NAME, items)), list(map(_TENSOR, items))
+            known = known_tables.recall(names, tensors)
+            if known is not None:  # tabled before: only the storages are taken again
+                self._adopt(known, tensors)
+                return
         _check_items(items)
         names = list(map(_NAME, items))
         tensors = list(map(_TENSOR, items))
@@ -116,6 +123,22 @@ class SharedPayload:
         self.nbytes = sum(map(operator.attrgetter("nbytes"), tensors))
         #: The table, pickled once: the same bytes go out with every serialization.
         self.table = pickle.dumps((tuple(names), rows), protocol=pickle.HIGHEST_PROTOCOL)
+        firsts = dict(zip(reversed(slots), range(len(slots) - 1, -1, -1)))  # first use of each
+        known_tables.remember(names, tensors, [row[3] for row in rows],
+                              [firsts[i] for i in range(len(wholes))],
+                              [w.untyped_storage().data_ptr() for w in wholes],
+                              [w.numel() for w in wholes], self.table, self.nbytes)
+
+    def _adopt(self, known, tensors: list) -> None:
+        """This payload from a table built before for entries with every fact of these
+        (:func:`known_tables.recall`): the same table bytes, the storages taken again."""
+        wholes = []
+        for first, size in zip(known.firsts, known.storage_sizes):
+            tensor = tensors[first]
+            whole = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+            wholes.append(whole.set_(tensor.untyped_storage(), 0, (size,), (1,)))
+        self.wholes, self.entries, self.nbytes = wholes, len(tensors), known.nbytes
+        self.table = known.table
 
     @property
     def storages(self) -> int:

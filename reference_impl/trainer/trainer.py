@@ -21,6 +21,7 @@ import torch
 
 from pytest_weightsync.reference_impl.model.layout import (
     ExpertWeights,
+    GroupedExperts,
     MoESpec,
     TrainerShard,
     TrainerTopology,
@@ -173,9 +174,7 @@ def gather_full_weights(spec: MoESpec, topo: TrainerTopology,
             pairs += [(gate, one[:rows]), (up, one[rows:]), (fc2[layer][e, :, lo:lo + rows], two)]
     with torch.no_grad():
         fastcopy.copy_pairs(pairs)
-    return {layer: tuple(ExpertWeights(fc1[layer][e, :size], fc1[layer][e, size:], fc2[layer][e])
-                         for e in range(spec.num_experts))
-            for layer in range(spec.num_layers)}
+    return {layer: GroupedExperts(fc1[layer], fc2[layer]) for layer in range(spec.num_layers)}
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ from pytest_weightsync.reference_impl.sharing.shared_payload import (  # noqa: E
     SharedPayload,
     SharedPayloadError,
 )
-from pytest_weightsync.reference_impl.senders.zerocopy import tiled_view  # noqa: E402
+from pytest_weightsync.reference_impl.kernels.strided_blocks import grid_view  # noqa: E402
+from pytest_weightsync.reference_impl.senders.zerocopy import as_shape  # noqa: E402
 
 SPEC = MoESpec(num_layers=3, num_experts=4, hidden=32, intermediate=16)
 FORMATS = ("direct", "packed", "hf_fused", "compat")
@@ -130,6 +131,13 @@ def test_exporters_stage_where_the_trainer_layout_is_not_the_payloads(fmt, topo)
     for receiver in receivers:
         one_update(receiver, senders.export(fmt, SPEC, topo, receiver.rank, full), LOAD_FORMAT[fmt])
         assert first_mismatch(receiver.params, SPEC, topo, receiver.rank, 2) is None
+
+
+def tiled_view(blocks, shape, dtype, device=None):
+    """What a sender sends for ``blocks`` landing back to back in a tensor of ``shape``: the
+    view the blocks already are, or ``None`` (then it stages)."""
+    grid = grid_view(blocks, (len(blocks),), dtype, device)
+    return as_shape(grid, (len(blocks), *blocks[0].shape), shape, contiguous=True)
 
 
 def test_tiled_view_refuses_every_layout_that_is_not_exactly_the_payloads():

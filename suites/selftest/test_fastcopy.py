@@ -258,6 +258,28 @@ def test_gpu_full_layer_direct_tp2_slices_are_bit_identical():
             assert_same_bits(d, s, f"rank {rank} expert {i // 3} pair {i % 3}")
 
 
+@pytest.mark.gpu
+def test_gpu_planning_a_copy_does_not_wait_for_the_device():
+    """A receiver plans bucket ``b + 1`` while its stream still copies bucket ``b``: building
+    the plan (the Triton launch tables) must queue behind that copy, not wait for it on the
+    host (a blocking copy of a pageable table synchronizes the stream, which serialized the
+    buckets of every freshly planned update)."""
+    pytest.importorskip("triton")
+    dst = torch.zeros(64, 32, dtype=torch.bfloat16, device="cuda")
+    src = random_bits((64, 64), torch.bfloat16, "cuda")[:, :32]  # strided: the Triton kernel
+    stream = torch.cuda.current_stream()
+    fastcopy.plan_copies([(dst, src)], graph=False)  # host allocations warm (pinned blocks)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of device time queued on the stream
+    plan = fastcopy.plan_copies([(dst, src)], graph=False)
+    still_busy = not stream.query()
+    plan.run()
+    torch.cuda.synchronize()
+    assert plan.backend == "triton" and [s.kind for s in plan.steps] == ["triton"]
+    assert still_busy, "planning waited for the work queued before it"
+    assert_same_bits(dst, src, "copy planned while the device was busy")
+
+
 # --------------------------------------------------------------------------- plan choice
 
 
