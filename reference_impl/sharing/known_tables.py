@@ -28,9 +28,11 @@ import torch
 
 from pytest_weightsync.reference_impl.sharing.tensor_guard import PTRS_EQUAL, native_metadata_guard
 
-#: Payload tables remembered (least recently used dropped first): more than a whole model's
-#: buckets for every receiver rank of one engine.
+#: Payload tables remembered, and their entries in all (least recently used dropped first
+#: past either): more than a whole model's buckets for every receiver rank of one engine, and
+#: a few tens of MB of addresses at most.
 MAX_TABLES = 256
+MAX_ENTRIES = 1 << 20
 
 _REQUIRES_GRAD = attrgetter("requires_grad")
 
@@ -105,5 +107,6 @@ def remember(names: list, tensors: list, offsets: list, firsts: list, storage_pt
     _KNOWN[key] = KnownTable(list(names), ptrs, list(offsets), list(range(len(tensors))), guard,
                              list(firsts), list(storage_ptrs), list(storage_sizes), table, nbytes)
     _KNOWN.move_to_end(key)
-    while len(_KNOWN) > MAX_TABLES:
-        _KNOWN.popitem(last=False)
+    entries = sum(len(known.names) for known in _KNOWN.values())
+    while len(_KNOWN) > 1 and (len(_KNOWN) > MAX_TABLES or entries > MAX_ENTRIES):
+        entries -= len(_KNOWN.popitem(last=False)[1].names)

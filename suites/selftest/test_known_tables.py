@@ -97,3 +97,16 @@ def test_a_sender_of_new_tensors_every_update_builds_no_guard():
         items = [(n, t.clone()) for n, t in compat.export(full)]
         same(SharedPayload(items), fresh(items))
     assert all(known.guard is None for known in known_tables._KNOWN.values())
+
+
+def test_the_memory_of_tables_is_bounded_by_tables_and_by_entries(monkeypatch):
+    full = synth.grouped_full_weights(SPEC, 4)
+    per_layer = 3 * SPEC.num_experts
+    monkeypatch.setattr(known_tables, "MAX_TABLES", 2)
+    for layer in range(SPEC.num_layers):
+        SharedPayload(compat.export(full, [layer]))
+    SharedPayload(compat.export(full))  # both layers: a third payload
+    assert [k[0] for k in known_tables._KNOWN] == [per_layer, 2 * per_layer]
+    monkeypatch.setattr(known_tables, "MAX_ENTRIES", 2 * per_layer)
+    SharedPayload(compat.export(full, [0]))
+    assert [k[0] for k in known_tables._KNOWN] == [per_layer], "the oldest dropped past the entries"
