@@ -126,8 +126,10 @@ class GroupedExperts(tuple):
             raise WeightSyncError(f"GroupedExperts: fc1 {tuple(fc1.shape)} {fc1.dtype} and fc2 "
                                   f"{tuple(fc2.shape)} {fc2.dtype} must be contiguous [E, 2I, H] "
                                   f"and [E, H, I] of one dtype and device")
-        self = super().__new__(cls, (ExpertWeights(fc1[e, :size], fc1[e, size:], fc2[e])
-                                     for e in range(n)))
+        # every expert's views in three native calls (a slice per expert and projection in
+        # Python cost three times as much: a gather builds this every update)
+        self = super().__new__(cls, map(ExpertWeights, fc1[:, :size].unbind(0),
+                                        fc1[:, size:].unbind(0), fc2.unbind(0)))
         self._fc1, self._fc2 = fc1, fc2
         return self
 
