@@ -146,11 +146,14 @@ class GroupedExperts(tuple):
             return None
         size, last = fc1.shape[1] // 2, len(self) - 1
         s1, s2 = fc1.untyped_storage().data_ptr(), fc2.untyped_storage().data_ptr()
-        for e, gate, down in ((0, self[0].gate, self[0].down), (last, self[last].up, self[last].down)):
-            start = e * fc1.stride(0) + (size * fc1.stride(1) if e == last else 0)
-            if (gate.untyped_storage().data_ptr() != s1 or down.untyped_storage().data_ptr() != s2
-                    or gate.data_ptr() != fc1.data_ptr() + start * fc1.element_size()
-                    or down.data_ptr() != fc2.data_ptr() + e * fc2.stride(0) * fc2.element_size()):
+        e1, e2 = fc1.element_size(), fc2.element_size()
+        probes = ((self[0].gate, 0, self[0].down, 0),  # (fc1 view, its offset, fc2 view, its)
+                  (self[last].up, last * fc1.stride(0) + size * fc1.stride(1),
+                   self[last].down, last * fc2.stride(0)))
+        for one, at1, two, at2 in probes:
+            if (one.untyped_storage().data_ptr() != s1 or two.untyped_storage().data_ptr() != s2
+                    or one.data_ptr() != fc1.data_ptr() + at1 * e1
+                    or two.data_ptr() != fc2.data_ptr() + at2 * e2):
                 return None
         return fc1, fc2
 

@@ -8,7 +8,10 @@ the staging buffer would be a byte-for-byte copy of a region that already exists
 can be a view of that region, and the sync moves every byte once (trainer memory straight into
 the engine's parameters) instead of twice.
 
-The check is strict, because a wrong view would send unrelated trainer memory: every source
+A layer built as :class:`~pytest_weightsync.reference_impl.model.moe_spec.GroupedExperts`
+declares those buffers, so its views are slices of them, found in O(1) (:func:`expert_grids`);
+any other layer's blocks are checked one by one. That check is strict, because a wrong view
+would send unrelated trainer memory: every source
 contiguous, of the payload's dtype and device, of one storage, each starting exactly where the
 previous one ended, together exactly the payload's elements; a conjugated or negated view
 (lazy bits torch resolves only on copy) never qualifies. Separate allocations are separate
@@ -102,7 +105,7 @@ def expert_grids(experts: Sequence, slots: Sequence[int], halves: tuple[str, str
         return joined, [joined[:, 0], joined[:, 1]], down
     parts = [grid_view([experts[e][p] for e in slots], (len(slots),), dtype, device)
              for p in halves]  # each half at fixed steps, though not the pair (up before gate)
-    return None, None if any(part is None for part in parts) else parts, down
+    return None, (None if any(part is None for part in parts) else parts), down
 
 
 def _consecutive(slots: Sequence[int]) -> "slice | None":
@@ -111,8 +114,8 @@ def _consecutive(slots: Sequence[int]) -> "slice | None":
         return None
     if isinstance(slots, range):
         return slice(slots.start, slots.stop) if slots.step == 1 else None
-    first = slots[0]
-    return slice(first, first + len(slots)) if list(slots) == list(range(first, first + len(slots))) else None
+    first, stop = slots[0], slots[0] + len(slots)
+    return slice(first, stop) if list(slots) == list(range(first, stop)) else None
 
 
 def as_shape(grid: "torch.Tensor | None", blocks, shape, contiguous: bool = False

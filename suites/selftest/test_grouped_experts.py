@@ -145,3 +145,13 @@ def test_expert_grids_of_any_slots_are_the_blocks_of_those_slots(slots):
             if joined is not None:
                 assert torch.equal(bits(joined[k, 0]), bits(layer[slot][halves[0]]))
                 assert torch.equal(bits(joined[k, 1]), bits(layer[slot][halves[1]]))
+
+
+@pytest.mark.parametrize("experts", [1, 2, 5])
+def test_a_layer_of_any_number_of_experts_is_grouped(experts):
+    fc1 = torch.arange(experts * 8 * 3, dtype=torch.float32).view(experts, 8, 3)
+    fc2 = torch.zeros(experts, 3, 4)
+    layer = GroupedExperts(fc1, fc2)
+    found = grouped_buffers(layer)
+    assert found is not None and found[0] is fc1 and found[1] is fc2
+    assert torch.equal(layer[-1].up, fc1[-1, 4:]) and torch.equal(layer[0].gate, fc1[0, :4])

@@ -59,7 +59,8 @@ def test_a_payload_seen_twice_is_tabled_from_memory_the_third_time():
         SharedPayload(compat.export(full))
     items = compat.export(full)
     key = known_tables._key([name for name, _ in items])
-    assert known_tables.recall([n for n, _ in items], [t for _, t in items]) is known_tables._KNOWN[key]
+    recalled = known_tables.recall([n for n, _ in items], [t for _, t in items])
+    assert recalled is known_tables._KNOWN[key]
     same(SharedPayload(items), fresh(items))
 
 
