@@ -23,6 +23,7 @@ per-tensor wire shares 768 tensors per layer for ``compat``).
 
 from __future__ import annotations
 
+import itertools
 import operator
 import time
 from dataclasses import dataclass, field
@@ -60,14 +61,11 @@ def _wait_for_writes(payloads: list) -> None:
     the same trainer memory, the sender's staging pool) reopens nothing, so torch's per-share
     CUDA event is never waited for there: the per-tensor wire must be ready before it is sent,
     as a per-storage payload is (``SharedPayload.ready``)."""
-    import torch
+    from pytest_weightsync.reference_impl.sharing.shared_payload import wait_for_writes
 
-    devices = set()
-    for payload in payloads:
-        devices.update(map(operator.attrgetter("device"), map(operator.itemgetter(1), payload)))
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+    device_of = operator.attrgetter("device")
+    wait_for_writes(itertools.chain.from_iterable(
+        map(device_of, map(operator.itemgetter(1), payload)) for payload in payloads))
 
 
 @dataclass

@@ -52,11 +52,16 @@ _NAME = operator.itemgetter(0)
 _TENSOR = operator.itemgetter(1)
 
 
-def _check_items(items: list) -> None:
+def _pairs(items: list) -> bool:
+    """Whether every entry is a 2-tuple, read in C."""
+    return set(map(type, items)) <= {tuple} and set(map(len, items)) <= {2}
+
+
+def _check_items(items: list, pairs: bool) -> None:
     """Refuse anything but ``(str, dense tensor without grad or lazy bits)`` pairs, naming the
-    first bad entry; the common all-good case is checked in bulk, in C."""
-    if (set(map(type, items)) <= {tuple} and set(map(len, items)) <= {2}
-            and set(map(type, map(_NAME, items))) <= {str}
+    first bad entry; the common all-good case is checked in bulk, in C (``pairs``: what
+    :func:`_pairs` said of ``items``)."""
+    if (pairs and set(map(type, map(_NAME, items))) <= {str}
             and all(map(isinstance, map(_TENSOR, items), itertools.repeat(torch.Tensor)))):
         tensors = list(map(_TENSOR, items))
         if (not any(map(operator.attrgetter("requires_grad"), tensors))
@@ -78,6 +83,14 @@ def _check_items(items: list) -> None:
                                      f"without lazy conjugate/negative bits can be shared")
 
 
+def wait_for_writes(devices: Iterable) -> None:
+    """Wait until every write queued on the current stream of each CUDA device among
+    ``devices`` is done (other devices have nothing queued)."""
+    for device in set(devices):
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
+
 class SharedPayload:
     """Sender side: a payload's storages and table, built once (see the module docstring).
 
@@ -86,15 +99,16 @@ class SharedPayload:
 
     def __init__(self, named_tensors: Iterable):
         items = list(named_tensors)
-        if set(map(type, items)) <= {tuple} and set(map(len, items)) <= {2}:
+        pairs = _pairs(items)
+        if pairs:
             names, tensors = list(map(_NAME, items)), list(map(_TENSOR, items))
             known = known_tables.recall(names, tensors)
             if known is not None:  # tabled before: only the storages are taken again
                 self._adopt(known, tensors)
                 return
-        _check_items(items)
-        names = list(map(_NAME, items))
-        tensors = list(map(_TENSOR, items))
+        _check_items(items, pairs)
+        if not pairs:  # (str, tensor) pairs of a tuple subclass passed the check
+            names, tensors = list(map(_NAME, items)), list(map(_TENSOR, items))
         # Every attribute of every entry read in C, one ``map`` per attribute: a payload built
         # every update (a stateless sender's 768 per-expert views per layer) costs per entry
         # what a few dict lookups cost, not a Python frame per attribute.
@@ -147,8 +161,7 @@ class SharedPayload:
     def ready(self) -> None:
         """Wait until every write queued on the payload's GPUs is done: a receiver that kept
         its mappings may read as soon as it hears from the trainer."""
-        for device in {w.device for w in self.wholes if w.device.type == "cuda"}:
-            torch.cuda.current_stream(device).synchronize()
+        wait_for_writes(w.device for w in self.wholes)
 
     def serialize(self, wait: bool = True) -> bytes:
         """The payload as bytes holding one handle per storage and the table (call once per
