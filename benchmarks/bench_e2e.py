@@ -96,11 +96,14 @@ class ExpertsPart:
 
     name = "experts"
 
-    def __init__(self, spec, device, seed: int = 0):
+    def __init__(self, spec, device, seed: int = 0, etp: int = 1):
         from pytest_weightsync.reference_impl.oracle import synth
 
-        self.spec, self.seed = spec, seed
-        self.full = synth.grouped_full_weights(spec, 0, seed, device=device)
+        self.spec, self.seed, self.etp = spec, seed, etp
+        if etp > 1:  # the trainer's ETP shards, not gathered (direct reads them as they are)
+            self.full = synth.etp_grouped_weights(spec, 0, seed, etp=etp, device=device)
+        else:
+            self.full = synth.grouped_full_weights(spec, 0, seed, device=device)
         self.buffers = synth.storage_words(self.full)
         self.mask = 0
 
@@ -246,14 +249,15 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
                 problems.append(f"rank {report.rank} parameters moved")
         bits = "exact" if not problems else "; ".join(problems)
         if bits != "exact":
-            failures.append(f"{'per-update' if per_update else 'registered'} {fmt} MoE-TP {tp}: {bits}")
+            failures.append(f"{'per-update' if per_update else 'registered'} {fmt} MoE-TP {tp}"
+                            f"{_etp_label(part)}: {bits}")
         chained = sync.chain
         sync.close()
         ratios = [plain / timing.wall for timing, plain in rounds]
         cache = [c for timing, _ in rounds for c in timing.cache]
         row = dict(
             path="per_update" if per_update else "registered", format=fmt, moe_tp=tp,
-            chain=chained,
+            trainer_etp=part.etp, chain=chained,
             layers=part.spec.num_layers,
             entries=sender.entries, buckets=len(sender.buckets), nbytes=nbytes,
             staged_bytes=sender.staged_bytes, storages=sum(len(b.shared[r].wholes)
@@ -276,6 +280,26 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
             args.progress(row)
         del sender, sync
         release(engines[0].device)
+    return rows
+
+
+def trainer_etp_rows(spec, engines, topo, tp, args, masks, limit, ptrs, failures) -> list:
+    """The direct rows again with the trainer holding its experts as an ETP group of
+    ``tp`` ranks (``EtpGroupedExperts``: Megatron's ``[gate_r; up_r]`` shards, not gathered):
+    every engine rank's ``w13`` / ``w2`` is then one ETP rank's buffer, a view, so nothing is
+    staged. Both protocols the run times (registered, ``--per-update``)."""
+    device = engines[0].device
+    part = ExpertsPart(spec, torch.device(device), etp=tp)
+    sub = argparse.Namespace(**{**vars(args), "formats": ["direct"]})
+    rows = []
+    try:
+        if args.registered:
+            rows += registered_rows(part, engines, topo, tp, sub, masks, limit, ptrs, failures)
+        if args.per_update:
+            rows += per_update_rows(part, engines, topo, tp, sub, masks, limit, ptrs, failures)
+    finally:
+        del part
+        release(device)
     return rows
 
 
@@ -330,7 +354,7 @@ def per_tensor_rows(part, engines, topo, tp, args, masks, ptrs, failures) -> lis
             problems += [p for p in part.check(engines) if p]
             bits = "exact" if not problems else "; ".join(problems)
             if bits != "exact":
-                failures.append(f"{label} {fmt} MoE-TP {tp}: {bits}")
+                failures.append(f"{label} {fmt} MoE-TP {tp}{_etp_label(part)}: {bits}")
             last = rounds[-1][0]
             entries = sum(r.entries for bucket in last.reports for r in bucket)
             ratios = [plain / t.wall for t, plain in rounds]
@@ -339,6 +363,7 @@ def per_tensor_rows(part, engines, topo, tp, args, masks, ptrs, failures) -> lis
             cache = [c for t, _ in rounds for bucket in t.reports for r in bucket for c in r.cache]
             row = dict(
                 path=label, wire=wire, plan_cache=cached, format=fmt, moe_tp=tp,
+                trainer_etp=part.etp,
                 layers=part.spec.num_layers, entries=entries, buckets=len(last.reports),
                 nbytes=nbytes, export_s=median([t.export for t, _ in rounds]),
                 serialize_s=median([t.serialize for t, _ in rounds]), receive_s=stage("receive"),
@@ -359,9 +384,15 @@ def per_tensor_rows(part, engines, topo, tp, args, masks, ptrs, failures) -> lis
     return rows
 
 
+def _etp_label(part) -> str:
+    """How a row's trainer holds its experts, where it is not one gathered buffer."""
+    return f" (trainer ETP {part.etp} shards)" if part.etp > 1 else ""
+
+
 def print_row(r) -> None:
     ms = lambda k: f"{1e3 * r[k]:8.2f}" if r.get(k) is not None else "       -"  # noqa: E731
-    print(f"{r['path']:<17} {r['format']:<8} tp{r['moe_tp']} L{r['layers']:<3} "
+    fmt = r["format"] + (f"/etp{r['trainer_etp']}" if r.get("trainer_etp", 1) > 1 else "")
+    print(f"{r['path']:<17} {fmt:<8} tp{r['moe_tp']} L{r['layers']:<3} "
           f"{r['entries']:>6} entries {r['nbytes'] / 2**30:7.2f} GiB | export {ms('export_s')} "
           f"serialize {ms('serialize_s')} receive {ms('receive_s')} load {ms('load_s')} "
           f"sync {ms('synchronize_s')} | update {ms('wall_s')} ms  plain copy {ms('plain_copy_s')} ms "
@@ -415,6 +446,9 @@ def run(args) -> dict:
                 rows += registered_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures)
             if args.per_update:
                 rows += per_update_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures)
+            if getattr(args, "trainer_etp", False) and tp > 1 and "direct" in args.formats:
+                rows += trainer_etp_rows(spec, engines, topo, tp, args, masks, limit, ptrs,
+                                         failures)
             del limit
             release(device)
             if args.per_tensor:
@@ -425,6 +459,14 @@ def run(args) -> dict:
                 small_ptrs = [engine.configure(small.spec, topo, rank)
                               for rank, engine in enumerate(engines)]
                 rows += per_tensor_rows(small, engines, topo, tp, args, masks, small_ptrs, failures)
+                if getattr(args, "trainer_etp", False) and tp > 1 and "direct" in args.formats:
+                    sharded = ExpertsPart(small.spec, device, etp=tp)
+                    sub = argparse.Namespace(**{**vars(args), "formats": ["direct"]})
+                    rows += per_tensor_rows(sharded, engines, topo, tp, sub, masks, small_ptrs,
+                                            failures)
+                    holder = [sharded]
+                    del sharded
+                    share_chain.release(holder)
         finally:
             for engine in engines:
                 engine.close()
@@ -482,6 +524,10 @@ def main(argv=None) -> int:
     p.add_argument("--chain-ranks", action="store_true",
                    help="engine rank r copies a bucket of views after rank r - 1 on the device "
                    "(ColocatedSync(chain=True)): one engine context at a time")
+    p.add_argument("--trainer-etp", action="store_true",
+                   help="at each MoE-TP > 1 also time direct with the trainer holding its "
+                   "experts as ETP shards of that size, not gathered (Megatron's [gate_r; up_r] "
+                   "fc1: every engine rank's w13 is one shard, sent as a view)")
     p.add_argument("--no-digest", dest="digest", action="store_false",
                    help="skip the digest check after every update of the whole-model rows")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per engine request")

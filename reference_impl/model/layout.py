@@ -37,6 +37,7 @@ from pytest_weightsync.reference_impl.model.moe_spec import (
     PROJECTIONS,
     PROJECTION_INDEX,
     RECEIVER_PARAMS,
+    EtpGroupedExperts,
     ExpertWeights,
     FullWeights,
     GroupedExperts,
@@ -44,6 +45,7 @@ from pytest_weightsync.reference_impl.model.moe_spec import (
     TopologyError,
     gate_up_halves,
     grouped_buffers,
+    layer_device,
 )
 from pytest_weightsync.reference_impl.model.receiver_layout import (
     ReceiverShard,
@@ -75,6 +77,7 @@ __all__ = [
     "ENGINE_LAYOUTS",
     "EXPERT_IMPLS",
     "EXPERT_PLACEMENTS",
+    "EtpGroupedExperts",
     "ExpertWeights",
     "FullWeights",
     "GATE_UP_ORDERS",
@@ -99,6 +102,7 @@ __all__ = [
     "grouped_buffers",
     "hf_expert_name",
     "hf_fused_name",
+    "layer_device",
     "megatron_expert_name",
     "name_problem",
     "packed_shape",

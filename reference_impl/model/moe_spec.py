@@ -17,6 +17,7 @@ from pytest_weightsync.reference_impl.errors import WeightSyncError
 from pytest_weightsync.vocabulary import ORDERS
 
 __all__ = [
+    "EtpGroupedExperts",
     "ExpertWeights",
     "FullWeights",
     "GATE_UP_ORDERS",
@@ -28,6 +29,7 @@ __all__ = [
     "TopologyError",
     "gate_up_halves",
     "grouped_buffers",
+    "layer_device",
 ]
 
 #: Projections of one gated expert, in Hugging Face terms.
@@ -174,6 +176,83 @@ def grouped_buffers(experts, dtype=None, device=None):
         if want.type != fc1.device.type or (want.index is not None and want != fc1.device):
             return None
     return found
+
+
+class EtpGroupedExperts:
+    """One layer's routed experts as an expert-tensor-parallel (ETP) group of a grouped-GEMM
+    trainer holds them: ETP rank ``r``'s ``fc1 [E, 2I/t, H]`` (``[gate_r; up_r]`` per expert,
+    Megatron's layout: its rows of gate stacked on its rows of up) and ``fc2 [E, H, I/t]``
+    (its columns of down), ``t`` ranks of equal rows (Megatron splits evenly).
+
+    Why it exists: SGLang's ``load_format="direct"`` takes each engine rank's ``w13`` whole,
+    ``[E_local, 2I/moe_tp, H]`` with ``[gate_r; up_r]`` rows. Out of a gathered ``[gate; up]``
+    buffer those rows are two blocks, so a sender must stage them (a second copy of every fc1
+    byte: at most 0.6 of the copy limit on one GPU). An ETP rank's own fc1 already is that
+    tensor when the trainer's ETP size equals the engine's MoE-TP, so the direct payload is a
+    view of the trainer's memory and every byte moves once - without a gather.
+
+    A full expert's gate, up or down is no view of this memory, so this is not a layer of
+    :data:`FullWeights`: only the direct format reads it (any ETP against any MoE-TP: views
+    where the rows match, else strided copies from the shards); the other formats take
+    :meth:`gather`'s copy. Rank ``r``'s buffers are :meth:`shard`."""
+
+    def __init__(self, fc1_shards, fc2_shards):
+        fc1s, fc2s = list(fc1_shards), list(fc2_shards)
+        if not fc1s or len(fc1s) != len(fc2s) or not all(
+                isinstance(t, torch.Tensor) and t.dim() == 3 for t in fc1s + fc2s):
+            raise WeightSyncError("EtpGroupedExperts takes one fc1 [E, 2I/t, H] and one fc2 "
+                                  "[E, H, I/t] per ETP rank, as two equally long lists of 3-D "
+                                  "tensors")
+        n, two_rows, hidden = fc1s[0].shape
+        rows = two_rows // 2
+        first = fc1s[0]
+        for r, (fc1, fc2) in enumerate(zip(fc1s, fc2s)):
+            if (two_rows % 2 or rows < 1 or tuple(fc1.shape) != (n, two_rows, hidden)
+                    or tuple(fc2.shape) != (n, hidden, rows)
+                    or {fc1.dtype, fc2.dtype} != {first.dtype}
+                    or {fc1.device, fc2.device} != {first.device}
+                    or not fc1.is_contiguous() or not fc2.is_contiguous()):
+                raise WeightSyncError(
+                    f"EtpGroupedExperts: ETP rank {r}'s fc1 {tuple(fc1.shape)} {fc1.dtype} and "
+                    f"fc2 {tuple(fc2.shape)} {fc2.dtype} must be contiguous [E, 2I/t, H] and "
+                    f"[E, H, I/t] of rank 0's shapes {tuple(first.shape)}, dtype and device")
+        self._fc1, self._fc2 = tuple(fc1s), tuple(fc2s)
+        self.etp, self.rows, self.hidden = len(fc1s), rows, hidden
+        self.intermediate = rows * len(fc1s)
+        self.dtype, self.device = first.dtype, first.device
+
+    def __len__(self) -> int:
+        return self._fc1[0].shape[0]
+
+    def __reduce__(self):
+        return (EtpGroupedExperts, (self._fc1, self._fc2))
+
+    def shard(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """ETP rank ``rank``'s ``(fc1 [E, 2I/t, H], fc2 [E, H, I/t])``."""
+        return self._fc1[rank], self._fc2[rank]
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """Every buffer once (fc1 then fc2 of each rank)."""
+        return tuple(t for pair in zip(self._fc1, self._fc2) for t in pair)
+
+    def gather(self) -> GroupedExperts:
+        """The full layer as a :class:`GroupedExperts` copy (an ETP all_gather on one device):
+        what the formats other than direct read. A snapshot: it does not follow later
+        in-place changes of the shards."""
+        n, rows, hidden = len(self), self.rows, self.hidden
+        fc1 = torch.empty((n, 2, self.etp, rows, hidden), dtype=self.dtype, device=self.device)
+        for r, shard in enumerate(self._fc1):
+            fc1[:, :, r].copy_(shard.view(n, 2, rows, hidden))
+        fc2 = torch.cat(self._fc2, dim=-1)
+        return GroupedExperts(fc1.view(n, 2 * self.intermediate, hidden), fc2)
+
+
+def layer_device(experts) -> torch.device:
+    """The device one layer's experts (a tuple of :class:`ExpertWeights` or an
+    :class:`EtpGroupedExperts`) live on."""
+    if isinstance(experts, EtpGroupedExperts):
+        return experts.device
+    return experts[0].gate.device
 
 
 #: Full (unsharded) expert weights, as every sender path takes them:

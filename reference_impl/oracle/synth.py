@@ -34,10 +34,12 @@ import torch
 from pytest_weightsync.reference_impl.model.layout import (
     PROJECTION_INDEX,
     PROJECTIONS,
+    EtpGroupedExperts,
     ExpertWeights,
     GroupedExperts,
     MoESpec,
     ReceiverTopology,
+    WeightSyncError,
     fused_name,
     receiver_shard,
 )
@@ -351,18 +353,43 @@ def grouped_full_weights(spec: MoESpec, version: int, seed: int = 0, layers=None
     return out
 
 
+def etp_grouped_weights(spec: MoESpec, version: int, seed: int = 0, layers=None, *, etp: int,
+                        device=None, finite: bool = False) -> dict[int, EtpGroupedExperts]:
+    """:func:`full_weights` (the same bits) as a grouped-GEMM trainer's ETP group of ``etp``
+    ranks holds them, not gathered: per layer and ETP rank ``r`` one fc1 buffer
+    ``[E, 2I/etp, H]`` (``[gate_r; up_r]`` per expert) and one fc2 ``[E, H, I/etp]``
+    (:class:`EtpGroupedExperts`). Built layer by layer from :func:`grouped_full_weights`."""
+    if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1 or spec.intermediate % etp:
+        raise WeightSyncError(f"etp must be an int >= 1 dividing intermediate "
+                              f"{spec.intermediate}, got {etp!r}")
+    layers = range(spec.num_layers) if layers is None else layers
+    n, hidden, rows = spec.num_experts, spec.hidden, spec.intermediate // etp
+    out = {}
+    for layer in layers:
+        whole = grouped_full_weights(spec, version, seed, [layer], device=device, finite=finite)
+        fc1, fc2 = whole[layer].buffers()
+        grid = fc1.view(n, 2, etp, rows, hidden)
+        out[layer] = EtpGroupedExperts(
+            [grid[:, :, r].contiguous().view(n, 2 * rows, hidden) for r in range(etp)],
+            [fc2[:, :, r * rows:(r + 1) * rows].contiguous() for r in range(etp)])
+        del whole, fc1, fc2, grid
+    return out
+
+
 def storage_words(full: dict[int, tuple[ExpertWeights, ...]]) -> list[torch.Tensor]:
-    """Every buffer under :func:`grouped_full_weights`' result once, as a flat int16 view, so an
-    in-place change between updates (a bitwise xor, as a trainer step would write) touches each
-    element exactly once however many expert tensors share a buffer."""
+    """Every buffer under :func:`grouped_full_weights`' (or :func:`etp_grouped_weights`')
+    result once, as a flat int16 view, so an in-place change between updates (a bitwise xor, as
+    a trainer step would write) touches each element exactly once however many expert tensors
+    share a buffer."""
     seen = {}
     for layer in full.values():
-        for w in layer:
-            for t in (w.gate, w.down):
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    flat = torch.empty(0, dtype=torch.int16, device=t.device)
-                    seen[storage.data_ptr()] = flat.set_(storage, 0, (storage.nbytes() // 2,), (1,))
+        tensors = (layer.buffers() if isinstance(layer, EtpGroupedExperts)
+                   else [t for w in layer for t in (w.gate, w.down)])
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                flat = torch.empty(0, dtype=torch.int16, device=t.device)
+                seen[storage.data_ptr()] = flat.set_(storage, 0, (storage.nbytes() // 2,), (1,))
     return list(seen.values())
 
 

@@ -43,6 +43,7 @@ import torch
 from pytest_weightsync.reference_impl.kernels import fastcopy
 from pytest_weightsync.reference_impl.senders import answers, formats as senders
 from pytest_weightsync.reference_impl.errors import WeightSyncError
+from pytest_weightsync.reference_impl.model.moe_spec import layer_device
 from pytest_weightsync.reference_impl.sharing.shared_payload import SharedPayload
 
 #: Alignment of staging tensors inside the arena (bytes): whole 16-byte vectors and cache lines.
@@ -140,7 +141,7 @@ class ColocatedSender:
         layers = sorted(full) if layers is None else list(layers)
         if not layers:
             raise WeightSyncError("ColocatedSender needs at least one layer")
-        device = torch.device(device) if device is not None else full[layers[0]][0].gate.device
+        device = torch.device(device) if device is not None else layer_device(full[layers[0]])
         self.device = device
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
                                          or not isinstance(bucket_bytes, int) or bucket_bytes < 0):

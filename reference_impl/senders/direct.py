@@ -16,15 +16,18 @@ import torch
 
 from pytest_weightsync.reference_impl.kernels import fastcopy
 from pytest_weightsync.reference_impl.model.layout import (
+    EtpGroupedExperts,
     ExpertWeights,
     MoESpec,
     ReceiverTopology,
     WeightSyncError,
     fused_name,
     gate_up_halves,
+    layer_device,
     receiver_shard,
 )
 from pytest_weightsync.reference_impl.senders.zerocopy import (
+    consecutive_span,
     as_shape,
     expert_grids,
     staging_kwargs,
@@ -49,12 +52,17 @@ def layer_payload(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
     tensor from ``alloc(shape, dtype, device, zero)`` (zeroed where the receiver pads) that
     the pairs fill: strided views of all its blocks where they lie at fixed steps (the rank's
     gate rows of every expert, then its up rows: two batched copies), else one pair per block
-    (separate allocations, EPLB's repeated experts)."""
+    (separate allocations, EPLB's repeated experts).
+
+    ``experts`` may also be an :class:`EtpGroupedExperts` (a trainer's ETP shards, not
+    gathered): see :func:`_etp_layer_payload`."""
     if len(experts) != spec.num_experts:
         raise WeightSyncError(f"direct export of layer {layer} needs all {spec.num_experts} "
                               f"experts (indexed by global id), got {len(experts)}")
+    if isinstance(experts, EtpGroupedExperts):
+        return _etp_layer_payload(spec, topo, rank, layer, experts, device, alloc)
     shard = receiver_shard(spec, topo, rank)
-    device = experts[0].gate.device if device is None else device
+    device = layer_device(experts) if device is None else device
     alloc = alloc or staging_tensor
     n_local, buf, rows = len(shard.experts), shard.buffer_rows, shard.rows
     padded = buf != rows
@@ -92,6 +100,62 @@ def layer_payload(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
             pairs.extend((w2[slot, :, :rows], experts[e].down[:, lo:hi])
                          for slot, e in enumerate(held))
     return [(fused_name(layer, "w13"), w13), (fused_name(layer, "w2"), w2)], pairs
+
+
+def _etp_layer_payload(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,
+                       experts: EtpGroupedExperts, device, alloc):
+    """:func:`layer_payload` from a trainer's ETP shards, without gathering them.
+
+    A receiver rank whose rows are exactly one ETP rank's rows (trainer ETP == engine MoE-TP,
+    unpadded, the engine's gate-first order) and whose experts are consecutive gets views:
+    ``w13`` is a slice of that rank's fc1 ``[E, 2I/t, H]`` (already ``[gate_r; up_r]`` per
+    expert, the exact shape ``load_format="direct"`` checks), ``w2`` of its fc2 - no staging,
+    no pairs. Any other combination stages, reading every piece straight from the shards it
+    lies in: per overlapping ETP rank and half one strided pair over all the rank's experts
+    (or one per expert where they are not consecutive)."""
+    if (experts.intermediate != spec.intermediate or experts.hidden != spec.hidden
+            or experts.dtype != spec.dtype):
+        raise WeightSyncError(
+            f"direct export of layer {layer}: the trainer's ETP shards hold intermediate "
+            f"{experts.intermediate}, hidden {experts.hidden}, {experts.dtype}; the model is "
+            f"{spec.intermediate}, {spec.hidden}, {spec.dtype}")
+    shard = receiver_shard(spec, topo, rank)
+    device = experts.device if device is None else device
+    alloc = alloc or staging_tensor
+    n_local, buf, rows = len(shard.experts), shard.buffer_rows, shard.rows
+    lo, hidden, step = shard.row_start, spec.hidden, experts.rows
+    halves = gate_up_halves(topo.order)
+    held = shard.slot_experts(layer)
+    span = consecutive_span(held)
+    names = (fused_name(layer, "w13"), fused_name(layer, "w2"))
+    same_device = torch.device(device) == experts.device
+    if (same_device and span is not None and buf == rows == step and lo % step == 0
+            and halves == ("gate", "up")):
+        fc1, fc2 = experts.shard(lo // step)
+        return [(names[0], fc1[span]), (names[1], fc2[span])], []
+    padded = buf != rows
+    w13 = alloc((n_local, 2 * buf, hidden), spec.dtype, device, padded)
+    w2 = alloc((n_local, hidden, buf), spec.dtype, device, padded)
+    halves13 = w13.view(n_local, 2, buf, hidden)
+    pairs = []
+    owners = range(lo // step, (lo + rows - 1) // step + 1) if rows else ()
+    for owner in owners:  # the ETP ranks holding the receiver rank's rows
+        start, stop = max(lo, owner * step), min(lo + rows, (owner + 1) * step)
+        src, dst = slice(start - owner * step, stop - owner * step), slice(start - lo, stop - lo)
+        fc1, fc2 = experts.shard(owner)
+        grid = fc1.view(len(experts), 2, step, hidden)
+        for position, projection in enumerate(halves):
+            half = 0 if projection == "gate" else 1
+            if span is not None:
+                pairs.append((halves13[:, position, dst], grid[span, half, src]))
+            else:
+                pairs.extend((halves13[slot, position, dst], grid[e, half, src])
+                             for slot, e in enumerate(held))
+        if span is not None:
+            pairs.append((w2[:, :, dst], fc2[span, :, src]))
+        else:
+            pairs.extend((w2[slot, :, dst], fc2[e, :, src]) for slot, e in enumerate(held))
+    return [(names[0], w13), (names[1], w2)], pairs
 
 
 def export_layer(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: int,

@@ -35,6 +35,7 @@ def export(fmt: str, spec, receiver, rank: int, full: Mapping[int, Sequence],
     check_format(fmt)
     from pytest_weightsync.reference_impl.senders import compat, direct, hf_fused, packed
 
+    _check_gathered(fmt, full, sorted(full) if layers is None else layers)
     if fmt == "compat":
         return compat.export(full, layers)
     if fmt == "hf_fused":
@@ -54,6 +55,7 @@ def layer_payload(fmt: str, spec, receiver, rank: int, full: Mapping[int, Sequen
     check_format(fmt)
     from pytest_weightsync.reference_impl.senders import compat, direct, hf_fused, packed
 
+    _check_gathered(fmt, full, (layer,))
     if fmt == "compat":
         return compat.export(full, [layer]), []
     if fmt == "hf_fused":
@@ -61,6 +63,21 @@ def layer_payload(fmt: str, spec, receiver, rank: int, full: Mapping[int, Sequen
     if fmt == "packed":
         return packed.layer_payload(spec, layer, full[layer], receiver.order, alloc=alloc)
     return direct.layer_payload(spec, receiver, rank, layer, full[layer], alloc=alloc)
+
+
+def _check_gathered(fmt: str, full: Mapping, layers) -> None:
+    """Refuse a layer held as a trainer's ETP shards for a format that needs whole experts:
+    only ``direct`` reads the shards themselves."""
+    if fmt == "direct":
+        return
+    from pytest_weightsync.reference_impl.model.moe_spec import EtpGroupedExperts
+
+    for layer in layers:
+        if isinstance(full.get(layer) if hasattr(full, "get") else None, EtpGroupedExperts):
+            raise PayloadFormatError(
+                f"layer {layer} is held as ETP shards (EtpGroupedExperts), which only the "
+                f"direct format reads; the {fmt} format needs whole experts: send "
+                f"its .gather()")
 
 
 def rank_independent(fmt: str) -> bool:

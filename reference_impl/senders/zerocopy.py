@@ -90,7 +90,7 @@ def expert_grids(experts: Sequence, slots: Sequence[int], halves: tuple[str, str
     a run of consecutive slots is sliced out of them in O(1); any other layer is proven block
     by block (:func:`grid_view`: host work per expert)."""
     found = grouped_buffers(experts, dtype, device)
-    span = _consecutive(slots)
+    span = consecutive_span(slots)
     if found is not None and span is not None:
         fc1, fc2 = found
         n, two_i, hidden = fc1.shape
@@ -108,7 +108,7 @@ def expert_grids(experts: Sequence, slots: Sequence[int], halves: tuple[str, str
     return None, (None if any(part is None for part in parts) else parts), down
 
 
-def _consecutive(slots: Sequence[int]) -> "slice | None":
+def consecutive_span(slots: Sequence[int]) -> "slice | None":
     """``slots`` as a slice when they are consecutive ascending ids, else ``None``."""
     if not len(slots):
         return None

@@ -26,6 +26,7 @@ from pytest_weightsync.reference_impl.senders.colocated import (  # noqa: E402
     StagingBudgetError,
 )
 from pytest_weightsync.reference_impl.model.layout import (  # noqa: E402
+    EtpGroupedExperts,
     MoESpec,
     ReceiverTopology,
     fused_name,
@@ -59,11 +60,12 @@ def xor_weights(full, mask: int) -> None:
     signed = mask - 0x10000 if mask >= 0x8000 else mask
     done = set()
     for layer in full.values():
-        for w in layer:
-            for t in (w.gate, w.up, w.down):
-                if id(t) not in done:
-                    t.view(torch.int16).bitwise_xor_(signed)
-                    done.add(id(t))
+        tensors = (layer.buffers() if isinstance(layer, EtpGroupedExperts)
+                   else [t for w in layer for t in (w.gate, w.up, w.down)])
+        for t in tensors:
+            if id(t) not in done:
+                t.view(torch.int16).bitwise_xor_(signed)
+                done.add(id(t))
 
 
 def poisoned(spec, topo, rank, device="cpu", plan_cache=True):
@@ -488,17 +490,27 @@ def test_gpu_colocated_sync_over_cuda_ipc_is_exact_and_replays_cuda_graphs(fmt, 
                                                                                or tp == 1))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_update", [False, True], ids=["registered", "per_update"])
+def test_gpu_direct_from_etp_shards_stages_nothing_and_is_exact(per_update):
+    # the trainer's ETP 2 shards are the engine ranks' w13 / w2 at MoE-TP 2: views, one copy
+    gpu_sync_rounds("direct", 2, seed=14, steps=3, per_update=per_update, etp=2,
+                    check_sender=lambda sender: sender.staged_bytes == 0)
+
+
 def gpu_sync_rounds(fmt, tp, *, seed, steps, per_update=False, bucket_layers=False,
-                    check_sender=None, after_update=None, chain=False):
+                    check_sender=None, after_update=None, chain=False, etp=None):
     """Updates of 3 small layers over CUDA IPC into ``tp`` engine processes on GPU 0: the
     trainer's bits xor-ed in place before each, every bucket a plan-cache miss on the first
     update and a hit after, parameters never moved, the oracle's bits after the last.
     ``per_update``: SGLang's protocol (serialized every update) instead of registered
     payloads; ``bucket_layers``: one layer per bucket; ``after_update(engines, full, step)``;
-    ``chain``: the engine ranks' copies of a bucket of views one after the other."""
+    ``chain``: the engine ranks' copies of a bucket of views one after the other; ``etp``:
+    the trainer holds ETP shards of that size (direct only), not one gathered buffer."""
     spec = MoESpec(num_layers=3, num_experts=16, hidden=256, intermediate=128)
     topo = ReceiverTopology(tp=tp)
-    full = synth.grouped_full_weights(spec, seed, device="cuda")
+    full = (synth.grouped_full_weights(spec, seed, device="cuda") if etp is None
+            else synth.etp_grouped_weights(spec, seed, etp=etp, device="cuda"))
     engines = [engine_process.ReceiverProcess("cuda:0", timeout=120) for _ in range(tp)]
     try:
         ptrs = [e.configure(spec, topo, r) for r, e in enumerate(engines)]

@@ -1,0 +1,180 @@
+"""Direct from a trainer's ETP shards, not gathered (``EtpGroupedExperts``).
+
+SGLang's ``load_format="direct"`` takes each engine rank's ``w13`` whole, ``[gate_r; up_r]``
+rows of every local expert. Out of a gathered ``[gate; up]`` buffer those rows are two blocks,
+so a sender stages them (every fc1 byte copied twice). A Megatron ETP rank's own fc1 already
+is that tensor when the trainer's ETP size equals the engine's MoE-TP, so the payload is a
+view of it. These tests hold the shard path to the gathered one: the same payload (names,
+shapes, bits) for every ETP size against every MoE-TP, EP, padding and gate/up order; views
+of the matching shard and nothing staged where ETP == MoE-TP; the receiver's parameters exact
+after a registered colocated sync; and a clear refusal of everything else.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pytest_weightsync.reference_impl.engine.receiver import ReferenceReceiver  # noqa: E402
+from pytest_weightsync.reference_impl.errors import WeightSyncError  # noqa: E402
+from pytest_weightsync.reference_impl.kernels import fastcopy  # noqa: E402
+from pytest_weightsync.reference_impl.model.layout import (  # noqa: E402
+    EtpGroupedExperts,
+    MoESpec,
+    ReceiverTopology,
+)
+from pytest_weightsync.reference_impl.oracle import synth  # noqa: E402
+from pytest_weightsync.reference_impl.senders import formats as senders  # noqa: E402
+from pytest_weightsync.reference_impl.senders.colocated import ColocatedSender  # noqa: E402
+from pytest_weightsync.reference_impl.senders.formats import PayloadFormatError  # noqa: E402
+
+SPEC = MoESpec(num_layers=2, num_experts=8, hidden=16, intermediate=8)
+TOPOLOGIES = {
+    "tp1": ReceiverTopology(tp=1),
+    "tp2": ReceiverTopology(tp=2),
+    "tp4": ReceiverTopology(tp=4),
+    "tp8": ReceiverTopology(tp=8),
+    "tp2-up_gate": ReceiverTopology(tp=2, order="up_gate"),
+    "ep2": ReceiverTopology(tp=4, moe_ep=2),
+    "ep4": ReceiverTopology(tp=4, moe_ep=4),
+    "tp2-padded": ReceiverTopology(tp=2, intermediate_padded=5),
+    "tp2-blocked": ReceiverTopology(tp=2, intermediate_padded=6, pad_mode="blocked"),
+}
+
+
+def bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+def shard_storages(layer: EtpGroupedExperts) -> set:
+    return {t.untyped_storage().data_ptr() for t in layer.buffers()}
+
+
+@pytest.mark.parametrize("etp", [1, 2, 4, 8])
+@pytest.mark.parametrize("topo", TOPOLOGIES, ids=str)
+def test_direct_from_etp_shards_is_the_gathered_payload(etp, topo):
+    topo = TOPOLOGIES[topo]
+    gathered = synth.grouped_full_weights(SPEC, 3)
+    sharded = synth.etp_grouped_weights(SPEC, 3, etp=etp)
+    for rank in range(topo.world_size):
+        want = senders.export("direct", SPEC, topo, rank, gathered, [1])
+        got = senders.export("direct", SPEC, topo, rank, sharded, [1])
+        assert [n for n, _ in got] == [n for n, _ in want]
+        for (name, g), (_, w) in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype, name
+            assert torch.equal(bits(g), bits(w)), f"ETP {etp}, rank {rank}, {name}: other bits"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_etp_equal_to_moe_tp_sends_each_rank_its_own_shard_as_a_view(tp):
+    topo = ReceiverTopology(tp=tp)
+    sharded = synth.etp_grouped_weights(SPEC, 5, etp=tp)
+    for rank in range(tp):
+        entries, pairs = senders.layer_payload("direct", SPEC, topo, rank, sharded, 0)
+        assert pairs == [], "nothing is staged when the rows are one ETP rank's"
+        fc1, fc2 = sharded[0].shard(rank)
+        (_, w13), (_, w2) = entries
+        assert (w13.data_ptr(), w13.shape) == (fc1.data_ptr(), fc1.shape)
+        assert (w2.data_ptr(), w2.shape) == (fc2.data_ptr(), fc2.shape)
+    sender = ColocatedSender("direct", SPEC, topo, sharded)
+    assert sender.staged_bytes == 0
+
+
+@pytest.mark.parametrize("etp, topo", [(2, "tp2-up_gate"), (2, "tp4"), (4, "tp2"), (4, "ep2"),
+                                       (2, "tp2-padded")])
+def test_a_mismatched_etp_stages_from_the_shards_themselves(etp, topo):
+    """Where the rows differ the staging pairs read the shards (live trainer memory, as a
+    registered sender's plan replays every update), never a gathered snapshot."""
+    topo = TOPOLOGIES[topo]
+    sharded = synth.etp_grouped_weights(SPEC, 5, etp=etp)
+    live = shard_storages(sharded[0])
+    entries, pairs = senders.layer_payload("direct", SPEC, topo, 0, sharded, 0)
+    assert pairs and all(src.untyped_storage().data_ptr() in live for _, src in pairs)
+
+
+@pytest.mark.parametrize("etp, tp", [(2, 2), (2, 4), (4, 2)])
+def test_a_registered_sync_from_shards_lands_every_bit_and_follows_in_place_updates(etp, tp):
+    topo = ReceiverTopology(tp=tp)
+    sharded = synth.etp_grouped_weights(SPEC, 0, etp=etp)
+    receivers = [ReferenceReceiver(SPEC, topo, r) for r in range(tp)]
+    sender = ColocatedSender("direct", SPEC, topo, sharded)
+    for version in (0, 7):
+        if version:  # the trainer's step writes its shards in place
+            fresh = synth.etp_grouped_weights(SPEC, version, etp=etp)
+            for layer in sharded:
+                for old, new in zip(sharded[layer].buffers(), fresh[layer].buffers()):
+                    old.copy_(new)
+        for bucket in sender.buckets:
+            fastcopy.copy_pairs(bucket.pairs)
+        for rank, receiver in enumerate(receivers):
+            receiver.begin_update()
+            for bucket in sender.buckets:
+                receiver.load(bucket.entries[rank], "direct")
+            receiver.end_update()
+            want = synth.expected_receiver_params(SPEC, topo, rank, version)
+            for name, param in receiver.named_parameters():
+                assert torch.equal(bits(param), bits(want[name])), (version, rank, name)
+
+
+def test_gather_is_the_full_layer_and_a_snapshot():
+    sharded = synth.etp_grouped_weights(SPEC, 2, etp=4)
+    full = synth.grouped_full_weights(SPEC, 2)
+    gathered = sharded[1].gather()
+    for got, want in zip(gathered.buffers(), full[1].buffers()):
+        assert torch.equal(bits(got), bits(want))
+    before = bits(gathered.buffers()[0]).clone()
+    sharded[1].shard(0)[0].view(torch.int16).bitwise_xor_(1)
+    assert torch.equal(bits(gathered.buffers()[0]), before)
+
+
+def test_a_sharded_layer_pickles_as_its_shards():
+    layer = synth.etp_grouped_weights(SPEC, 1, etp=2)[0]
+    again = pickle.loads(pickle.dumps(layer))
+    assert isinstance(again, EtpGroupedExperts) and (again.etp, len(again)) == (2, 8)
+    for a, b in zip(again.buffers(), layer.buffers()):
+        assert torch.equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("fmt", ["packed", "hf_fused", "compat"])
+def test_other_formats_refuse_shards_and_name_the_gather(fmt):
+    sharded = synth.etp_grouped_weights(SPEC, 1, etp=2)
+    with pytest.raises(PayloadFormatError, match=r"only the direct format.*\.gather\(\)"):
+        senders.export(fmt, SPEC, ReceiverTopology(tp=2), 0, sharded)
+    with pytest.raises(PayloadFormatError, match="ETP shards"):
+        ColocatedSender(fmt, SPEC, ReceiverTopology(tp=2), sharded)
+
+
+def test_shards_of_another_model_are_refused_before_anything_is_written():
+    other = MoESpec(num_layers=2, num_experts=8, hidden=16, intermediate=16)
+    sharded = synth.etp_grouped_weights(other, 1, etp=2)
+    with pytest.raises(WeightSyncError, match="intermediate 16"):
+        senders.export("direct", SPEC, ReceiverTopology(tp=2), 0, sharded)
+
+
+def _tensors(*shapes, dtype=torch.bfloat16):
+    return [torch.zeros(s, dtype=dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("fc1, fc2", [
+    ([], []),
+    (_tensors((4, 4, 8)), []),
+    (_tensors((4, 4, 8), (4, 4, 8)), _tensors((4, 8, 2))),  # one fc2 short
+    (_tensors((4, 3, 8)), _tensors((4, 8, 1))),  # odd fc1 rows
+    (_tensors((4, 4, 8), (4, 6, 8)), _tensors((4, 8, 2), (4, 8, 3))),  # uneven ranks
+    (_tensors((4, 4, 8)), _tensors((4, 8, 3))),  # fc2 of other rows
+    (_tensors((4, 4, 8)), _tensors((4, 8, 2), dtype=torch.float32)),
+    ([torch.zeros(4, 8, 4, dtype=torch.bfloat16).transpose(1, 2)], _tensors((4, 8, 2))),
+    ([torch.zeros(4, 4, 8).tolist()], _tensors((4, 8, 2))),
+])
+def test_bad_shards_are_refused(fc1, fc2):
+    with pytest.raises(WeightSyncError, match="EtpGroupedExperts"):
+        EtpGroupedExperts(fc1, fc2)
+
+
+@pytest.mark.parametrize("etp", [0, 3, True, 2.0])
+def test_an_etp_size_that_cannot_split_the_experts_is_refused(etp):
+    with pytest.raises(WeightSyncError, match="etp must be"):
+        synth.etp_grouped_weights(SPEC, 0, etp=etp)
