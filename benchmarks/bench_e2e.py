@@ -122,11 +122,12 @@ class ExpertsPart:
         per_layer = spec.num_experts * 3 * spec.intermediate * spec.hidden * spec.dtype.itemsize
         return per_layer * spec.num_layers * topo.moe_dp
 
-    def sender(self, fmt, topo, staging_bytes, layers=None, bucket_bytes=None):
+    def sender(self, fmt, topo, staging_bytes, layers=None, bucket_bytes=None, bucket_ramp=False):
         from pytest_weightsync.reference_impl.senders.colocated import ColocatedSender
 
         return ColocatedSender(fmt, self.spec, topo, self.full, layers=layers,
-                               staging_bytes=staging_bytes, bucket_bytes=bucket_bytes)
+                               staging_bytes=staging_bytes, bucket_bytes=bucket_bytes,
+                               bucket_ramp=bucket_ramp)
 
     def check(self, engines) -> list:
         return [engine.check(0, self.seed, self.mask) for engine in engines]
@@ -215,7 +216,8 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         t0 = time.perf_counter()
         bucket_mib = getattr(args, "bucket_mib", None)
         sender = part.sender(fmt, topo, args.staging_mib << 20,
-                             bucket_bytes=None if not bucket_mib else bucket_mib << 20)
+                             bucket_bytes=None if not bucket_mib else bucket_mib << 20,
+                             bucket_ramp=getattr(args, "bucket_ramp", False))
         build = time.perf_counter() - t0
         sync = ColocatedSync(sender, engines, per_update=per_update,
                              chain=getattr(args, "chain_ranks", False))
@@ -257,7 +259,7 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         cache = [c for timing, _ in rounds for c in timing.cache]
         row = dict(
             path="per_update" if per_update else "registered", format=fmt, moe_tp=tp,
-            trainer_etp=part.etp, chain=chained,
+            trainer_etp=part.etp, chain=chained, bucket_ramp=getattr(args, "bucket_ramp", False),
             layers=part.spec.num_layers,
             entries=sender.entries, buckets=len(sender.buckets), nbytes=nbytes,
             staged_bytes=sender.staged_bytes, storages=sum(len(b.shared[r].wholes)
@@ -505,6 +507,9 @@ def main(argv=None) -> int:
     p.add_argument("--bucket-mib", type=int, default=8192,
                    help="most payload one engine rank gets per bucket (0: one bucket); a "
                    "bucket of views is copied while the next one is sent")
+    p.add_argument("--bucket-ramp", action="store_true",
+                   help="the first bucket one layer, each next at most twice the previous "
+                   "(up to --bucket-mib): the device starts copying after one layer's host work")
     p.add_argument("--per-update", action="store_true",
                    help="also time SGLang's per-update protocol over the whole model (every "
                    "bucket serialized and rebuilt every update, one share per storage)")

@@ -129,11 +129,15 @@ class ColocatedSender:
     ``bucket_bytes``: the most payload bytes one rank gets in one bucket (None: no limit), what
     a real sender's bucket size (slime's ``update_weight_buffer_size``) is; a layer is never
     split, a layer alone larger than the limit is a bucket of its own. Several buckets let the
-    engine copy one while the next is prepared and sent (:class:`ColocatedSync`)."""
+    engine copy one while the next is prepared and sent (:class:`ColocatedSync`).
+    ``bucket_ramp``: the first bucket holds one layer and each next one at most twice the
+    previous one's payload (up to ``bucket_bytes``), so the device starts copying after one
+    layer's host work instead of a whole bucket's, and each bucket's host work fits under the
+    previous bucket's copy."""
 
     def __init__(self, fmt: str, spec, topo, full: Mapping[int, Sequence], *,
                  layers: Optional[Iterable[int]] = None, staging_bytes: Optional[int] = None,
-                 device=None, bucket_bytes: Optional[int] = None):
+                 device=None, bucket_bytes: Optional[int] = None, bucket_ramp: bool = False):
         senders.check_format(fmt)
         self.fmt, self.spec, self.topo = fmt, spec, topo
         self.load_format = "direct" if fmt == "direct" else None
@@ -155,7 +159,9 @@ class ColocatedSender:
                                                    _measuring_alloc(sizes))
                 most = max(most, sum(t.numel() * t.element_size() for _, t in entries))
             need[layer], carried[layer] = _aligned_total(sizes), most
-        limits = (carried, bucket_bytes)
+        if not isinstance(bucket_ramp, bool):
+            raise WeightSyncError(f"bucket_ramp must be a bool, got {bucket_ramp!r}")
+        limits = (carried, bucket_bytes, bucket_ramp)
         groups = self._group(layers, need, staging_bytes, limits)
         count = 1
         if staging_bytes is not None and len(groups) > 1 and any(need.values()):
@@ -173,12 +179,16 @@ class ColocatedSender:
         self.buckets = [self._bucket(group, full, index % count) for index, group in enumerate(groups)]
 
     @staticmethod
-    def _group(layers, need, budget, limits=({}, None)) -> list:
+    def _group(layers, need, budget, limits=({}, None, False)) -> list:
         """Consecutive layers whose staging fits ``budget`` (None: any) and whose payload per
-        rank fits ``limits`` = (bytes per layer, the most per bucket or None)."""
-        carried, most = limits
-        if budget is None and most is None:
+        rank fits ``limits`` = (bytes per layer, the most per bucket or None, ramp: the first
+        bucket one layer, each next at most twice the previous's payload)."""
+        carried, ceiling, ramp = limits
+        if budget is None and ceiling is None and not ramp:
             return [list(layers)]
+        most = ceiling
+        if ramp and layers:
+            most = max(1, carried.get(layers[0], 0))  # the first bucket: one layer
         groups, current, used, size = [], [], 0, 0
         for layer in layers:
             if budget is not None and need[layer] > budget:
@@ -190,6 +200,8 @@ class ColocatedSender:
             full = full or (most is not None and size + carried[layer] > most)
             if current and full:
                 groups.append(current)
+                if ramp:
+                    most = size * 2 if ceiling is None else min(ceiling, size * 2)
                 current, start, size = [], 0, 0
             current.append(layer)
             used = start + need[layer]
@@ -362,6 +374,12 @@ class ColocatedSync:
                 else:
                     self.sender.stage(index)
                 t1 = time.perf_counter()
+                # SGLang's bytes for every rank are made while the engines still load the
+                # previous bucket: the trainer's serialization is off the path between their
+                # answer and this bucket's arrival.
+                datas = ([self.sender.serialize(index, rank, wait=not evented)
+                          for rank in range(len(self.engines))] if self.per_update else None)
+                made = time.perf_counter() - t1
                 if pending is not None:
                     pending = self._collect(timing)
                 t2 = time.perf_counter()
@@ -376,8 +394,7 @@ class ColocatedSync:
                 early: list = []
                 for rank, engine in enumerate(self.engines):
                     if self.per_update:  # the bytes SGLang's update_weights_from_tensor gets
-                        data = self.sender.serialize(index, rank, wait=not evented)
-                        registered = ()
+                        data, registered = datas[rank], ()
                     else:
                         data, registered = None, [self.registrations[index][rank]]
                     signal = (self.events.handle(("copied", index, rank))
@@ -390,7 +407,7 @@ class ColocatedSync:
                                        sync=sync, wait=wait, signal=signal)
                 self._early = early
                 timing.export += t1 - t0
-                timing.serialize += time.perf_counter() - t2
+                timing.serialize += made + time.perf_counter() - t2
             pending = self._collect(timing)
         finally:
             if pending is not None:  # something failed mid-bucket: take every answer still due

@@ -191,6 +191,20 @@ def test_buckets_hold_at_most_bucket_bytes_of_payload_per_rank():
         ColocatedSender("packed", SPEC, ReceiverTopology(), full, bucket_bytes=-1)
 
 
+def test_a_bucket_ramp_starts_with_one_layer_and_at_most_doubles():
+    spec = SPEC.__class__(num_layers=7, num_experts=4, hidden=16, intermediate=8)
+    full = synth.grouped_full_weights(spec, 2)
+    layer = 3 * spec.num_experts * spec.intermediate * spec.hidden * 2
+    groups = lambda s: [b.layers for b in s.buckets]  # noqa: E731
+    ramp = ColocatedSender("packed", spec, ReceiverTopology(), full, bucket_ramp=True)
+    assert groups(ramp) == [[0], [1, 2], [3, 4, 5, 6]]
+    capped = ColocatedSender("direct", spec, ReceiverTopology(tp=2), full, bucket_ramp=True,
+                             bucket_bytes=layer)  # half a layer per rank: two layers at most
+    assert groups(capped) == [[0], [1, 2], [3, 4], [5, 6]]
+    with pytest.raises(Exception, match="bucket_ramp"):
+        ColocatedSender("packed", spec, ReceiverTopology(), full, bucket_ramp="yes")
+
+
 # --------------------------------------------------------------------------------------------
 # The digest checked after every update
 # --------------------------------------------------------------------------------------------
@@ -211,9 +225,11 @@ def test_bits_digest_is_placement_free_and_sees_a_missed_element():
 # --------------------------------------------------------------------------------------------
 
 
-def per_update(engines, fmt, topo, full, masks, staging_bytes=None, bucket_bytes=None):
+def per_update(engines, fmt, topo, full, masks, staging_bytes=None, bucket_bytes=None,
+               bucket_ramp=False):
     sync = ColocatedSync(ColocatedSender(fmt, SPEC, topo, full, staging_bytes=staging_bytes,
-                                         bucket_bytes=bucket_bytes), engines, per_update=True)
+                                         bucket_bytes=bucket_bytes, bucket_ramp=bucket_ramp),
+                         engines, per_update=True)
     assert sync.register() == 0.0 and sync.registrations == []
     caches, current = [], 0
     for mask in masks:
@@ -227,16 +243,19 @@ def per_update(engines, fmt, topo, full, masks, staging_bytes=None, bucket_bytes
     return sync, caches
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt, ramp", [(fmt, False) for fmt in FORMATS]
+                         + [("direct", True), ("compat", True)])
 def test_per_update_protocol_through_engine_processes_is_exact_and_recognises_every_bucket(
-        cpu_engines, fmt):
+        cpu_engines, fmt, ramp):
     topo = ReceiverTopology(tp=2)
     full = synth.grouped_full_weights(SPEC, 5)
     ptrs = [e.configure(SPEC, topo, r) for r, e in enumerate(cpu_engines)]
     layer = 3 * SPEC.num_experts * SPEC.intermediate * SPEC.hidden * 2
     sync, caches = per_update(cpu_engines, fmt, topo, full, (0x0101, 0x0202, 0x0303),
                               staging_bytes=2 * layer + 100,  # direct: buckets on two arenas
-                              bucket_bytes=2 * layer)
+                              bucket_bytes=2 * layer, bucket_ramp=ramp)
+    if ramp:
+        assert [b.layers for b in sync.sender.buckets][0] == [0]
     assert_replayed_and_exact(sync, caches, cpu_engines, seed=5, mask=0x0303)
     cpu_engines[0].post_update(sync.sender.serialize(0, 0), sync.sender.load_format,
                                begin=False, end=False)  # one more bucket, outside an update
