@@ -507,9 +507,10 @@ def main(argv=None) -> int:
     p.add_argument("--bucket-mib", type=int, default=8192,
                    help="most payload one engine rank gets per bucket (0: one bucket); a "
                    "bucket of views is copied while the next one is sent")
-    p.add_argument("--bucket-ramp", action="store_true",
-                   help="the first bucket one layer, each next at most twice the previous "
-                   "(up to --bucket-mib): the device starts copying after one layer's host work")
+    p.add_argument("--no-bucket-ramp", dest="bucket_ramp", action="store_false",
+                   help="buckets of --bucket-mib from the first on, instead of the default "
+                   "ramp (the first bucket one layer, each next at most twice the previous: "
+                   "the device starts copying after one layer's host work)")
     p.add_argument("--per-update", action="store_true",
                    help="also time SGLang's per-update protocol over the whole model (every "
                    "bucket serialized and rebuilt every update, one share per storage)")

@@ -11,8 +11,8 @@
 #   two    the files with two-GPU tests, with the first two GPUs visible (when there are two;
 #          otherwise the stage is listed as not run)
 #   bench  benchmarks/bench_expert_sync.py and bench_e2e.py --device cuda on one GPU (40
-#          layers; 8 layers with the stateless sender; 8 layers with the engine ranks
-#          chained), bench_gather.py on two
+#          layers; 8 layers with the stateless sender and direct from the trainer's ETP
+#          shards; 8 layers with the engine ranks chained), bench_gather.py on two
 #
 # GPU_FILES="FILE LIMIT,FILE LIMIT" limits stage one to those files, in that order.
 #
@@ -354,12 +354,13 @@ if has_stage bench; then
             "^(registered|per_update|per_tensor|per_storage)|BIT CHECK|Error" --device cuda --per-update
         # 8 layers (12 GiB): registered, per-update and the stateless sender (docs/performance.md,
         # "Stateless senders"), then the engine ranks chained at MoE-TP 2
-        BENCH_OUT=bench_e2e_8layers run_bench bench_e2e 300 60 "--layers 8 --per-update --per-tensor (1 GPU; " \
+        # (each with the trainer's ETP shards sent to direct as they are: --trainer-etp)
+        BENCH_OUT=bench_e2e_8layers run_bench bench_e2e 300 60 "--layers 8 --per-update --per-tensor --trainer-etp (1 GPU; " \
             "^(registered|per_update|per_tensor|per_storage)|BIT CHECK|Error" --device cuda --layers 8 \
-            --per-update --per-tensor --per-tensor-layers 4 --repeats 5
-        BENCH_OUT=bench_e2e_chained run_bench bench_e2e 120 30 "--layers 8 --tp 2 --chain-ranks (1 GPU; " \
+            --per-update --per-tensor --per-tensor-layers 4 --trainer-etp --repeats 5
+        BENCH_OUT=bench_e2e_chained run_bench bench_e2e 150 30 "--layers 8 --tp 2 --chain-ranks --trainer-etp (1 GPU; " \
             "^(registered|per_update)|BIT CHECK|Error" --device cuda --layers 8 --tp 2 --per-update \
-            --chain-ranks --formats packed compat --repeats 5
+            --chain-ranks --trainer-etp --formats direct packed compat --repeats 5
     fi
     if [ -f benchmarks/bench_gather.py ]; then
         if [ "$NGPU" -ge 2 ]; then

@@ -376,9 +376,12 @@ class ColocatedSync:
                 t1 = time.perf_counter()
                 # SGLang's bytes for every rank are made while the engines still load the
                 # previous bucket: the trainer's serialization is off the path between their
-                # answer and this bucket's arrival.
+                # answer and this bucket's arrival. The first bucket has nothing to hide
+                # behind: each rank's bytes are made just before they are sent, so rank 0
+                # starts loading while rank 1's are made.
                 datas = ([self.sender.serialize(index, rank, wait=not evented)
-                          for rank in range(len(self.engines))] if self.per_update else None)
+                          for rank in range(len(self.engines))]
+                         if self.per_update and pending is not None else None)
                 made = time.perf_counter() - t1
                 if pending is not None:
                     pending = self._collect(timing)
@@ -394,7 +397,9 @@ class ColocatedSync:
                 early: list = []
                 for rank, engine in enumerate(self.engines):
                     if self.per_update:  # the bytes SGLang's update_weights_from_tensor gets
-                        data, registered = datas[rank], ()
+                        data = (datas[rank] if datas is not None else
+                                self.sender.serialize(index, rank, wait=not evented))
+                        registered = ()
                     else:
                         data, registered = None, [self.registrations[index][rank]]
                     signal = (self.events.handle(("copied", index, rank))
