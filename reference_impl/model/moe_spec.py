@@ -227,9 +227,31 @@ class EtpGroupedExperts:
     def __reduce__(self):
         return (EtpGroupedExperts, (self._fc1, self._fc2))
 
+    @classmethod
+    def split(cls, layer: GroupedExperts, etp: int) -> "EtpGroupedExperts":
+        """The shards an ETP group of ``etp`` ranks holds of a gathered layer (copies: the
+        inverse of :meth:`gather`)."""
+        found = layer.buffers() if isinstance(layer, GroupedExperts) else None
+        if found is None:
+            raise WeightSyncError("EtpGroupedExperts.split takes an intact GroupedExperts layer")
+        fc1, fc2 = found
+        n, two_i, hidden = fc1.shape
+        if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1 or (two_i // 2) % etp:
+            raise WeightSyncError(f"etp must be an int >= 1 dividing the intermediate size "
+                                  f"{two_i // 2}, got {etp!r}")
+        rows = two_i // 2 // etp
+        grid = fc1.view(n, 2, etp, rows, hidden)
+        return cls([grid[:, :, r].contiguous().view(n, 2 * rows, hidden) for r in range(etp)],
+                   [fc2[:, :, r * rows:(r + 1) * rows].contiguous() for r in range(etp)])
+
     def shard(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """ETP rank ``rank``'s ``(fc1 [E, 2I/t, H], fc2 [E, H, I/t])``."""
         return self._fc1[rank], self._fc2[rank]
+
+    def halves(self, rank: int) -> torch.Tensor:
+        """ETP rank ``rank``'s fc1 as ``[E, 2, I/t, H]``: ``[:, 0]`` its gate rows, ``[:, 1]``
+        its up rows (the one place this layout is spelled out)."""
+        return self._fc1[rank].view(len(self), 2, self.rows, self.hidden)
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """Every buffer once (fc1 then fc2 of each rank)."""
@@ -241,8 +263,8 @@ class EtpGroupedExperts:
         in-place changes of the shards."""
         n, rows, hidden = len(self), self.rows, self.hidden
         fc1 = torch.empty((n, 2, self.etp, rows, hidden), dtype=self.dtype, device=self.device)
-        for r, shard in enumerate(self._fc1):
-            fc1[:, :, r].copy_(shard.view(n, 2, rows, hidden))
+        for r in range(self.etp):
+            fc1[:, :, r].copy_(self.halves(r))
         fc2 = torch.cat(self._fc2, dim=-1)
         return GroupedExperts(fc1.view(n, 2 * self.intermediate, hidden), fc2)
 

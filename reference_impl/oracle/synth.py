@@ -39,7 +39,6 @@ from pytest_weightsync.reference_impl.model.layout import (
     GroupedExperts,
     MoESpec,
     ReceiverTopology,
-    WeightSyncError,
     fused_name,
     receiver_shard,
 )
@@ -358,21 +357,15 @@ def etp_grouped_weights(spec: MoESpec, version: int, seed: int = 0, layers=None,
     """:func:`full_weights` (the same bits) as a grouped-GEMM trainer's ETP group of ``etp``
     ranks holds them, not gathered: per layer and ETP rank ``r`` one fc1 buffer
     ``[E, 2I/etp, H]`` (``[gate_r; up_r]`` per expert) and one fc2 ``[E, H, I/etp]``
-    (:class:`EtpGroupedExperts`). Built layer by layer from :func:`grouped_full_weights`."""
-    if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1 or spec.intermediate % etp:
-        raise WeightSyncError(f"etp must be an int >= 1 dividing intermediate "
-                              f"{spec.intermediate}, got {etp!r}")
+    (:class:`EtpGroupedExperts`). Built layer by layer from :func:`grouped_full_weights`
+    (:meth:`EtpGroupedExperts.split`, which refuses an ``etp`` that does not divide the
+    intermediate size)."""
     layers = range(spec.num_layers) if layers is None else layers
-    n, hidden, rows = spec.num_experts, spec.hidden, spec.intermediate // etp
     out = {}
     for layer in layers:
         whole = grouped_full_weights(spec, version, seed, [layer], device=device, finite=finite)
-        fc1, fc2 = whole[layer].buffers()
-        grid = fc1.view(n, 2, etp, rows, hidden)
-        out[layer] = EtpGroupedExperts(
-            [grid[:, :, r].contiguous().view(n, 2 * rows, hidden) for r in range(etp)],
-            [fc2[:, :, r * rows:(r + 1) * rows].contiguous() for r in range(etp)])
-        del whole, fc1, fc2, grid
+        out[layer] = EtpGroupedExperts.split(whole[layer], etp)
+        del whole
     return out
 
 

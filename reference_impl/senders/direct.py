@@ -142,8 +142,8 @@ def _etp_layer_payload(spec: MoESpec, topo: ReceiverTopology, rank: int, layer: 
     for owner in owners:  # the ETP ranks holding the receiver rank's rows
         start, stop = max(lo, owner * step), min(lo + rows, (owner + 1) * step)
         src, dst = slice(start - owner * step, stop - owner * step), slice(start - lo, stop - lo)
-        fc1, fc2 = experts.shard(owner)
-        grid = fc1.view(len(experts), 2, step, hidden)
+        fc2 = experts.shard(owner)[1]
+        grid = experts.halves(owner)
         for position, projection in enumerate(halves):
             half = 0 if projection == "gate" else 1
             if span is not None:

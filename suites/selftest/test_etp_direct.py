@@ -178,3 +178,9 @@ def test_bad_shards_are_refused(fc1, fc2):
 def test_an_etp_size_that_cannot_split_the_experts_is_refused(etp):
     with pytest.raises(WeightSyncError, match="etp must be"):
         synth.etp_grouped_weights(SPEC, 0, etp=etp)
+
+
+def test_split_refuses_what_is_not_an_intact_grouped_layer():
+    full = synth.grouped_full_weights(SPEC, 0)
+    with pytest.raises(WeightSyncError, match="intact GroupedExperts"):
+        EtpGroupedExperts.split(tuple(full[0]), 2)
