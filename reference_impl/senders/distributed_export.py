@@ -4,7 +4,10 @@ It reads what a real trainer holds - this rank's ``named_parameters()`` of a (DD
 Megatron model, local layer and expert numbering, SequentialMLP or TEGroupedMLP spelling - and
 the process groups of ``megatron.core.parallel_state``, then:
 
-1. stacks its local expert shards (``fc1 = [gate_r; up_r]``, ``fc2 = down[:, cols_r]``);
+1. stacks its local expert shards (``fc1 = [gate_r; up_r]``, ``fc2 = down[:, cols_r]``); where
+   those stacks are exactly the direct parameters of the engine rank this rank feeds
+   (colocated, trainer ETP == engine MoE-TP, the same experts, every layer:
+   :func:`shards_are_engine_params`), it sends them as they are and gathers nothing;
 2. all_gathers over the EP/ETP/PP groups of ``parallel_state`` and regroups fc1 into gate and
    up, joins fc2 along its partition dim, offsets expert ids by EP rank and layers by PP stage
    (:func:`pytest_weightsync.reference_impl.trainer.trainer.gather_stacked`);
@@ -74,6 +77,53 @@ def local_expert_stacks(spec: MoESpec, model_state: Mapping, rows: int):
             per_layer.append(torch.stack(row))
         stacks[fc] = torch.stack(per_layer)
     return stacks[1], stacks[2]
+
+
+def shards_are_engine_params(spec: MoESpec, trainer, receiver) -> bool:
+    """Whether every trainer rank's expert shards are, layer for layer, exactly the direct
+    parameters of the engine rank it feeds under colocated delivery (``trainer_rank %
+    engine_tp``): every layer on every rank (PP 1), the same experts in the engine's slots,
+    the same intermediate rows and no padding (trainer ETP == engine MoE-TP, Megatron's
+    ``[gate_r; up_r]`` being SGLang's ``w13`` rows), gate first, parameters held as checkpoint
+    tensors (no transposed or fp8 engine layout).
+
+    Then direct needs no gather - Relax's TP-local direct loading, without even the
+    all_gather. Decided from the two topologies alone, so every rank decides alike: either
+    all of them skip the collective gather or none does."""
+    from pytest_weightsync.reference_impl.model.layout import receiver_shard, trainer_shard
+
+    if (receiver.order != "gate_up" or receiver.engine_layout != "checkpoint"
+            or receiver.weight_quant != "none"):
+        return False
+    layers = list(range(spec.num_layers))
+    for rank in range(trainer.world_size):
+        mine = trainer_shard(spec, trainer, rank)
+        theirs = receiver_shard(spec, receiver, colocated_engine_rank(rank, receiver.tp))
+        if (list(mine.layers) != layers or theirs.buffer_rows != theirs.rows
+                or (mine.row_start, mine.rows) != (theirs.row_start, theirs.rows)):
+            return False
+        if any(list(theirs.slot_experts(layer)) != list(mine.experts) for layer in layers):
+            return False
+    return True
+
+
+def local_direct_payload(spec: MoESpec, model_state: Mapping, rows: int, experts: int) -> list:
+    """This rank's direct payload from its own expert shards, no gather (where
+    :func:`shards_are_engine_params`): per layer its fc1 stack ``[E_local, 2*rows, H]``
+    (``[gate_r; up_r]`` per expert) as ``w13_weight`` and its fc2 stack ``[E_local, H, rows]``
+    as ``w2_weight``, ``experts`` local experts each. A state short of a layer or an expert is
+    refused before anything is sent."""
+    from pytest_weightsync.reference_impl.model.layout import fused_name
+
+    fc1, fc2 = local_expert_stacks(spec, model_state, rows)
+    if tuple(fc1.shape[:2]) != (spec.num_layers, experts):
+        raise ModelStateError(f"the model state holds {fc1.shape[1]} local experts in "
+                              f"{fc1.shape[0]} layers; this rank holds {experts} in each of "
+                              f"{spec.num_layers}")
+    out = []
+    for layer in range(spec.num_layers):
+        out += [(fused_name(layer, "w13"), fc1[layer]), (fused_name(layer, "w2"), fc2[layer])]
+    return out
 
 
 #: ``gather_full(..., pp=NO_PP_GATHER)``: gather experts within the stage only.
@@ -186,6 +236,14 @@ def export_weights_distributed(model_state, *, config, format, spec, trainer, re
         raise WeightSyncError(f"unknown transport {transport!r} ({error}); the reference "
                               f"sends on {REFERENCE_TRANSPORTS} and on any registered "
                               f"transport") from None
+    if format == "direct" and delivery == "colocated" and shards_are_engine_params(
+            spec, trainer, receiver):
+        # no gather: this rank's own shards are its engine rank's parameters
+        payload = local_direct_payload(spec, model_state, spec.intermediate // trainer.etp,
+                                       spec.num_experts // trainer.ep)
+        return engine_streams(None, format=format, spec=spec, receiver=receiver,
+                              delivery=delivery, bucket_bytes=bucket_bytes,
+                              export=lambda *_: payload, transport=transport, engine=engine)
     return engine_streams(gather_full(spec, model_state), format=format, spec=spec,
                           receiver=receiver, delivery=delivery, bucket_bytes=bucket_bytes,
                           transport=transport, engine=engine)

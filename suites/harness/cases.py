@@ -433,7 +433,9 @@ def dist_case(tp, ep, etp, pp, impl, r_tp, r_ep, *, experts, order="gate_up", pa
 #: (expert module, delivery) pair, with the dense TP size both equal to and different from the
 #: ETP size (a gather over the dense-TP group then shows, also with EP 1 - the verl bug);
 #: trainer and engine EP sizes that differ, an expert count (6) that is not a power of two,
-#: TP 1-4, PP 1-2, both gate/up orders, padded receivers, every named bucket limit.
+#: TP 1-4, PP 1-2, both gate/up orders, padded receivers, every named bucket limit; and one
+#: where every trainer rank's shards are its colocated engine rank's direct parameters
+#: (trainer ETP 2 and EP 2 = engine MoE-TP 2 and EP 2: TP-local direct loading, no gather).
 DIST_CASES = (
     dist_case(1, 2, 2, 1, "sequential", 4, 4, experts=8),
     dist_case(2, 2, 2, 1, "te_grouped", 2, 2, experts=4, order="up_gate", bucket="split_layer"),
@@ -449,6 +451,7 @@ DIST_CASES = (
     dist_case(2, 2, 1, 2, "sequential", 2, 1, experts=4, padded=True),
     dist_case(1, 2, 2, 1, "te_grouped", 3, 3, experts=6, delivery="distributed",
               bucket="split_layer", hidden=6),
+    dist_case(1, 2, 2, 1, "te_grouped", 4, 2, experts=4, bucket="split_layer"),
 )
 
 

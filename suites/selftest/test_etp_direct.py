@@ -184,3 +184,62 @@ def test_split_refuses_what_is_not_an_intact_grouped_layer():
     full = synth.grouped_full_weights(SPEC, 0)
     with pytest.raises(WeightSyncError, match="intact GroupedExperts"):
         EtpGroupedExperts.split(tuple(full[0]), 2)
+
+
+# --------------------------------------------------------------------------------------------
+# The distributed exporter: a rank whose shards are its engine rank's parameters sends them
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("trainer, receiver, local", [
+    (dict(ep=2, etp=2, dp=4), dict(tp=4, moe_ep=2), True),   # ETP = MoE-TP, EP = EP
+    (dict(tp=2, etp=2, dp=2), dict(tp=2), True),             # EP 1 on both sides
+    (dict(ep=4, dp=4), dict(tp=4, moe_ep=4), True),          # MoE-TP 1, EP 4 on both sides
+    (dict(ep=2, etp=2, dp=4), dict(tp=4, moe_ep=4), False),  # engine MoE-TP 1
+    (dict(ep=2, etp=2, dp=4), dict(tp=4, moe_ep=2, order="up_gate"), False),
+    (dict(ep=2, etp=2, dp=4), dict(tp=4, moe_ep=2, intermediate_padded=5), False),
+    (dict(ep=2, etp=2, dp=4), dict(tp=4, moe_ep=2, engine_layout="transposed"), False),
+    (dict(tp=2, etp=2, pp=2, dp=1), dict(tp=2), False),      # a stage holds half the layers
+    (dict(ep=4, dp=4), dict(tp=2, moe_ep=2), False),         # other experts per rank
+])
+def test_the_distributed_exporter_skips_the_gather_only_where_shards_are_parameters(
+        trainer, receiver, local):
+    from pytest_weightsync.protocols import colocated_engine_rank
+    from pytest_weightsync.reference_impl.model.layout import TrainerTopology
+    from pytest_weightsync.reference_impl.senders.distributed_export import (
+        local_direct_payload,
+        shards_are_engine_params,
+    )
+    from pytest_weightsync.reference_impl.trainer.trainer import trainer_states
+
+    spec = MoESpec(num_layers=2, num_experts=8, hidden=16, intermediate=8)
+    trainer = TrainerTopology(expert_impl="te_grouped", **trainer)
+    receiver = ReceiverTopology(**receiver)
+    assert shards_are_engine_params(spec, trainer, receiver) is local
+    if not local:
+        return
+    full = synth.grouped_full_weights(spec, 9)
+    for rank, state in enumerate(trainer_states(spec, trainer, full)):
+        got = local_direct_payload(spec, state, spec.intermediate // trainer.etp,
+                                   spec.num_experts // trainer.ep)
+        want = senders.export("direct", spec, receiver, colocated_engine_rank(rank, receiver.tp),
+                              full)
+        assert [n for n, _ in got] == [n for n, _ in want]
+        for (name, g), (_, w) in zip(got, want):
+            assert g.shape == w.shape and torch.equal(bits(g), bits(w)), (rank, name)
+
+
+def test_a_rank_state_short_of_a_layer_is_refused_before_sending():
+    from pytest_weightsync.reference_impl.model.layout import TrainerTopology
+    from pytest_weightsync.reference_impl.senders.distributed_export import (
+        ModelStateError,
+        local_direct_payload,
+    )
+    from pytest_weightsync.reference_impl.trainer.trainer import trainer_states
+
+    spec = MoESpec(num_layers=2, num_experts=8, hidden=16, intermediate=8)
+    trainer = TrainerTopology(etp=2, dp=2)
+    state = trainer_states(spec, trainer, synth.grouped_full_weights(spec, 1))[0]
+    short = {name: t for name, t in state.items() if ".layers.1." not in name}
+    with pytest.raises(ModelStateError, match="1 layers"):
+        local_direct_payload(spec, short, 4, 8)
