@@ -436,7 +436,9 @@ class ReferenceImplementation:
 
     def export_weights(self, trainer_states, *, format, spec, trainer, receiver, rank):
         """Gather the full expert weights from every trainer rank's shards, then build the
-        ``format`` payload receiver ``rank`` gets (one bucket)."""
+        ``format`` payload receiver ``rank`` gets (one bucket); a direct payload that is
+        exactly trainer rank ``rank``'s shards (``distributed_export.shards_are_engine_params``)
+        is taken from that rank alone, nothing gathered."""
         from pytest_weightsync.reference_impl.senders import formats as senders
         from pytest_weightsync.reference_impl.trainer.trainer import gather_full_weights
 
@@ -447,6 +449,14 @@ class ReferenceImplementation:
 
             weights = megatron_model.gather_model(spec, trainer, trainer_states)
             return model_senders.export(format, spec, receiver, rank, weights)
+        from pytest_weightsync.reference_impl.senders import distributed_export as dist_export
+
+        if (format == "direct" and rank < len(trainer_states)
+                and dist_export.shards_are_engine_params(spec, trainer, receiver)):
+            # trainer rank `rank` feeds engine rank `rank` and holds exactly its parameters
+            return dist_export.local_direct_payload(spec, trainer_states[rank],
+                                                    spec.intermediate // trainer.etp,
+                                                    spec.num_experts // trainer.ep)
         return senders.export(format, spec, receiver, rank,
                               gather_full_weights(spec, trainer, trainer_states))
 

@@ -243,3 +243,29 @@ def test_a_rank_state_short_of_a_layer_is_refused_before_sending():
     short = {name: t for name, t in state.items() if ".layers.1." not in name}
     with pytest.raises(ModelStateError, match="1 layers"):
         local_direct_payload(spec, short, 4, 8)
+
+
+def test_the_single_process_exporter_takes_a_matching_rank_alone(monkeypatch):
+    from pytest_weightsync.reference_impl.impl import ReferenceImplementation
+    from pytest_weightsync.reference_impl.model.layout import TrainerTopology
+    from pytest_weightsync.reference_impl.trainer import trainer as trainer_mod
+
+    spec = MoESpec(num_layers=2, num_experts=8, hidden=16, intermediate=8)
+    full = synth.grouped_full_weights(spec, 4)
+    matching = (TrainerTopology(ep=2, etp=2, dp=4), ReceiverTopology(tp=4, moe_ep=2))
+    other = (TrainerTopology(ep=2, etp=2, dp=4), ReceiverTopology(tp=4, moe_ep=4))
+    gathers = []
+    real = trainer_mod.gather_full_weights
+    monkeypatch.setattr(trainer_mod, "gather_full_weights",
+                        lambda *a, **k: gathers.append(1) or real(*a, **k))
+    impl = ReferenceImplementation()
+    for (trainer, receiver), gathered in ((matching, False), (other, True)):
+        states = trainer_mod.trainer_states(spec, trainer, full)
+        for rank in range(receiver.tp):
+            gathers.clear()
+            got = impl.export_weights(states, format="direct", spec=spec, trainer=trainer,
+                                      receiver=receiver, rank=rank)
+            assert bool(gathers) is gathered
+            want = senders.export("direct", spec, receiver, rank, full)
+            for (name, g), (_, w) in zip(got, want):
+                assert g.shape == w.shape and torch.equal(bits(g), bits(w)), (rank, name)
