@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from pytest_weightsync.protocols import Capabilities
 from pytest_weightsync.vocabulary import EXPERT_PLACEMENTS, MODEL_PARTS, TARGETS
-from pytest_weightsync.reference_impl.errors import WeightSyncError, shown
+from pytest_weightsync.reference_impl.errors import WeightSyncError
 from pytest_weightsync.reference_impl.senders.formats import PayloadFormatError, check_format
 
 
