@@ -285,19 +285,27 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
     return rows
 
 
-def trainer_etp_rows(spec, engines, topo, tp, args, masks, limit, ptrs, failures) -> list:
+def shard_rows_args(args, tp):
+    """The run's arguments for the rows from the trainer's ETP shards (``--trainer-etp``: the
+    direct format only, at MoE-TP > 1), or ``None`` where there are none."""
+    if not (getattr(args, "trainer_etp", False) and tp > 1 and "direct" in args.formats):
+        return None
+    return argparse.Namespace(**{**vars(args), "formats": ["direct"]})
+
+
+def trainer_etp_rows(spec, engines, topo, tp, sub, masks, limit, ptrs, failures) -> list:
     """The direct rows again with the trainer holding its experts as an ETP group of
     ``tp`` ranks (``EtpGroupedExperts``: Megatron's ``[gate_r; up_r]`` shards, not gathered):
     every engine rank's ``w13`` / ``w2`` is then one ETP rank's buffer, a view, so nothing is
-    staged. Both protocols the run times (registered, ``--per-update``)."""
+    staged. Both protocols the run times (registered, ``--per-update``); ``sub``: the run's
+    arguments from :func:`shard_rows_args`."""
     device = engines[0].device
     part = ExpertsPart(spec, torch.device(device), etp=tp)
-    sub = argparse.Namespace(**{**vars(args), "formats": ["direct"]})
     rows = []
     try:
-        if args.registered:
+        if sub.registered:
             rows += registered_rows(part, engines, topo, tp, sub, masks, limit, ptrs, failures)
-        if args.per_update:
+        if sub.per_update:
             rows += per_update_rows(part, engines, topo, tp, sub, masks, limit, ptrs, failures)
     finally:
         del part
@@ -448,8 +456,9 @@ def run(args) -> dict:
                 rows += registered_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures)
             if args.per_update:
                 rows += per_update_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures)
-            if getattr(args, "trainer_etp", False) and tp > 1 and "direct" in args.formats:
-                rows += trainer_etp_rows(spec, engines, topo, tp, args, masks, limit, ptrs,
+            sub = shard_rows_args(args, tp)
+            if sub is not None:
+                rows += trainer_etp_rows(spec, engines, topo, tp, sub, masks, limit, ptrs,
                                          failures)
             del limit
             release(device)
@@ -461,9 +470,8 @@ def run(args) -> dict:
                 small_ptrs = [engine.configure(small.spec, topo, rank)
                               for rank, engine in enumerate(engines)]
                 rows += per_tensor_rows(small, engines, topo, tp, args, masks, small_ptrs, failures)
-                if getattr(args, "trainer_etp", False) and tp > 1 and "direct" in args.formats:
+                if sub is not None:
                     sharded = ExpertsPart(small.spec, device, etp=tp)
-                    sub = argparse.Namespace(**{**vars(args), "formats": ["direct"]})
                     rows += per_tensor_rows(sharded, engines, topo, tp, sub, masks, small_ptrs,
                                             failures)
                     holder = [sharded]

@@ -451,12 +451,12 @@ class ReferenceImplementation:
             return model_senders.export(format, spec, receiver, rank, weights)
         from pytest_weightsync.reference_impl.senders import distributed_export as dist_export
 
-        if (format == "direct" and rank < len(trainer_states)
+        if (format == "direct" and len(trainer_states) == trainer.world_size
+                and rank < trainer.world_size
                 and dist_export.shards_are_engine_params(spec, trainer, receiver)):
             # trainer rank `rank` feeds engine rank `rank` and holds exactly its parameters
-            return dist_export.local_direct_payload(spec, trainer_states[rank],
-                                                    spec.intermediate // trainer.etp,
-                                                    spec.num_experts // trainer.ep)
+            # (a wrong number of states goes on to the gather, which names it)
+            return dist_export.local_direct_payload(spec, trainer_states[rank], trainer)
         return senders.export(format, spec, receiver, rank,
                               gather_full_weights(spec, trainer, trainer_states))
 

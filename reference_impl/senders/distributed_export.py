@@ -107,15 +107,16 @@ def shards_are_engine_params(spec: MoESpec, trainer, receiver) -> bool:
     return True
 
 
-def local_direct_payload(spec: MoESpec, model_state: Mapping, rows: int, experts: int) -> list:
+def local_direct_payload(spec: MoESpec, model_state: Mapping, trainer) -> list:
     """This rank's direct payload from its own expert shards, no gather (where
     :func:`shards_are_engine_params`): per layer its fc1 stack ``[E_local, 2*rows, H]``
     (``[gate_r; up_r]`` per expert) as ``w13_weight`` and its fc2 stack ``[E_local, H, rows]``
-    as ``w2_weight``, ``experts`` local experts each. A state short of a layer or an expert is
-    refused before anything is sent."""
+    as ``w2_weight``, ``E_local`` and ``rows`` what the ``trainer`` topology gives each rank.
+    A state short of a layer or an expert is refused before anything is sent."""
     from pytest_weightsync.reference_impl.model.layout import fused_name
 
-    fc1, fc2 = local_expert_stacks(spec, model_state, rows)
+    experts = spec.num_experts // trainer.ep
+    fc1, fc2 = local_expert_stacks(spec, model_state, spec.intermediate // trainer.etp)
     if tuple(fc1.shape[:2]) != (spec.num_layers, experts):
         raise ModelStateError(f"the model state holds {fc1.shape[1]} local experts in "
                               f"{fc1.shape[0]} layers; this rank holds {experts} in each of "
@@ -239,8 +240,7 @@ def export_weights_distributed(model_state, *, config, format, spec, trainer, re
     if format == "direct" and delivery == "colocated" and shards_are_engine_params(
             spec, trainer, receiver):
         # no gather: this rank's own shards are its engine rank's parameters
-        payload = local_direct_payload(spec, model_state, spec.intermediate // trainer.etp,
-                                       spec.num_experts // trainer.ep)
+        payload = local_direct_payload(spec, model_state, trainer)
         return engine_streams(None, format=format, spec=spec, receiver=receiver,
                               delivery=delivery, bucket_bytes=bucket_bytes,
                               export=lambda *_: payload, transport=transport, engine=engine)

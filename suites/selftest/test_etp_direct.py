@@ -220,8 +220,7 @@ def test_the_distributed_exporter_skips_the_gather_only_where_shards_are_paramet
         return
     full = synth.grouped_full_weights(spec, 9)
     for rank, state in enumerate(trainer_states(spec, trainer, full)):
-        got = local_direct_payload(spec, state, spec.intermediate // trainer.etp,
-                                   spec.num_experts // trainer.ep)
+        got = local_direct_payload(spec, state, trainer)
         want = senders.export("direct", spec, receiver, colocated_engine_rank(rank, receiver.tp),
                               full)
         assert [n for n, _ in got] == [n for n, _ in want]
@@ -242,7 +241,7 @@ def test_a_rank_state_short_of_a_layer_is_refused_before_sending():
     state = trainer_states(spec, trainer, synth.grouped_full_weights(spec, 1))[0]
     short = {name: t for name, t in state.items() if ".layers.1." not in name}
     with pytest.raises(ModelStateError, match="1 layers"):
-        local_direct_payload(spec, short, 4, 8)
+        local_direct_payload(spec, short, trainer)
 
 
 def test_the_single_process_exporter_takes_a_matching_rank_alone(monkeypatch):
@@ -269,3 +268,7 @@ def test_the_single_process_exporter_takes_a_matching_rank_alone(monkeypatch):
             want = senders.export("direct", spec, receiver, rank, full)
             for (name, g), (_, w) in zip(got, want):
                 assert g.shape == w.shape and torch.equal(bits(g), bits(w)), (rank, name)
+    states = trainer_mod.trainer_states(spec, matching[0], full)
+    with pytest.raises(trainer_mod.TrainerStateError, match="expected 4 trainer state dicts"):
+        impl.export_weights(states[:2], format="direct", spec=spec, trainer=matching[0],
+                            receiver=matching[1], rank=0)
