@@ -220,7 +220,8 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
                              bucket_ramp=getattr(args, "bucket_ramp", False))
         build = time.perf_counter() - t0
         sync = ColocatedSync(sender, engines, per_update=per_update,
-                             chain=getattr(args, "chain_ranks", False))
+                             chain=getattr(args, "chain_ranks", False),
+                             end_on_device=getattr(args, "end_on_device", True))
         register = sync.register()
         problems, digests = [], 0
 
@@ -260,6 +261,8 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         row = dict(
             path="per_update" if per_update else "registered", format=fmt, moe_tp=tp,
             trainer_etp=part.etp, chain=chained, bucket_ramp=getattr(args, "bucket_ramp", False),
+            end_on_device=sync.end_on_device, engine_poll_ms=getattr(args, "engine_poll_ms", 0.0),
+            device_wait_s=median([t.device_wait for t, _ in rounds]),
             layers=part.spec.num_layers,
             entries=sender.entries, buckets=len(sender.buckets), nbytes=nbytes,
             staged_bytes=sender.staged_bytes, storages=sum(len(b.shared[r].wholes)
@@ -347,7 +350,8 @@ def per_tensor_rows(part, engines, topo, tp, args, masks, ptrs, failures) -> lis
             for engine in engines:
                 engine.reset(plan_cache=cached)
             sync = StatelessSync(fmt, part.spec, topo, engines, wire=wire,
-                                 bucket_layers=args.stateless_bucket_layers)
+                                 bucket_layers=args.stateless_bucket_layers,
+                                 end_on_device=getattr(args, "end_on_device", True))
             rounds, problems = [], []
             for step in range(args.warmup + args.per_tensor_repeats):
                 part.set_mask(masks.next())
@@ -444,7 +448,9 @@ def run(args) -> dict:
     small = None  # the model of the per-tensor rows, built on first use
     for tp in args.tp:
         topo = ReceiverTopology(tp=tp)
-        engines = [engine_process.ReceiverProcess(str(device), timeout=args.timeout) for _ in range(tp)]
+        poll_s = getattr(args, "engine_poll_ms", 0.0) / 1e3 if args.device == "cuda" else 0.0
+        engines = [engine_process.ReceiverProcess(str(device), timeout=args.timeout, poll_s=poll_s)
+                   for _ in range(tp)]
         try:
             t0 = time.perf_counter()
             for engine in engines:
@@ -538,6 +544,13 @@ def main(argv=None) -> int:
     p.add_argument("--chain-ranks", action="store_true",
                    help="engine rank r copies a bucket of views after rank r - 1 on the device "
                    "(ColocatedSync(chain=True)): one engine context at a time")
+    p.add_argument("--no-end-on-device", dest="end_on_device", action="store_false",
+                   help="the engines wait for their last copies and then answer, instead of the "
+                        "trainer waiting for their IPC events (ColocatedSync(end_on_device=False))")
+    p.add_argument("--engine-poll-ms", type=float, default=float("inf"),
+                   help="milliseconds each engine (and the trainer, for answers) polls its pipe "
+                        "before blocking (ReceiverProcess(poll_s=...)); default inf: never "
+                        "blocks, as SGLang's scheduler polls by default; 0: block at once")
     p.add_argument("--trainer-etp", action="store_true",
                    help="at each MoE-TP > 1 also time direct with the trainer holding its "
                    "experts as ETP shards of that size, not gathered (Megatron's [gate_r; up_r] "

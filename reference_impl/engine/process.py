@@ -74,10 +74,20 @@ class ReceiverProcess:
     receiver, to prove that the leak checks can fail.
     """
 
-    def __init__(self, device="cpu", *, timeout: float = 300.0, start_timeout: float = 300.0):
+    def __init__(self, device="cpu", *, timeout: float = 300.0, start_timeout: float = 300.0,
+                 poll_s: float = 0.0):
         self.device = str(torch.device(device))
         self.timeout = float(timeout)
         self.start_timeout = float(start_timeout)
+        if not poll_s >= 0:  # also refuses NaN
+            raise ReceiverProcessError(f"poll_s must be >= 0 seconds, got {poll_s!r}")
+        #: Seconds each side polls its pipe before it blocks: the engine after each answer for
+        #: the next request, the trainer side for an answer. A blocked process is woken by the
+        #: kernel when a message arrives, 0.05-0.3 ms later (more under a sandboxed kernel),
+        #: and an update waits for that twice - its first bucket and its last answer; SGLang's
+        #: scheduler polls its request socket without sleeping by default (its
+        #: ``--sleep-on-idle`` turns that off). ``math.inf``: the engine never blocks.
+        self.poll_s = float(poll_s)
         self._process = None
         self._conn = None
         self._pending = None
@@ -99,7 +109,7 @@ class ReceiverProcess:
             return
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=_receiver_main, args=(child, self.device),
+        self._process = ctx.Process(target=_receiver_main, args=(child, self.device, self.poll_s),
                                     name=f"weightsync-receiver-{self.device}", daemon=True)
         self._process.start()
         child.close()
@@ -165,8 +175,12 @@ class ReceiverProcess:
         leaves alone until the update ends): the engine answers as soon as the copies are
         queued, keeping what it rebuilt alive until it next waits for the device - at the
         update's end, at a bucket sent with ``sync=True``, or on an error - so the sender
-        prepares the next bucket while this one is copied. A bucket with ``end`` is always
-        waited for.
+        prepares the next bucket while this one is copied. A bucket with ``end`` is waited
+        for, unless it comes with a ``signal`` and without ``memory``: the engine then answers
+        once its copies are queued (as SGLang's ``update_weights_from_tensor`` does) and the
+        trainer waits on the device for ``signal`` - the update is over when the copies are,
+        not a wake-up of each process later. What it rebuilt is dropped at the next update
+        whose copies it sees done, or at the next wait.
 
         ``wait`` / ``signal`` (CUDA IPC event handles, :mod:`~pytest_weightsync.reference_impl.sharing.ipc_events`):
         the engine's copies wait on the device for the trainer's record of ``wait`` (a staging
@@ -232,6 +246,8 @@ class ReceiverProcess:
         self._pending = message[0]
 
     def _await(self, timeout: float, what: str):
+        if self.poll_s:
+            _poll(self._conn, min(self.poll_s, timeout))
         ready = multiprocessing.connection.wait([self._conn, self._process.sentinel], timeout)
         if self._conn in ready or self._conn.poll():
             try:
@@ -282,8 +298,19 @@ def bits_digest(tensors) -> tuple[int, int]:
     return total, squares
 
 
-def _receiver_main(conn, device: str) -> None:
-    """Serve requests until told to stop; every reply is ``("ok", value)`` or ``("error", ...)``."""
+def _poll(conn, seconds: float) -> bool:
+    """Whether a message (or the end of the pipe) arrived within ``seconds``, polled without
+    sleeping (see ``ReceiverProcess.poll_s``)."""
+    deadline = time.perf_counter() + seconds
+    while not conn.poll():
+        if time.perf_counter() > deadline:
+            return False
+    return True
+
+
+def _receiver_main(conn, device: str, poll_s: float = 0.0) -> None:
+    """Serve requests until told to stop; every reply is ``("ok", value)`` or ``("error", ...)``.
+    ``poll_s``: seconds to poll for the next request before blocking on the pipe."""
     torch.set_num_threads(1)
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -291,13 +318,15 @@ def _receiver_main(conn, device: str) -> None:
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     state = {"receiver": None, "keep": False, "kept": [], "registered": {}, "next_id": 0,
-             "inflight": [], "events": None}
+             "inflight": [], "inflight_done": None, "events": None}
     if dev.type == "cuda":
         from pytest_weightsync.reference_impl.sharing.ipc_events import OpenedEvents
 
         state["events"] = OpenedEvents(dev)
     conn.send(("ok", os.getpid()))
     while True:
+        if poll_s:
+            _poll(conn, poll_s)
         try:
             message = conn.recv()
         except (EOFError, OSError):
@@ -321,6 +350,7 @@ def _settle(state: dict, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     state["inflight"].clear()
+    state["inflight_done"] = None
 
 
 def _on_device(rebuilt, device: torch.device):
@@ -400,12 +430,19 @@ def _serve(state: dict, device: torch.device, message):
     if kind == "update":
         _, data, load_format, *rest = message
         ids, begin, end, memory, *more = rest if rest else ((), True, True, True)
-        sync = end or (more[0] if more else True) or device.type != "cuda"
         wait, signal = (more[1], more[2]) if len(more) > 2 else (None, None)
+        # The last bucket is waited for, unless the trainer waits on the device for the
+        # ``signal`` recorded after its copies (and wants no memory figures, taken after them).
+        sync = ((more[0] if more else True) or device.type != "cuda"
+                or (end and (signal is None or memory)))
         events = state["events"]
         if events is None and (wait is not None or signal is not None):
             raise ReceiverProcessError("CUDA IPC events sent to a receiver that is not on a GPU")
         t0 = time.perf_counter()
+        done = state["inflight_done"]
+        if begin and done is not None and done.query():  # the last update's copies are done
+            state["inflight"].clear()
+            state["inflight_done"] = None
         payloads, rebuilt = [], None
         if data is not None:
             rebuilt = deserialize(data)
@@ -434,8 +471,12 @@ def _serve(state: dict, device: torch.device, message):
             state["kept"].append(rebuilt)
         if sync:
             _settle(state, device)  # every copy done before the mappings close
-        elif rebuilt is not None:
-            state["inflight"].append(rebuilt)  # read by queued copies: closed at the next wait
+        else:
+            if rebuilt is not None:  # read by queued copies: closed at the next wait
+                state["inflight"].append(rebuilt)
+            if end and state["inflight"]:  # an update that ended on the device alone
+                state["inflight_done"] = torch.cuda.Event()
+                state["inflight_done"].record()
         t3 = time.perf_counter()
         del payloads, rebuilt
         return UpdateReport(receiver.rank, sum(e for e, _ in sizes), sum(b for _, b in sizes),

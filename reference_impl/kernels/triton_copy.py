@@ -176,6 +176,55 @@ def _to_device(table: torch.Tensor, device) -> torch.Tensor:
     return table.pin_memory().to(device, non_blocking=True)
 
 
+class _LaunchTables:
+    """Device launch tables by what determines them (addresses, extents, strides, tile
+    shape): a sender that plans the same copies every update (a stateless export staging
+    ``[gate_r; up_r]`` into the same pool memory) reuses its tables instead of building and
+    uploading them again - 0.5 ms of host time per launch on an H100 host (2026-12-06), where
+    the copy it launches takes 0.3 ms. A table holds numbers, not tensors: a cached one keeps
+    no memory of the copies alive, and a launch still keeps its own tensors (``keep_alive``).
+    An upload is queued on the stream current when it was made: a launch on another stream
+    waits for it on the device until the upload is known done."""
+
+    def __init__(self, capacity: int = 1024):
+        self.capacity = capacity
+        self._tables: dict = {}
+
+    def get(self, key):
+        entry = self._tables.get(key)
+        if entry is None or torch.cuda.is_current_stream_capturing():
+            return None  # a capture neither queries nor waits for work outside it
+        tables, stream, done = entry
+        if done is not None:
+            if done.query():  # uploaded: no stream needs to wait any more
+                self._tables[key] = (tables, stream, None)
+            elif torch.cuda.current_stream(tables[0].device) != stream:
+                torch.cuda.current_stream(tables[0].device).wait_event(done)
+        self._tables[key] = self._tables.pop(key)  # most recently used last
+        return tables
+
+    def put(self, key, device, tables):
+        if torch.device(device).type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return tables
+        while len(self._tables) >= self.capacity:
+            self._tables.pop(next(iter(self._tables)))  # least recently used
+        stream = torch.cuda.current_stream(tables[0].device)
+        done = torch.cuda.Event()
+        done.record(stream)
+        self._tables[key] = (tables, stream, done)
+        return tables
+
+    def clear(self) -> None:
+        self._tables.clear()
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+
+#: Every launch's tables, shared by the launches of this process (see :class:`_LaunchTables`).
+_LAUNCH_TABLES = _LaunchTables()
+
+
 class TritonCopyLaunch:
     """One launch over 2-D copies of one element width and tile width, reusable.
 
@@ -224,10 +273,15 @@ class TritonCopyLaunch:
             blocks_per_pair.append(blocks)
             first += blocks
         self.n_blocks = first
-        counts = torch.tensor(blocks_per_pair, dtype=torch.int64)
-        self.meta = _to_device(torch.tensor(meta, dtype=torch.int64).reshape(-1, _META_WIDTH), device)
-        self.block_pair = _to_device(torch.repeat_interleave(
-            torch.arange(len(copies), dtype=torch.int32), counts), device)
+        key = (str(device), self.block_rows, block_cols, tiles_per_program, tuple(meta))
+        tables = _LAUNCH_TABLES.get(key)
+        if tables is None:
+            counts = torch.tensor(blocks_per_pair, dtype=torch.int64)
+            tables = _LAUNCH_TABLES.put(key, device, (
+                _to_device(torch.tensor(meta, dtype=torch.int64).reshape(-1, _META_WIDTH), device),
+                _to_device(torch.repeat_interleave(
+                    torch.arange(len(copies), dtype=torch.int32), counts), device)))
+        self.meta, self.block_pair = tables
 
     def run(self) -> None:
         if self.n_blocks == 0:

@@ -11,6 +11,14 @@ queued (``ReceiverProcess.post_update(sync=False)``) and the sender holds that b
 tensors until the update ends, so only the first bucket's host work and the last bucket's
 copy are not overlapped.
 
+On a GPU no side waits for the other on the host either (``end_on_device``): a bucket whose
+export staged tensors (direct at MoE-TP > 1 from a gathered trainer: each rank's
+``[gate_r; up_r]``) carries an interprocess event recorded after the staging copies, which
+the engines' copies wait for on the device, and the engines answer the last bucket once its
+copies are queued, each recording an event the sender then waits for
+(:mod:`~pytest_weightsync.reference_impl.sharing.ipc_events`). Where the sender waited for
+its staging copies before sending each bucket, the device ran one context's burst at a time.
+
 Nothing is kept between updates: each bucket's payload is built from the trainer's current
 tensors, and the engines recognise a bucket by its signature or table and addresses (the plan
 cache, :mod:`~pytest_weightsync.reference_impl.engine.plan_cache`), which a stateless sender's
@@ -71,10 +79,12 @@ def _wait_for_writes(payloads: list) -> None:
 @dataclass
 class StatelessTiming:
     """Seconds of one update: ``export`` and ``serialize`` (the sender, summed over buckets),
-    the engines' reports per bucket, and ``wall`` (until the last rank answered)."""
+    the engines' reports per bucket, ``device_wait`` (for the engines' last copies, after
+    their answers) and ``wall`` (until the update is over)."""
 
     export: float = 0.0
     serialize: float = 0.0
+    device_wait: float = 0.0
     wall: float = 0.0
     reports: list = field(default_factory=list)
 
@@ -95,7 +105,7 @@ class StatelessSync:
     one of :data:`WIRES`. See the module docstring."""
 
     def __init__(self, fmt: str, spec, topo, engines: Sequence, *, wire: str = "storages",
-                 bucket_layers: int = 1):
+                 bucket_layers: int = 1, end_on_device: bool = True):
         senders.check_format(fmt)
         if wire not in WIRES:
             raise WeightSyncError(f"unknown wire {wire!r}; expected one of {sorted(WIRES)}")
@@ -110,6 +120,8 @@ class StatelessSync:
         #: What must be staged goes to the same memory every update (see StagingPool).
         self._staging = _staging_pool()
         self._serializer, self._built = _serializer(wire)
+        self.end_on_device = bool(end_on_device)
+        self._events = None  # an EventPool, made at the first update on a GPU
 
     def buckets(self, layers: Iterable[int]) -> list[list[int]]:
         """``layers`` in order, ``bucket_layers`` at a time: what one update sends."""
@@ -126,12 +138,14 @@ class StatelessSync:
             raise WeightSyncError("a stateless update needs at least one layer")
         shared = senders.rank_independent(self.fmt)
         ranks = range(len(self.engines))
+        events = self._event_pool(full, groups[0][0])
         held = []  # every bucket's payload and bytes, alive until the update's last answer
         start = time.perf_counter()
         self._staging.rewind()  # the last update ended with every engine's copies done
         try:
             for index, group in enumerate(groups):
                 t0 = time.perf_counter()
+                handed = self._staging.handed
                 if shared:
                     one = senders.export(self.fmt, self.spec, self.topo, 0, full, group,
                                          alloc=self._staging)
@@ -139,18 +153,32 @@ class StatelessSync:
                 else:
                     payloads = [senders.export(self.fmt, self.spec, self.topo, r, full, group,
                                                alloc=self._staging) for r in ranks]
+                # Staging copies queued, not waited for: the engines' copies wait for them on
+                # the device (an event recorded after them), unless there is no pool.
+                staged = events is not None and self._staging.handed != handed
+                if staged:
+                    events.get(("staged", index)).record()
                 t1 = time.perf_counter()
-                data = self._serialized(payloads, shared)
+                data = self._serialized(payloads, shared, wait=not staged)
                 t2 = time.perf_counter()
                 self._collect(timing)
                 last = index == len(groups) - 1
+                ends = last and events is not None
+                wait = events.handle(("staged", index)) if staged else None
                 for rank, engine in enumerate(self.engines):
+                    signal = events.handle(("copied", rank)) if ends else None
                     engine.post_update(data[rank], self.load_format, begin=index == 0, end=last,
-                                       memory=False, sync=last)
+                                       memory=False, sync=last and not ends, wait=wait,
+                                       signal=signal)
                 held.append((payloads, data))
                 timing.export += t1 - t0
                 timing.serialize += t2 - t1
             self._collect(timing)
+            if events is not None:  # every engine's last copies, recorded before it answered
+                t3 = time.perf_counter()
+                for rank in ranks:
+                    events.get(("copied", rank)).synchronize()
+                timing.device_wait = time.perf_counter() - t3
         except BaseException:
             # an engine may still be copying a posted bucket: never stage into its memory again
             self._staging = _staging_pool()
@@ -160,18 +188,36 @@ class StatelessSync:
         timing.wall = time.perf_counter() - start
         return timing
 
-    def _serialized(self, payloads: list, shared: bool) -> list:
+    def _serialized(self, payloads: list, shared: bool, wait: bool = True) -> list:
         """Each rank's bytes of its payload. Where every rank gets the same payload the
         storages wire builds its table once and serializes it per rank (torch counts its
         shares per message), so a rank-independent format's host work does not grow with
-        MoE-TP."""
+        MoE-TP. ``wait=False``: queued writes are not waited for (an event the engines wait
+        for orders them)."""
         if not self._built:
-            _wait_for_writes(payloads)
+            if wait:
+                _wait_for_writes(payloads)
             return [self._serializer(p) for p in payloads]
         if shared:
             built = self._serializer(payloads[0])
-            return [built.serialize() for _ in payloads]
-        return [self._serializer(p).serialize() for p in payloads]
+            return [built.serialize(wait=wait) for _ in payloads]
+        return [self._serializer(p).serialize(wait=wait) for p in payloads]
+
+    def _event_pool(self, full, layer):
+        """The sender's interprocess events where the trainer's weights are on a GPU and
+        ``end_on_device`` holds, else ``None`` (host waits)."""
+        if not self.end_on_device or layer not in full:
+            return None
+        if self._events is None:
+            from pytest_weightsync.reference_impl.model.moe_spec import layer_device
+
+            device = layer_device(full[layer])
+            if device.type != "cuda":
+                return None
+            from pytest_weightsync.reference_impl.sharing.ipc_events import EventPool
+
+            self._events = EventPool(device)
+        return self._events
 
     def _collect(self, timing: StatelessTiming) -> None:
         reports = answers.collect(self.engines)

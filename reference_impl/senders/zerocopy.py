@@ -65,6 +65,12 @@ class StagingPool:
         """Start the next update: requests get the first tensors again."""
         self._next = 0
 
+    @property
+    def handed(self) -> int:
+        """Tensors handed out since :meth:`rewind` (a sender tells by it whether an export
+        staged anything)."""
+        return self._next
+
     def __call__(self, shape, dtype: torch.dtype, device, zero: bool) -> torch.Tensor:
         index, self._next = self._next, self._next + 1
         key = (tuple(int(s) for s in shape), dtype, torch.device(device), bool(zero))

@@ -280,6 +280,39 @@ def test_gpu_planning_a_copy_does_not_wait_for_the_device():
     assert_same_bits(dst, src, "copy planned while the device was busy")
 
 
+@pytest.mark.gpu
+def test_gpu_the_same_copies_planned_again_reuse_their_tables_also_from_another_stream():
+    """A stateless sender plans the same strided copies every update: the second plan takes
+    the launch tables the first uploaded (no host work, no upload), a plan of other copies
+    gets its own, and a plan made on another stream while the first upload still waits
+    behind queued work waits for it on the device before its kernel reads the table."""
+    pytest.importorskip("triton")
+    from pytest_weightsync.reference_impl.kernels import triton_copy
+
+    triton_copy._LAUNCH_TABLES.clear()
+    src = random_bits((64, 64), torch.bfloat16, "cuda")[:, :32]  # strided: the Triton kernel
+    dst, other = (torch.zeros(64, 32, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    first = fastcopy.plan_copies([(dst, src)], graph=False)
+    again = fastcopy.plan_copies([(dst, src)], graph=False)
+    assert again.launches[0].meta is first.launches[0].meta
+    assert len(triton_copy._LAUNCH_TABLES) == 1
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the next upload queues behind this on the current stream
+    elsewhere = fastcopy.plan_copies([(other, src)], graph=False)
+    assert elsewhere.launches[0].meta is not first.launches[0].meta
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        reused = fastcopy.plan_copies([(other, src)], graph=False)
+        assert reused.launches[0].meta is elsewhere.launches[0].meta
+        reused.run()
+    torch.cuda.synchronize()
+    assert_same_bits(other, src, "a table reused on another stream before its upload ran")
+    small = triton_copy._LaunchTables(capacity=2)
+    tables = [small.put(("cuda", i), "cuda", (torch.zeros(1, device="cuda"),)) for i in range(3)]
+    assert len(small) == 2 and small.get(("cuda", 0)) is None
+    assert small.get(("cuda", 2)) is tables[2]
+
+
 # --------------------------------------------------------------------------- plan choice
 
 

@@ -22,7 +22,7 @@ from pytest_weightsync.reference_impl.engine.receiver import (  # noqa: E402
     ReferenceReceiver,
     TensorStorageError,
 )
-from pytest_weightsync.reference_impl.model.layout import ReceiverTopology  # noqa: E402
+from pytest_weightsync.reference_impl.model.layout import MoESpec, ReceiverTopology  # noqa: E402
 from pytest_weightsync.reference_impl.oracle import synth  # noqa: E402
 from pytest_weightsync.reference_impl.oracle.oracle_check import first_mismatch  # noqa: E402
 from pytest_weightsync.reference_impl.senders import formats as senders  # noqa: E402
@@ -263,6 +263,43 @@ def test_per_update_protocol_through_engine_processes_is_exact_and_recognises_ev
     close_all(sync, cpu_engines)
 
 
+def test_engines_that_poll_their_pipe_serve_the_same_updates():
+    # poll_s: each side polls before it blocks (SGLang's scheduler polls without sleeping);
+    # what the engines load does not change, and a refused value is refused before a start
+    topo = ReceiverTopology(tp=2)
+    full = synth.grouped_full_weights(SPEC, 8)
+    engines = [engine_process.ReceiverProcess("cpu", timeout=60, poll_s=0.02) for _ in range(2)]
+    try:
+        for r, engine in enumerate(engines):
+            engine.configure(SPEC, topo, r)
+        sync, caches = per_update(engines, "packed", topo, full, (0x0111, 0x0222))
+        assert not sync.end_on_device and sync.events is None, "a CPU update ends on the host"
+        assert caches[-1] == ["hit"] * len(sync.sender.buckets) * 2
+        assert [e.check(8, 0, 0x0222) for e in engines] == [None, None]
+    finally:
+        for engine in engines:
+            engine.close()
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(engine_process.ReceiverProcessError, match="poll_s"):
+            engine_process.ReceiverProcess("cpu", poll_s=bad)
+
+
+def test_polling_a_pipe_sees_a_message_and_gives_up_after_its_time():
+    import multiprocessing
+    import time
+
+    mine, theirs = multiprocessing.Pipe()
+    try:
+        t0 = time.perf_counter()
+        assert engine_process._poll(mine, 0.01) is False
+        assert time.perf_counter() - t0 >= 0.01
+        theirs.send("x")
+        assert engine_process._poll(mine, 10.0) is True and mine.recv() == "x"
+    finally:
+        mine.close()
+        theirs.close()
+
+
 def test_per_update_protocol_refuses_a_bad_bucket_and_keeps_the_parameters(cpu_engines):
     topo = ReceiverTopology()
     full = synth.grouped_full_weights(SPEC, 6)
@@ -322,7 +359,9 @@ def test_staging_pool_gives_each_request_of_an_update_the_memory_it_got_last_upd
     other = pool((5,), torch.float32, "cpu", True)  # another request in that place: new memory
     assert other is not padded and torch.equal(other, torch.zeros(5))
     pool.rewind()
+    assert pool.handed == 0
     assert pool((2, 3), torch.float16, "cpu", False) is not first, "another dtype"
+    assert pool.handed == 1, "a sender tells by the count whether an export staged anything"
 
 
 @pytest.mark.parametrize("fmt, tp, wire, bucket_layers", [
@@ -385,6 +424,48 @@ def test_gpu_per_update_protocol_over_cuda_ipc_is_exact_and_replays_cuda_graphs(
     gpu_sync_rounds(fmt, tp, seed=7, steps=5, per_update=True, bucket_layers=True,
                     check_sender=lambda sender: len(sender.buckets) == 3,
                     after_update=digests_agree, chain=fmt == "packed")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, per_update, end_on_device", [
+    ("packed", False, True), ("packed", True, True), ("direct", False, True),
+    ("direct", True, False)])
+def test_gpu_update_ends_when_the_device_has_copied_before_the_trainer_writes_again(
+        fmt, per_update, end_on_device):
+    # end_on_device: the engines answer the last bucket once its copies are queued (no memory
+    # figures asked for) and the trainer waits for their IPC events; without it the engines
+    # wait, also for a staged bucket ordered by events (direct at MoE-TP 2). The trainer then
+    # writes its weights again at once, on the device: a copy not yet done reads new bits
+    spec = MoESpec(num_layers=2, num_experts=64, hidden=1024, intermediate=512)
+    topo = ReceiverTopology(tp=2)
+    full = synth.grouped_full_weights(spec, 21, device="cuda")
+    engines = [engine_process.ReceiverProcess("cuda:0", timeout=120) for _ in range(2)]
+    try:
+        for r, engine in enumerate(engines):
+            engine.configure(spec, topo, r)
+        sync = ColocatedSync(ColocatedSender(fmt, spec, topo, full, bucket_ramp=True,
+                                             staging_bytes=1 << 30),
+                             engines, per_update=per_update, end_on_device=end_on_device)
+        assert sync.end_on_device == end_on_device
+        assert (sync.sender.staged_bytes > 0) == (fmt == "direct")
+        mask = 0
+        for step in range(4):
+            new = 0x1111 * (step + 1) & 0x7FFF
+            xor_weights(full, mask ^ new)
+            mask = new
+            timing = sync.update()
+            xor_weights(full, 0x7FFF)  # queued at once, before anything waits
+            if end_on_device:
+                assert all(r.memory is None for r in timing.reports[-1]), "an engine waited"
+            got = [e.digest() for e in engines]
+            xor_weights(full, 0x7FFF)  # back to what the update sent
+            assert tuple(map(sum, zip(*got))) == trainer_digest(full), (
+                f"update {step}: the engines' copies read what the trainer wrote after it")
+        assert [e.check(21, 0, mask) for e in engines] == [None, None]
+        sync.close()
+    finally:
+        for engine in engines:
+            engine.close()
 
 
 @pytest.mark.gpu
