@@ -84,9 +84,10 @@ class ReceiverProcess:
         #: Seconds each side polls its pipe before it blocks: the engine after each answer for
         #: the next request, the trainer side for an answer. A blocked process is woken by the
         #: kernel when a message arrives, 0.05-0.3 ms later (more under a sandboxed kernel),
-        #: and an update waits for that twice - its first bucket and its last answer; SGLang's
-        #: scheduler polls its request socket without sleeping by default (its
-        #: ``--sleep-on-idle`` turns that off). ``math.inf``: the engine never blocks.
+        #: and an update waits for that at its first bucket (and at its last answer, unless
+        #: it ends on the device); SGLang's scheduler polls its request socket without
+        #: sleeping by default (its ``--sleep-on-idle`` turns that off). ``math.inf``: the
+        #: engine never blocks. Polling burns a core per process: the suites leave it off.
         self.poll_s = float(poll_s)
         self._process = None
         self._conn = None
