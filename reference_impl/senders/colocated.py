@@ -44,7 +44,7 @@ from pytest_weightsync.reference_impl.kernels import fastcopy
 from pytest_weightsync.reference_impl.senders import answers, formats as senders
 from pytest_weightsync.reference_impl.errors import WeightSyncError
 from pytest_weightsync.reference_impl.model.moe_spec import layer_device
-from pytest_weightsync.reference_impl.sharing.shared_payload import SharedPayload
+from pytest_weightsync.reference_impl.sharing.shared_payload import SharedPayload, wait_for_writes
 
 #: Alignment of staging tensors inside the arena (bytes): whole 16-byte vectors and cache lines.
 ALIGN = 512
@@ -247,8 +247,8 @@ class ColocatedSender:
         if signal is not None:
             signal.record(stream)
             return
-        for shared in bucket.shared.values():
-            shared.ready()
+        # Once per device, not per rank: the ranks' payloads share the trainer's streams.
+        wait_for_writes({w.device for shared in bucket.shared.values() for w in shared.wholes})
 
     def payload(self, index: int, rank: int) -> list:
         """Bucket ``index`` for receiver ``rank`` as ``[(name, tensor), ...]``."""
@@ -388,7 +388,9 @@ class ColocatedSync:
                 # answer and this bucket's arrival. The first bucket has nothing to hide
                 # behind: each rank's bytes are made just before they are sent, so rank 0
                 # starts loading while rank 1's are made.
-                datas = ([self.sender.serialize(index, rank, wait=not evented)
+                # stage() waited for every write already (or an event orders them): the
+                # shares need no second wait
+                datas = ([self.sender.serialize(index, rank, wait=False)
                           for rank in range(len(self.engines))]
                          if self.per_update and pending is not None else None)
                 made = time.perf_counter() - t1
@@ -408,7 +410,7 @@ class ColocatedSync:
                 for rank, engine in enumerate(self.engines):
                     if self.per_update:  # the bytes SGLang's update_weights_from_tensor gets
                         data = (datas[rank] if datas is not None else
-                                self.sender.serialize(index, rank, wait=not evented))
+                                self.sender.serialize(index, rank, wait=False))
                         registered = ()
                     else:
                         data, registered = None, [self.registrations[index][rank]]
