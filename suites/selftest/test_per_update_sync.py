@@ -427,42 +427,43 @@ def test_gpu_per_update_protocol_over_cuda_ipc_is_exact_and_replays_cuda_graphs(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, per_update, end_on_device", [
-    ("packed", False, True), ("packed", True, True), ("direct", False, True),
-    ("direct", True, False)])
-def test_gpu_update_ends_when_the_device_has_copied_before_the_trainer_writes_again(
-        fmt, per_update, end_on_device):
+def test_gpu_update_ends_when_the_device_has_copied_before_the_trainer_writes_again():
     # end_on_device: the engines answer the last bucket once its copies are queued (no memory
     # figures asked for) and the trainer waits for their IPC events; without it the engines
     # wait, also for a staged bucket ordered by events (direct at MoE-TP 2). The trainer then
-    # writes its weights again at once, on the device: a copy not yet done reads new bits
+    # writes its weights again at once, on the device: a copy not yet done reads new bits.
+    # One pair of engine processes for every case: starting CUDA in a process costs seconds.
     spec = MoESpec(num_layers=2, num_experts=64, hidden=1024, intermediate=512)
     topo = ReceiverTopology(tp=2)
     full = synth.grouped_full_weights(spec, 21, device="cuda")
     engines = [engine_process.ReceiverProcess("cuda:0", timeout=120) for _ in range(2)]
+    cases = [("packed", False, True), ("packed", True, True), ("direct", False, True),
+             ("direct", True, False)]
     try:
-        for r, engine in enumerate(engines):
-            engine.configure(spec, topo, r)
-        sync = ColocatedSync(ColocatedSender(fmt, spec, topo, full, bucket_ramp=True,
-                                             staging_bytes=1 << 30),
-                             engines, per_update=per_update, end_on_device=end_on_device)
-        assert sync.end_on_device == end_on_device
-        assert (sync.sender.staged_bytes > 0) == (fmt == "direct")
         mask = 0
-        for step in range(4):
-            new = 0x1111 * (step + 1) & 0x7FFF
-            xor_weights(full, mask ^ new)
-            mask = new
-            timing = sync.update()
-            xor_weights(full, 0x7FFF)  # queued at once, before anything waits
-            if end_on_device:
-                assert all(r.memory is None for r in timing.reports[-1]), "an engine waited"
-            got = [e.digest() for e in engines]
-            xor_weights(full, 0x7FFF)  # back to what the update sent
-            assert tuple(map(sum, zip(*got))) == trainer_digest(full), (
-                f"update {step}: the engines' copies read what the trainer wrote after it")
-        assert [e.check(21, 0, mask) for e in engines] == [None, None]
-        sync.close()
+        for fmt, per_update, end_on_device in cases:
+            for r, engine in enumerate(engines):
+                engine.configure(spec, topo, r)
+            sync = ColocatedSync(ColocatedSender(fmt, spec, topo, full, bucket_ramp=True,
+                                                 staging_bytes=1 << 30),
+                                 engines, per_update=per_update, end_on_device=end_on_device)
+            assert sync.end_on_device == end_on_device
+            assert (sync.sender.staged_bytes > 0) == (fmt == "direct")
+            for step in range(3):
+                new = (0x1111 * (step + 1) ^ mask) & 0x7FFF or 0x0101
+                xor_weights(full, mask ^ new)
+                mask = new
+                timing = sync.update()
+                xor_weights(full, 0x7FFF)  # queued at once, before anything waits
+                if end_on_device:
+                    assert all(r.memory is None for r in timing.reports[-1]), "an engine waited"
+                got = [e.digest() for e in engines]
+                xor_weights(full, 0x7FFF)  # back to what the update sent
+                assert tuple(map(sum, zip(*got))) == trainer_digest(full), (
+                    f"{fmt} per_update={per_update} end_on_device={end_on_device} update "
+                    f"{step}: the engines' copies read what the trainer wrote after it")
+            assert [e.check(21, 0, mask) for e in engines] == [None, None]
+            sync.close()
     finally:
         for engine in engines:
             engine.close()
