@@ -247,8 +247,10 @@ class ReceiverProcess:
         self._pending = message[0]
 
     def _await(self, timeout: float, what: str):
-        if self.poll_s:
+        if self.poll_s:  # the time polled counts against the timeout
+            t0 = time.perf_counter()
             _poll(self._conn, min(self.poll_s, timeout))
+            timeout = max(0.0, timeout - (time.perf_counter() - t0))
         ready = multiprocessing.connection.wait([self._conn, self._process.sentinel], timeout)
         if self._conn in ready or self._conn.poll():
             try:
