@@ -58,6 +58,7 @@ from typing import Any, Optional
 import torch
 
 from pytest_weightsync.reference_impl.engine.tensor_checks import PLAIN_TYPES
+from pytest_weightsync.reference_impl.sharing.shared_payload import plain_pairs as _pairs
 from pytest_weightsync.reference_impl.sharing.tensor_guard import PTRS_EQUAL, native_metadata_guard
 from pytest_weightsync.reference_impl.kernels import fastcopy
 
@@ -157,11 +158,6 @@ class _SameTensors:
         if same:
             self.guard = native_metadata_guard(tensors)
         return same
-
-
-def _pairs(payload) -> bool:
-    """Every entry a plain 2-tuple (anything else goes the signature's or the full path)."""
-    return set(map(type, payload)) <= {tuple} and set(map(len, payload)) <= {2}
 
 
 def _list_signature(receiver, payload) -> Optional[tuple]:

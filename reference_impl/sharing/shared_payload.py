@@ -52,15 +52,16 @@ _NAME = operator.itemgetter(0)
 _TENSOR = operator.itemgetter(1)
 
 
-def _pairs(items: list) -> bool:
-    """Whether every entry is a 2-tuple, read in C."""
+def plain_pairs(items) -> bool:
+    """Whether every entry of a sized payload is a plain 2-tuple, read in C: the bulk test
+    both a sender's table and a receiver's plan cache take before their per-entry paths."""
     return set(map(type, items)) <= {tuple} and set(map(len, items)) <= {2}
 
 
 def _check_items(items: list, pairs: bool) -> None:
     """Refuse anything but ``(str, dense tensor without grad or lazy bits)`` pairs, naming the
     first bad entry; the common all-good case is checked in bulk, in C (``pairs``: what
-    :func:`_pairs` said of ``items``)."""
+    :func:`plain_pairs` said of ``items``)."""
     if (pairs and set(map(type, map(_NAME, items))) <= {str}
             and all(map(isinstance, map(_TENSOR, items), itertools.repeat(torch.Tensor)))):
         tensors = list(map(_TENSOR, items))
@@ -99,7 +100,7 @@ class SharedPayload:
 
     def __init__(self, named_tensors: Iterable):
         items = list(named_tensors)
-        pairs = _pairs(items)
+        pairs = plain_pairs(items)
         if pairs:
             names, tensors = list(map(_NAME, items)), list(map(_TENSOR, items))
             known = known_tables.recall(names, tensors)
