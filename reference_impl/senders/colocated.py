@@ -105,6 +105,21 @@ def _measuring_alloc(sizes: list):
     return alloc
 
 
+def _receivers(receivers, world_size: int) -> tuple:
+    """The receiver ranks a sender feeds: every rank, or distinct ranks of the topology."""
+    if receivers is None:
+        return tuple(range(world_size))
+    try:
+        chosen = tuple(receivers)
+    except TypeError:
+        chosen = None
+    if (not chosen or any(isinstance(r, bool) or not isinstance(r, int) for r in chosen)
+            or len(set(chosen)) != len(chosen) or not all(0 <= r < world_size for r in chosen)):
+        raise WeightSyncError(f"receivers must be distinct receiver ranks in [0, {world_size}), "
+                              f"at least one, got {receivers!r}")
+    return chosen
+
+
 def _aligned(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN
 
@@ -133,15 +148,19 @@ class ColocatedSender:
     ``bucket_ramp``: the first bucket holds one layer and each next one at most twice the
     previous one's payload (up to ``bucket_bytes``), so the device starts copying after one
     layer's host work instead of a whole bucket's, and each bucket's host work fits under the
-    previous bucket's copy."""
+    previous bucket's copy. ``receivers``: the receiver ranks this sender feeds (None: every
+    rank), in the order of :class:`ColocatedSync`'s engines - a colocated trainer rank sends
+    its own GPU's engine rank only, building (and staging) nothing for the others."""
 
     def __init__(self, fmt: str, spec, topo, full: Mapping[int, Sequence], *,
                  layers: Optional[Iterable[int]] = None, staging_bytes: Optional[int] = None,
-                 device=None, bucket_bytes: Optional[int] = None, bucket_ramp: bool = False):
+                 device=None, bucket_bytes: Optional[int] = None, bucket_ramp: bool = False,
+                 receivers: Optional[Iterable[int]] = None):
         senders.check_format(fmt)
         self.fmt, self.spec, self.topo = fmt, spec, topo
         self.load_format = "direct" if fmt == "direct" else None
-        self.ranks = (0,) if senders.rank_independent(fmt) else tuple(range(topo.world_size))
+        self.receivers = _receivers(receivers, topo.world_size)
+        self.ranks = (0,) if senders.rank_independent(fmt) else self.receivers
         layers = sorted(full) if layers is None else list(layers)
         if not layers:
             raise WeightSyncError("ColocatedSender needs at least one layer")
@@ -263,7 +282,10 @@ class ColocatedSender:
         return self.buckets[index].shared[self._rank(rank)].serialize(wait=wait)
 
     def _rank(self, rank: int) -> int:
-        return self.ranks[0] if len(self.ranks) == 1 else rank
+        if rank not in self.receivers:
+            raise WeightSyncError(f"this sender feeds receiver rank(s) {list(self.receivers)}, "
+                                  f"not {rank!r}")
+        return self.ranks[0] if senders.rank_independent(self.fmt) else rank
 
     @property
     def staged_bytes(self) -> int:
@@ -308,9 +330,10 @@ class ColocatedSync:
 
     def __init__(self, sender: ColocatedSender, engines: Sequence, *, per_update: bool = False,
                  chain: bool = False, end_on_device: bool = True):
-        if len(engines) != sender.topo.world_size:
-            raise WeightSyncError(f"{len(engines)} engine process(es) for a receiver of "
-                                  f"{sender.topo.world_size} rank(s)")
+        if len(engines) != len(sender.receivers):
+            raise WeightSyncError(f"{len(engines)} engine process(es) for a sender that feeds "
+                                  f"{len(sender.receivers)} receiver rank(s) "
+                                  f"{list(sender.receivers)}")
         self.sender, self.engines = sender, list(engines)
         self.per_update = bool(per_update)
         self.registrations: list = []
@@ -345,7 +368,8 @@ class ColocatedSync:
         t0 = time.perf_counter()
         for index in range(len(self.sender.buckets)):
             self.registrations.append([engine.register(self.sender.serialize(index, rank))
-                                       for rank, engine in enumerate(self.engines)])
+                                       for rank, engine in zip(self.sender.receivers,
+                                                               self.engines)])
         return time.perf_counter() - t0
 
     def update(self, memory: bool = False) -> SyncTiming:
@@ -391,7 +415,7 @@ class ColocatedSync:
                 # stage() waited for every write already (or an event orders them): the
                 # shares need no second wait
                 datas = ([self.sender.serialize(index, rank, wait=False)
-                          for rank in range(len(self.engines))]
+                          for rank in self.sender.receivers]
                          if self.per_update and pending is not None else None)
                 made = time.perf_counter() - t1
                 if pending is not None:
@@ -410,7 +434,8 @@ class ColocatedSync:
                 for rank, engine in enumerate(self.engines):
                     if self.per_update:  # the bytes SGLang's update_weights_from_tensor gets
                         data = (datas[rank] if datas is not None else
-                                self.sender.serialize(index, rank, wait=False))
+                                self.sender.serialize(index, self.sender.receivers[rank],
+                                                      wait=False))
                         registered = ()
                     else:
                         data, registered = None, [self.registrations[index][rank]]

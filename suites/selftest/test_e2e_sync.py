@@ -29,6 +29,7 @@ from pytest_weightsync.reference_impl.model.layout import (  # noqa: E402
     EtpGroupedExperts,
     MoESpec,
     ReceiverTopology,
+    WeightSyncError,
     fused_name,
     hf_expert_name,
 )
@@ -413,6 +414,45 @@ def test_colocated_sync_through_engine_processes_is_exact_and_replays_its_plans(
                                               begin=False, end=False)
     assert dict(report.param_ptrs) == ptrs[0]
     close_all(sync, cpu_engines)
+
+
+@pytest.mark.parametrize("fmt, per_update", [("direct", False), ("direct", True),
+                                             ("packed", True)])
+def test_a_sender_per_trainer_rank_feeds_only_its_own_engine_rank(cpu_engines, fmt, per_update):
+    # colocated: each GPU's trainer rank sends its own engine rank, nothing for the others
+    topo = ReceiverTopology(tp=2)
+    full = synth.grouped_full_weights(SPEC, 13)
+    for r, engine in enumerate(cpu_engines):
+        engine.configure(SPEC, topo, r)
+    syncs = []
+    for rank in (1, 0):
+        sender = ColocatedSender(fmt, SPEC, topo, full, receivers=[rank])
+        assert sender.receivers == (rank,)
+        assert all(list(b.shared) == [rank if fmt == "direct" else 0] for b in sender.buckets)
+        syncs.append(ColocatedSync(sender, [cpu_engines[rank]], per_update=per_update))
+    mask = 0
+    for new in (0x0111, 0x0222):
+        xor_weights(full, mask ^ new)
+        mask = new
+        for sync in syncs:
+            timing = sync.update()
+            assert len(timing.ranks) == 1
+    assert [e.check(13, 0, mask) for e in cpu_engines] == [None, None]
+    with pytest.raises(WeightSyncError, match=r"feeds receiver rank\(s\) \[1\], not 0"):
+        syncs[0].sender.serialize(0, 0)
+    syncs[1].close()
+    close_all(syncs[0], cpu_engines)
+
+
+def test_a_sender_refuses_receivers_outside_its_topology_before_building_anything(cpu_engines):
+    topo = ReceiverTopology(tp=2)
+    full = synth.grouped_full_weights(SPEC, 13)
+    for bad in ([2], [], [0, 0], [True], [-1], "0", 1):
+        with pytest.raises(WeightSyncError, match="receivers must be distinct receiver ranks"):
+            ColocatedSender("direct", SPEC, topo, full, receivers=bad)
+    sender = ColocatedSender("direct", SPEC, topo, full, receivers=(1,))
+    with pytest.raises(WeightSyncError, match=r"2 engine process\(es\) for a sender that feeds 1"):
+        ColocatedSync(sender, cpu_engines)
 
 
 def assert_replayed_and_exact(sync, caches, engines, *, seed, mask) -> None:
