@@ -319,7 +319,8 @@ class SyncTiming:
 
 
 class ColocatedSync:
-    """A :class:`ColocatedSender` and one engine process per receiver rank
+    """A :class:`ColocatedSender` and one engine process per receiver rank it feeds, in the
+    order of its ``receivers``
     (:class:`~pytest_weightsync.reference_impl.engine.process.ReceiverProcess`, configured): payloads
     registered once, then :meth:`update` per training step.
 
