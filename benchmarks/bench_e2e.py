@@ -261,7 +261,7 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         row = dict(
             path="per_update" if per_update else "registered", format=fmt, moe_tp=tp,
             trainer_etp=part.etp, chain=chained, bucket_ramp=getattr(args, "bucket_ramp", False),
-            end_on_device=sync.end_on_device, engine_poll_ms=getattr(args, "engine_poll_ms", 0.0),
+            end_on_device=sync.end_on_device, engine_poll_ms=engines[0].poll_s * 1e3,
             device_wait_s=median([t.device_wait for t, _ in rounds]),
             layers=part.spec.num_layers,
             entries=sender.entries, buckets=len(sender.buckets), nbytes=nbytes,

@@ -160,7 +160,8 @@ class ColocatedSender:
         self.fmt, self.spec, self.topo = fmt, spec, topo
         self.load_format = "direct" if fmt == "direct" else None
         self.receivers = _receivers(receivers, topo.world_size)
-        self.ranks = (0,) if senders.rank_independent(fmt) else self.receivers
+        self._one_payload = senders.rank_independent(fmt)  # every rank gets payload 0
+        self.ranks = (0,) if self._one_payload else self.receivers
         layers = sorted(full) if layers is None else list(layers)
         if not layers:
             raise WeightSyncError("ColocatedSender needs at least one layer")
@@ -285,7 +286,7 @@ class ColocatedSender:
         if rank not in self.receivers:
             raise WeightSyncError(f"this sender feeds receiver rank(s) {list(self.receivers)}, "
                                   f"not {rank!r}")
-        return self.ranks[0] if senders.rank_independent(self.fmt) else rank
+        return 0 if self._one_payload else rank
 
     @property
     def staged_bytes(self) -> int:
@@ -302,8 +303,9 @@ class SyncTiming:
     """Seconds of one update: ``export`` (refilling staging tensors, device included),
     ``serialize`` (the update messages), per receiver rank the stages its reports give
     (``receive``, ``load``, ``synchronize``, summed over buckets), ``device_wait`` (the
-    trainer waiting for the engines' last copies on the device after their answers), and ``wall`` (the whole
-    update as the trainer sees it, until the last rank answered)."""
+    trainer waiting for the engines' last copies on the device after their answers), and
+    ``wall`` (the whole update as the trainer sees it, until every rank answered and, with
+    ``end_on_device``, its last copies are done)."""
 
     export: float = 0.0
     serialize: float = 0.0
@@ -429,6 +431,7 @@ class ColocatedSync:
                 # bucket is prepared and sent. The update's last bucket is waited for: by the
                 # trainer on its engines' events (``end_on_device``), else by the engines.
                 sync = staged and not evented
+                ends = index == last and self.end_on_device
                 wait = self.events.handle(("staged", index)) if evented else None
                 chained = self.chain and not staged
                 early: list = []
@@ -440,7 +443,6 @@ class ColocatedSync:
                         registered = ()
                     else:
                         data, registered = None, [self.registrations[index][rank]]
-                    ends = index == last and self.end_on_device
                     signal = (self.events.handle(("copied", index, rank))
                               if evented or chained or ends else None)
                     if chained and rank:  # after rank - 1 queued its copies and its record
