@@ -458,8 +458,8 @@ class ColocatedSync:
             pending = self._collect(timing)
             if self.end_on_device:  # every engine's last copies, recorded before it answered
                 t3 = time.perf_counter()
-                for rank in range(len(self.engines)):
-                    self.events.get(("copied", last, rank)).synchronize()
+                self.events.synchronize(("copied", last, rank)
+                                        for rank in range(len(self.engines)))
                 timing.device_wait = time.perf_counter() - t3
         finally:
             if pending is not None:  # something failed mid-bucket: take every answer still due

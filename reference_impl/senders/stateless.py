@@ -176,8 +176,7 @@ class StatelessSync:
             self._collect(timing)
             if events is not None:  # every engine's last copies, recorded before it answered
                 t3 = time.perf_counter()
-                for rank in ranks:
-                    events.get(("copied", rank)).synchronize()
+                events.synchronize(("copied", rank) for rank in ranks)
                 timing.device_wait = time.perf_counter() - t3
         except BaseException:
             # an engine may still be copying a posted bucket: never stage into its memory again

@@ -46,6 +46,12 @@ class EventPool:
             handle = self._handles[key] = self.get(key).ipc_handle()
         return handle
 
+    def synchronize(self, keys) -> None:
+        """Block the host until the last record of each key's event has run on the device
+        (the work another process queued before recording it through the handle)."""
+        for key in keys:
+            self.get(key).synchronize()
+
     def __len__(self) -> int:
         return len(self._events)
 
