@@ -122,12 +122,13 @@ class ExpertsPart:
         per_layer = spec.num_experts * 3 * spec.intermediate * spec.hidden * spec.dtype.itemsize
         return per_layer * spec.num_layers * topo.moe_dp
 
-    def sender(self, fmt, topo, staging_bytes, layers=None, bucket_bytes=None, bucket_ramp=False):
+    def sender(self, fmt, topo, staging_bytes, layers=None, bucket_bytes=None, bucket_ramp=False,
+               receivers=None):
         from pytest_weightsync.reference_impl.senders.colocated import ColocatedSender
 
         return ColocatedSender(fmt, self.spec, topo, self.full, layers=layers,
                                staging_bytes=staging_bytes, bucket_bytes=bucket_bytes,
-                               bucket_ramp=bucket_ramp)
+                               bucket_ramp=bucket_ramp, receivers=receivers)
 
     def check(self, engines) -> list:
         return [engine.check(0, self.seed, self.mask) for engine in engines]
@@ -204,12 +205,21 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
               per_update: bool) -> list:
     """Per format: build the sender (and register, unless ``per_update``), warm up, time
     ``repeats`` updates against the plain copy; after every update the engines' digests, after
-    the last every bit."""
+    the last every bit.
+
+    One trainer rank of several (``bench_e2e_ranks.py``) sets ``args.receivers`` (the receiver
+    ranks its sender feeds: ``engines`` are theirs), ``args.barrier`` (called before every
+    update and every plain copy, so all ranks start each together) and ``args.digest_log``:
+    its engines' digests after every update go there, with the trainer's, for the caller to
+    add up over the ranks, instead of being compared here."""
     from pytest_weightsync.reference_impl.senders.colocated import ColocatedSync
 
     rows = []
     nbytes = part.written_bytes(topo)
     digest = getattr(args, "digest", True)
+    receivers = getattr(args, "receivers", None)
+    barrier = getattr(args, "barrier", None) or (lambda: None)
+    digest_log = getattr(args, "digest_log", None)
     for fmt in args.formats:
         for engine in engines:
             engine.reset(plan_cache=True)
@@ -217,24 +227,35 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         bucket_mib = getattr(args, "bucket_mib", None)
         sender = part.sender(fmt, topo, args.staging_mib << 20,
                              bucket_bytes=None if not bucket_mib else bucket_mib << 20,
-                             bucket_ramp=getattr(args, "bucket_ramp", False))
+                             bucket_ramp=getattr(args, "bucket_ramp", False), receivers=receivers)
         build = time.perf_counter() - t0
         sync = ColocatedSync(sender, engines, per_update=per_update,
                              chain=getattr(args, "chain_ranks", False),
-                             end_on_device=getattr(args, "end_on_device", True))
+                             end_on_device=getattr(args, "end_on_device", True),
+                             serialize_ahead=getattr(args, "serialize_ahead", False))
         register = sync.register()
         problems, digests = [], 0
+
+        logged: list = []
 
         def update():
             nonlocal digests
             part.set_mask(masks.next())
+            barrier()
             timing = sync.update()
             if digest:
-                problem = part.digest_problem(engines, part.digest())
                 digests += 1
-                if problem and len(problems) < 3:
-                    problems.append(f"update {digests}: {problem}")
+                if digest_log is not None:  # one rank of several: added up by the caller
+                    logged.append(([engine.digest() for engine in engines], part.digest()))
+                else:
+                    problem = part.digest_problem(engines, part.digest())
+                    if problem and len(problems) < 3:
+                        problems.append(f"update {digests}: {problem}")
             return timing
+
+        def plain_copy():
+            barrier()
+            return limit.seconds()
 
         first = update()
         for _ in range(args.warmup - 1):
@@ -242,7 +263,9 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         rounds = []
         for _ in range(args.repeats):
             timing = update()
-            rounds.append((timing, limit.seconds()))
+            rounds.append((timing, plain_copy()))
+        if digest_log is not None:
+            digest_log.append(logged)
         t1 = time.perf_counter()
         problems += [p for p in part.check(engines) if p]
         check_s = time.perf_counter() - t1
@@ -261,7 +284,8 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         row = dict(
             path="per_update" if per_update else "registered", format=fmt, moe_tp=tp,
             trainer_etp=part.etp, chain=chained, bucket_ramp=getattr(args, "bucket_ramp", False),
-            end_on_device=sync.end_on_device, engine_poll_ms=engines[0].poll_s * 1e3,
+            end_on_device=sync.end_on_device, serialize_ahead=sync.serialize_ahead,
+            engine_poll_ms=engines[0].poll_s * 1e3,
             device_wait_s=median([t.device_wait for t, _ in rounds]),
             layers=part.spec.num_layers,
             entries=sender.entries, buckets=len(sender.buckets), nbytes=nbytes,
@@ -276,6 +300,7 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
             wall_s=median([t.wall for t, _ in rounds]),
             plain_copy_s=median([p for _, p in rounds]),
             ratio=median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
+            walls_s=[t.wall for t, _ in rounds], plain_copies_s=[p for _, p in rounds],
             cache_hits=cache.count("hit"), cache_other=len(cache) - cache.count("hit"),
             goal=GOALS.get((fmt, tp)), bits=bits, check_s=check_s, digests=digests,
         )
@@ -504,8 +529,8 @@ def run(args) -> dict:
     )
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """This benchmark's options (``bench_e2e_ranks.py`` takes the same)."""
     p.add_argument("--device", choices=("cpu", "cuda"),
                    default="cuda" if torch.cuda.is_available() else "cpu")
     for key in ("layers", "experts", "hidden", "moe_ffn"):
@@ -547,6 +572,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-end-on-device", dest="end_on_device", action="store_false",
                    help="the engines wait for their last copies and then answer, instead of the "
                         "trainer waiting for their IPC events (ColocatedSync(end_on_device=False))")
+    p.add_argument("--serialize-ahead", action="store_true",
+                   help="per-update: make every later bucket's bytes right after posting the "
+                        "first (ColocatedSync(serialize_ahead=True)), not each while the "
+                        "engines copy the bucket before it")
     p.add_argument("--engine-poll-ms", type=float, default=float("inf"),
                    help="milliseconds each engine (and the trainer, for answers) polls its pipe "
                         "before blocking (ReceiverProcess(poll_s=...)); default inf: never "
@@ -559,7 +588,10 @@ def main(argv=None) -> int:
                    help="skip the digest check after every update of the whole-model rows")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per engine request")
     p.add_argument("--json", metavar="PATH")
-    args = p.parse_args(argv)
+
+
+def check_arguments(p: argparse.ArgumentParser, args) -> None:
+    """Refuse what cannot be measured; fill in the model's defaults for the device."""
     if args.repeats < 3:
         p.error("--repeats must be at least 3")
     if args.warmup < 2:
@@ -570,6 +602,13 @@ def main(argv=None) -> int:
     for key, value in default.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    check_arguments(p, args)
     args.progress = None
     result = run(args)
     if args.json:

@@ -12,7 +12,8 @@
 #          otherwise the stage is listed as not run)
 #   bench  benchmarks/bench_expert_sync.py and bench_e2e.py --device cuda on one GPU (40
 #          layers; 8 layers with the stateless sender and direct from the trainer's ETP
-#          shards; 8 layers with the engine ranks chained), bench_gather.py on two
+#          shards; 8 layers with the engine ranks chained), bench_gather.py and
+#          bench_e2e_ranks.py (a trainer rank and an engine rank per GPU, MoE-TP 2) on two
 #
 # GPU_FILES="FILE LIMIT,FILE LIMIT" limits stage one to those files, in that order.
 #
@@ -371,6 +372,19 @@ if has_stage bench; then
             grep -E "GB/s|ratio|baseline|budget" "$RESULTS/bench_gather.log" | sed 's/^/    /' | tee -a "$SUMMARY"
         else
             say "   bench_gather.py: not run: needs 2 GPUs, $NGPU visible"
+        fi
+    fi
+    if [ -f benchmarks/bench_e2e_ranks.py ]; then
+        if [ "$NGPU" -ge 2 ]; then
+            say "-- bench_e2e_ranks.py --device cuda --tp 2 --layers 8 --per-update --trainer-etp (2 GPUs, a trainer and an engine rank on each)"
+            CUDA_VISIBLE_DEVICES=0,1 timeout -k 15 300 "$PYTHON" benchmarks/bench_e2e_ranks.py \
+                --device cuda --tp 2 --layers 8 --per-update --trainer-etp --repeats 5 \
+                --json "$RESULTS/bench_e2e_ranks.json" >"$RESULTS/bench_e2e_ranks.log" 2>&1 \
+                || { STATUS=1; say "   bench_e2e_ranks.py failed (see bench_e2e_ranks.log)"; }
+            grep -E "^(registered|per_update)|BIT CHECK|Error" "$RESULTS/bench_e2e_ranks.log" \
+                | sed 's/^/    /' | tee -a "$SUMMARY"
+        else
+            say "   bench_e2e_ranks.py: not run: needs 2 GPUs, $NGPU visible"
         fi
     fi
 fi

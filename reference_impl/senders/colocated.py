@@ -332,7 +332,7 @@ class ColocatedSync:
     then drops it."""
 
     def __init__(self, sender: ColocatedSender, engines: Sequence, *, per_update: bool = False,
-                 chain: bool = False, end_on_device: bool = True):
+                 chain: bool = False, end_on_device: bool = True, serialize_ahead: bool = False):
         if len(engines) != len(sender.receivers):
             raise WeightSyncError(f"{len(engines)} engine process(es) for a sender that feeds "
                                   f"{len(sender.receivers)} receiver rank(s) "
@@ -356,6 +356,13 @@ class ColocatedSync:
         #: its device and then answering added a wake-up of each process (0.3-0.6 ms per
         #: update on an H100 host, 2026-12-06) to every update.
         self.end_on_device = bool(end_on_device) and gpu
+        #: ``serialize_ahead`` (per-update only): every later bucket's bytes are made in one
+        #: burst right after the first bucket is posted, instead of each bucket's while the
+        #: engines copy the one before. Each share makes torch record a CUDA event in the
+        #: trainer's context; recorded while an engine's copy holds the GPU, it may cost a
+        #: switch between the contexts - the suspected cause of the per-update path's slower
+        #: second bucket (docs/performance.md). Off until a benchmark shows it helps.
+        self.serialize_ahead = bool(serialize_ahead) and self.per_update
         self.events = None
         if gpu and (self.chain or self.end_on_device
                     or any(b.staged_bytes for b in sender.buckets)):
@@ -395,6 +402,7 @@ class ColocatedSync:
         buckets = self.sender.buckets
         last = len(buckets) - 1
         pending = None  # the bucket posted to the engines, answers not yet collected
+        ahead: dict = {}  # per later bucket, each rank's bytes (serialize_ahead)
         start = time.perf_counter()
         try:
             for index in range(last + 1):
@@ -417,9 +425,10 @@ class ColocatedSync:
                 # starts loading while rank 1's are made.
                 # stage() waited for every write already (or an event orders them): the
                 # shares need no second wait
-                datas = ([self.sender.serialize(index, rank, wait=False)
-                          for rank in self.sender.receivers]
-                         if self.per_update and pending is not None else None)
+                datas = ahead.pop(index, None)
+                if datas is None and self.per_update and pending is not None:
+                    datas = [self.sender.serialize(index, rank, wait=False)
+                             for rank in self.sender.receivers]
                 made = time.perf_counter() - t1
                 if pending is not None:
                     pending = self._collect(timing)
@@ -453,6 +462,8 @@ class ColocatedSync:
                                        sync=(sync or index == last) and not ends,
                                        wait=wait, signal=signal)
                 self._early = early
+                if index == 0 and self.serialize_ahead:
+                    ahead = self._serialize_later()
                 timing.export += t1 - t0
                 timing.serialize += made + time.perf_counter() - t2
             pending = self._collect(timing)
@@ -466,6 +477,15 @@ class ColocatedSync:
                 answers.drain(self.engines)
         timing.wall = time.perf_counter() - start
         return timing
+
+    def _serialize_later(self) -> dict:
+        """Every later bucket's bytes for every rank, made at once while the engines take the
+        first bucket (``serialize_ahead``). No bucket's bytes wait for its staging:
+        the receiver's reads are ordered after the sender's writes by the bucket's host wait
+        or its ("staged", bucket) event, both before the bucket is posted."""
+        receivers = self.sender.receivers
+        return {index: [self.sender.serialize(index, rank, wait=False) for rank in receivers]
+                for index in range(1, len(self.sender.buckets))}
 
     def _readers(self, index: int) -> list:
         """The engines' events of the bucket that last read ``index``'s arena in this update

@@ -226,10 +226,10 @@ def test_bits_digest_is_placement_free_and_sees_a_missed_element():
 
 
 def per_update(engines, fmt, topo, full, masks, staging_bytes=None, bucket_bytes=None,
-               bucket_ramp=False):
+               bucket_ramp=False, serialize_ahead=False):
     sync = ColocatedSync(ColocatedSender(fmt, SPEC, topo, full, staging_bytes=staging_bytes,
                                          bucket_bytes=bucket_bytes, bucket_ramp=bucket_ramp),
-                         engines, per_update=True)
+                         engines, per_update=True, serialize_ahead=serialize_ahead)
     assert sync.register() == 0.0 and sync.registrations == []
     caches, current = [], 0
     for mask in masks:
@@ -243,17 +243,21 @@ def per_update(engines, fmt, topo, full, masks, staging_bytes=None, bucket_bytes
     return sync, caches
 
 
-@pytest.mark.parametrize("fmt, ramp", [(fmt, False) for fmt in FORMATS]
-                         + [("direct", True), ("compat", True)])
+@pytest.mark.parametrize("fmt, ramp, ahead", [(fmt, False, False) for fmt in FORMATS]
+                         + [("direct", True, False), ("compat", True, False),
+                            ("direct", True, True), ("packed", False, True)])
 def test_per_update_protocol_through_engine_processes_is_exact_and_recognises_every_bucket(
-        cpu_engines, fmt, ramp):
+        cpu_engines, fmt, ramp, ahead):
+    # ahead: every later bucket serialized right after the first is posted, before the
+    # later buckets are staged (direct: refilled arenas) - the engines' bits do not change
     topo = ReceiverTopology(tp=2)
     full = synth.grouped_full_weights(SPEC, 5)
     ptrs = [e.configure(SPEC, topo, r) for r, e in enumerate(cpu_engines)]
     layer = 3 * SPEC.num_experts * SPEC.intermediate * SPEC.hidden * 2
     sync, caches = per_update(cpu_engines, fmt, topo, full, (0x0101, 0x0202, 0x0303),
                               staging_bytes=2 * layer + 100,  # direct: buckets on two arenas
-                              bucket_bytes=2 * layer, bucket_ramp=ramp)
+                              bucket_bytes=2 * layer, bucket_ramp=ramp, serialize_ahead=ahead)
+    assert sync.serialize_ahead is ahead
     if ramp:
         assert [b.layers for b in sync.sender.buckets][0] == [0]
     assert_replayed_and_exact(sync, caches, cpu_engines, seed=5, mask=0x0303)
@@ -261,6 +265,46 @@ def test_per_update_protocol_through_engine_processes_is_exact_and_recognises_ev
                                begin=False, end=False)  # one more bucket, outside an update
     assert dict(cpu_engines[0].result().param_ptrs) == ptrs[0]
     close_all(sync, cpu_engines)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_serialize_ahead_makes_every_later_buckets_bytes_once_the_first_is_posted(
+        cpu_engines, ahead):
+    topo = ReceiverTopology(tp=2)
+    full = synth.grouped_full_weights(SPEC, 6)
+    for r, e in enumerate(cpu_engines):
+        e.configure(SPEC, topo, r)
+    layer = 3 * SPEC.num_experts * SPEC.intermediate * SPEC.hidden * 2
+    sync = ColocatedSync(ColocatedSender("packed", SPEC, topo, full, bucket_bytes=layer),
+                         cpu_engines, per_update=True, serialize_ahead=ahead)
+    assert len(sync.sender.buckets) == 3  # one layer each
+    events, serialize = [], sync.sender.serialize
+
+    def recorded_serialize(index, rank, **kw):
+        events.append(("serialize", index, rank))
+        return serialize(index, rank, **kw)
+
+    sync.sender.serialize = recorded_serialize
+    for rank, engine in enumerate(cpu_engines):
+        post = engine.post_update
+
+        def recorded_post(*a, _post=post, _rank=rank, **kw):
+            events.append(("post", len([e for e in events if e[0] == "post"]) // 2, _rank))
+            return _post(*a, **kw)
+        engine.post_update = recorded_post
+    try:
+        sync.update()
+        made = [[("serialize", b, r) for r in (0, 1)] for b in (1, 2)]
+        sent = [[("post", b, r) for r in (0, 1)] for b in (1, 2)]
+        later = made[0] + made[1] + sent[0] + sent[1] if ahead else \
+            made[0] + sent[0] + made[1] + sent[1]
+        first = [("serialize", 0, 0), ("post", 0, 0), ("serialize", 0, 1), ("post", 0, 1)]
+        assert events == first + later
+        assert tuple(map(sum, zip(*[e.digest() for e in cpu_engines]))) == trainer_digest(full)
+    finally:
+        for engine in cpu_engines:  # the module's engines serve the next tests unwrapped
+            del engine.post_update
+        close_all(sync, cpu_engines)
 
 
 def test_engines_that_poll_their_pipe_serve_the_same_updates():
