@@ -56,12 +56,14 @@ def test_the_ranks_combine_into_the_slowest_rank_per_round_and_their_digests_add
 def test_one_rank_per_device_runs_and_checks_its_bits_on_cpu(tmp_path):
     out = tmp_path / "ranks.json"
     done = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--tp", "2",
-                           "--per-update", "--no-registered", "--formats", "packed", "direct",
+                           "--per-update", "--no-registered", "--formats", "direct",
                            "--trainer-etp", "--repeats", "3", "--json", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
-    assert [(r["format"], r["trainer_etp"]) for r in rows] == [("packed", 1), ("direct", 1), ("direct", 2)]
+    # direct: staged from the gathered trainer, then views of the trainer's ETP shards
+    assert [(r["format"], r["trainer_etp"]) for r in rows] == [("direct", 1), ("direct", 2)]
+    assert rows[0]["staged_bytes"] > 0 and rows[1]["staged_bytes"] == 0
     assert all(r["bits"] == "exact" and r["gpus"] == 2 and len(r["walls_s"]) == 3 for r in rows)
     assert all(r["cache_hits"] > 0 and r["cache_other"] == 0 for r in rows), rows
     assert all(r["digests"] == 2 + 3 for r in rows)
