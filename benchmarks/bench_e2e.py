@@ -276,7 +276,7 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         bits = "exact" if not problems else "; ".join(problems)
         if bits != "exact":
             failures.append(f"{'per-update' if per_update else 'registered'} {fmt} MoE-TP {tp}"
-                            f"{_etp_label(part)}: {bits}")
+                            f"{_etp_label(part.etp)}: {bits}")
         chained = sync.chain
         sync.close()
         ratios = [plain / timing.wall for timing, plain in rounds]
@@ -393,7 +393,7 @@ def per_tensor_rows(part, engines, topo, tp, args, masks, ptrs, failures) -> lis
             problems += [p for p in part.check(engines) if p]
             bits = "exact" if not problems else "; ".join(problems)
             if bits != "exact":
-                failures.append(f"{label} {fmt} MoE-TP {tp}{_etp_label(part)}: {bits}")
+                failures.append(f"{label} {fmt} MoE-TP {tp}{_etp_label(part.etp)}: {bits}")
             last = rounds[-1][0]
             entries = sum(r.entries for bucket in last.reports for r in bucket)
             ratios = [plain / t.wall for t, plain in rounds]
@@ -423,9 +423,9 @@ def per_tensor_rows(part, engines, topo, tp, args, masks, ptrs, failures) -> lis
     return rows
 
 
-def _etp_label(part) -> str:
+def _etp_label(etp: int) -> str:
     """How a row's trainer holds its experts, where it is not one gathered buffer."""
-    return f" (trainer ETP {part.etp} shards)" if part.etp > 1 else ""
+    return f" (trainer ETP {etp} shards)" if etp > 1 else ""
 
 
 def print_row(r) -> None:

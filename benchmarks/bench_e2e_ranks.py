@@ -119,7 +119,6 @@ def combine(per_rank: list, digest_logs: list) -> tuple[list, list]:
         row = dict(first, rank_per_gpu=True, gpus=len(ranks),
                    entries=sum(r["entries"] for r in ranks), storages=sum(r["storages"] for r in ranks),
                    staged_bytes=sum(r["staged_bytes"] for r in ranks),
-                   nbytes=sum(r["nbytes"] for r in ranks) // len(ranks),
                    walls_s=walls, plain_copies_s=plains,
                    wall_s=statistics.median(walls), plain_copy_s=statistics.median(plains),
                    ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
@@ -131,7 +130,7 @@ def combine(per_rank: list, digest_logs: list) -> tuple[list, list]:
             row[key] = max(r[key] for r in ranks)
         if problems:
             failures.append(f"{row['path']} {row['format']} MoE-TP {row['moe_tp']}"
-                            f"{' (trainer ETP shards)' if row.get('trainer_etp', 1) > 1 else ''}"
+                            f"{bench_e2e._etp_label(row['trainer_etp'])}"
                             f", one rank per GPU: {row['bits']}")
         rows.append(row)
     return rows, failures

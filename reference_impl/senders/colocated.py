@@ -427,8 +427,7 @@ class ColocatedSync:
                 # shares need no second wait
                 datas = ahead.pop(index, None)
                 if datas is None and self.per_update and pending is not None:
-                    datas = [self.sender.serialize(index, rank, wait=False)
-                             for rank in self.sender.receivers]
+                    datas = self._messages(index)
                 made = time.perf_counter() - t1
                 if pending is not None:
                     pending = self._collect(timing)
@@ -478,14 +477,17 @@ class ColocatedSync:
         timing.wall = time.perf_counter() - start
         return timing
 
+    def _messages(self, index: int) -> list:
+        """Bucket ``index``'s per-update bytes for every rank, in the engines' order. No
+        share waits for the trainer's writes: the receiver's reads are ordered after them by
+        the bucket's host wait in :meth:`ColocatedSender.stage` or its ("staged", bucket)
+        event, both before the bucket is posted."""
+        return [self.sender.serialize(index, rank, wait=False) for rank in self.sender.receivers]
+
     def _serialize_later(self) -> dict:
         """Every later bucket's bytes for every rank, made at once while the engines take the
-        first bucket (``serialize_ahead``). No bucket's bytes wait for its staging:
-        the receiver's reads are ordered after the sender's writes by the bucket's host wait
-        or its ("staged", bucket) event, both before the bucket is posted."""
-        receivers = self.sender.receivers
-        return {index: [self.sender.serialize(index, rank, wait=False) for rank in receivers]
-                for index in range(1, len(self.sender.buckets))}
+        first bucket (``serialize_ahead``)."""
+        return {index: self._messages(index) for index in range(1, len(self.sender.buckets))}
 
     def _readers(self, index: int) -> list:
         """The engines' events of the bucket that last read ``index``'s arena in this update
