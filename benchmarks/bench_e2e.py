@@ -232,7 +232,7 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         sync = ColocatedSync(sender, engines, per_update=per_update,
                              chain=getattr(args, "chain_ranks", False),
                              end_on_device=getattr(args, "end_on_device", True),
-                             serialize_ahead=getattr(args, "serialize_ahead", False))
+                             serialize_ahead=getattr(args, "serialize_ahead", True))
         register = sync.register()
         problems, digests = [], 0
 
@@ -572,10 +572,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-end-on-device", dest="end_on_device", action="store_false",
                    help="the engines wait for their last copies and then answer, instead of the "
                         "trainer waiting for their IPC events (ColocatedSync(end_on_device=False))")
-    p.add_argument("--serialize-ahead", action="store_true",
-                   help="per-update: make every later bucket's bytes right after posting the "
-                        "first (ColocatedSync(serialize_ahead=True)), not each while the "
-                        "engines copy the bucket before it")
+    p.add_argument("--no-serialize-ahead", dest="serialize_ahead", action="store_false",
+                   help="per-update: make each later bucket's bytes while the engines copy the "
+                        "bucket before it (ColocatedSync(serialize_ahead=False)), instead of "
+                        "all of them right after posting the first")
     p.add_argument("--engine-poll-ms", type=float, default=float("inf"),
                    help="milliseconds each engine (and the trainer, for answers) polls its pipe "
                         "before blocking (ReceiverProcess(poll_s=...)); default inf: never "

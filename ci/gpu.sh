@@ -12,7 +12,7 @@
 #          otherwise the stage is listed as not run)
 #   bench  benchmarks/bench_expert_sync.py and bench_e2e.py --device cuda on one GPU (40
 #          layers; 8 layers with the stateless sender and direct from the trainer's ETP
-#          shards; 8 layers per-update with --serialize-ahead; 8 layers with the engine ranks
+#          shards; 8 layers per-update with --no-serialize-ahead; 8 layers with the engine ranks
 #          chained), bench_gather.py and
 #          bench_e2e_ranks.py (a trainer rank and an engine rank per GPU, MoE-TP 2) on two
 #
@@ -360,11 +360,11 @@ if has_stage bench; then
         BENCH_OUT=bench_e2e_8layers run_bench bench_e2e 300 60 "--layers 8 --per-update --per-tensor --trainer-etp (1 GPU; " \
             "^(registered|per_update|per_tensor|per_storage)|BIT CHECK|Error" --device cuda --layers 8 \
             --per-update --per-tensor --per-tensor-layers 4 --trainer-etp --repeats 5
-        # the same per-update rows with every later bucket serialized at once after the first
-        # (ColocatedSync(serialize_ahead=True), off by default until it measures faster)
-        BENCH_OUT=bench_e2e_8layers_ahead run_bench bench_e2e 150 30 "--layers 8 --per-update --serialize-ahead (1 GPU; " \
+        # the same per-update rows with each later bucket serialized while the engines copy
+        # the one before (ColocatedSync(serialize_ahead=False)): what the default gains
+        BENCH_OUT=bench_e2e_8layers_behind run_bench bench_e2e 150 30 "--layers 8 --per-update --no-serialize-ahead (1 GPU; " \
             "^(per_update)|BIT CHECK|Error" --device cuda --layers 8 --per-update --no-registered \
-            --trainer-etp --serialize-ahead --repeats 5
+            --trainer-etp --no-serialize-ahead --repeats 5
         BENCH_OUT=bench_e2e_chained run_bench bench_e2e 150 30 "--layers 8 --tp 2 --chain-ranks --trainer-etp (1 GPU; " \
             "^(registered|per_update)|BIT CHECK|Error" --device cuda --layers 8 --tp 2 --per-update \
             --chain-ranks --trainer-etp --formats direct packed compat --repeats 5

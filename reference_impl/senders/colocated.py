@@ -332,7 +332,7 @@ class ColocatedSync:
     then drops it."""
 
     def __init__(self, sender: ColocatedSender, engines: Sequence, *, per_update: bool = False,
-                 chain: bool = False, end_on_device: bool = True, serialize_ahead: bool = False):
+                 chain: bool = False, end_on_device: bool = True, serialize_ahead: bool = True):
         if len(engines) != len(sender.receivers):
             raise WeightSyncError(f"{len(engines)} engine process(es) for a sender that feeds "
                                   f"{len(sender.receivers)} receiver rank(s) "
@@ -359,9 +359,9 @@ class ColocatedSync:
         #: ``serialize_ahead`` (per-update only): every later bucket's bytes are made in one
         #: burst right after the first bucket is posted, instead of each bucket's while the
         #: engines copy the one before. Each share makes torch record a CUDA event in the
-        #: trainer's context; recorded while an engine's copy holds the GPU, it may cost a
-        #: switch between the contexts - the suspected cause of the per-update path's slower
-        #: second bucket (docs/performance.md). Off until a benchmark shows it helps.
+        #: trainer's context; made while an engine's copy holds the GPU, those records slowed
+        #: the update: at MoE-TP 1 the per-update path went from 0.87 to 0.91 of the copy
+        #: limit with it (one H200, 8 layers, docs/performance.md, "Serializing ahead").
         self.serialize_ahead = bool(serialize_ahead) and self.per_update
         self.events = None
         if gpu and (self.chain or self.end_on_device

@@ -226,7 +226,7 @@ def test_bits_digest_is_placement_free_and_sees_a_missed_element():
 
 
 def per_update(engines, fmt, topo, full, masks, staging_bytes=None, bucket_bytes=None,
-               bucket_ramp=False, serialize_ahead=False):
+               bucket_ramp=False, serialize_ahead=True):
     sync = ColocatedSync(ColocatedSender(fmt, SPEC, topo, full, staging_bytes=staging_bytes,
                                          bucket_bytes=bucket_bytes, bucket_ramp=bucket_ramp),
                          engines, per_update=True, serialize_ahead=serialize_ahead)
@@ -243,13 +243,14 @@ def per_update(engines, fmt, topo, full, masks, staging_bytes=None, bucket_bytes
     return sync, caches
 
 
-@pytest.mark.parametrize("fmt, ramp, ahead", [(fmt, False, False) for fmt in FORMATS]
-                         + [("direct", True, False), ("compat", True, False),
-                            ("direct", True, True), ("packed", False, True)])
+@pytest.mark.parametrize("fmt, ramp, ahead", [(fmt, False, True) for fmt in FORMATS]
+                         + [("direct", True, True), ("compat", True, True),
+                            ("direct", True, False), ("packed", False, False)])
 def test_per_update_protocol_through_engine_processes_is_exact_and_recognises_every_bucket(
         cpu_engines, fmt, ramp, ahead):
-    # ahead: every later bucket serialized right after the first is posted, before the
-    # later buckets are staged (direct: refilled arenas) - the engines' bits do not change
+    # ahead (the default): every later bucket serialized right after the first is posted,
+    # before the later buckets are staged (direct: refilled arenas); without it each bucket's
+    # bytes are made while the engines copy the one before - the engines' bits are the same
     topo = ReceiverTopology(tp=2)
     full = synth.grouped_full_weights(SPEC, 5)
     ptrs = [e.configure(SPEC, topo, r) for r, e in enumerate(cpu_engines)]
@@ -275,8 +276,11 @@ def test_serialize_ahead_makes_every_later_buckets_bytes_once_the_first_is_poste
     for r, e in enumerate(cpu_engines):
         e.configure(SPEC, topo, r)
     layer = 3 * SPEC.num_experts * SPEC.intermediate * SPEC.hidden * 2
+    # ahead is the default: the per-update protocol serializes ahead unless told not to
     sync = ColocatedSync(ColocatedSender("packed", SPEC, topo, full, bucket_bytes=layer),
-                         cpu_engines, per_update=True, serialize_ahead=ahead)
+                         cpu_engines, per_update=True,
+                         **({} if ahead else {"serialize_ahead": False}))
+    assert sync.serialize_ahead is ahead
     assert len(sync.sender.buckets) == 3  # one layer each
     events, serialize = [], sync.sender.serialize
 
