@@ -60,6 +60,7 @@ import time
 
 import torch
 
+from pytest_weightsync.reference_impl.senders.timeline import bucket_timeline, format_timeline
 from pytest_weightsync.timing import machine_info
 
 #: Qwen3.5-35B-A3B's routed experts: 40 MoE layers x 256 experts, hidden 2048, moe_ffn 512
@@ -304,8 +305,13 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
             cache_hits=cache.count("hit"), cache_other=len(cache) - cache.count("hit"),
             goal=GOALS.get((fmt, tp)), bits=bits, check_s=check_s, digests=digests,
         )
+        if getattr(args, "timeline", False):  # the round of the median update, bucket by bucket
+            timing, plain = sorted(rounds, key=lambda r: r[0].wall)[len(rounds) // 2]
+            row["timeline"] = bucket_timeline(timing, plain)
         rows.append(row)
         print_row(row)
+        if "timeline" in row:
+            print(format_timeline(row["timeline"]), flush=True)
         if args.progress is not None:
             args.progress(row)
         del sender, sync
@@ -576,6 +582,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-update: make each later bucket's bytes while the engines copy the "
                         "bucket before it (ColocatedSync(serialize_ahead=False)), instead of "
                         "all of them right after posting the first")
+    p.add_argument("--timeline", action="store_true",
+                   help="after each row of ColocatedSync, its median update bucket by bucket: "
+                        "the trainer's and the engines' host marks and the device's estimated "
+                        "copies and idle time (reference_impl/senders/timeline.py)")
     p.add_argument("--engine-poll-ms", type=float, default=float("inf"),
                    help="milliseconds each engine (and the trainer, for answers) polls its pipe "
                         "before blocking (ReceiverProcess(poll_s=...)); default inf: never "

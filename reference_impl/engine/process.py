@@ -43,7 +43,10 @@ class UpdateReport:
     validation or a plan-cache hit, and queuing the copies), ``synchronize`` (waiting for the
     device to finish them and every earlier bucket's; nothing for a bucket sent with
     ``sync=False``, whose ``memory`` is ``None`` too). ``cache``: what the plan cache did per
-    bucket (``hit``, ``miss``, ``replan``), empty without one."""
+    bucket (``hit``, ``miss``, ``replan``), empty without one. ``clock``: when the stages
+    began and the answer was ready - ``(taken, rebuilt, queued, done)`` on ``time.perf_counter``,
+    the machine's monotonic clock that every process reads alike on Linux - so a bucket's
+    timeline can be laid beside the trainer's (``SyncTiming.clock``)."""
 
     rank: int
     entries: int
@@ -52,6 +55,7 @@ class UpdateReport:
     memory: Optional[MemoryStats]
     seconds: dict = field(default_factory=dict)
     cache: tuple = ()
+    clock: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -486,7 +490,7 @@ def _serve(state: dict, device: torch.device, message):
                             tuple((n, t.data_ptr()) for n, t in receiver.params.items()),
                             memory_stats(device) if memory and sync else None,
                             {"receive": t1 - t0, "load": t2 - t1, "synchronize": t3 - t2},
-                            tuple(cache))
+                            tuple(cache), (t0, t1, t2, t3))
     if kind == "params":
         if device.type == "cuda":
             return serialize(list(receiver.params.items()))

@@ -305,7 +305,11 @@ class SyncTiming:
     (``receive``, ``load``, ``synchronize``, summed over buckets), ``device_wait`` (the
     trainer waiting for the engines' last copies on the device after their answers), and
     ``wall`` (the whole update as the trainer sees it, until every rank answered and, with
-    ``end_on_device``, its last copies are done)."""
+    ``end_on_device``, its last copies are done). ``clock``: the trainer's side of the
+    update's timeline, ``(what, bucket, time.perf_counter())`` for ``start``, each bucket's
+    ``staged`` / ``posted`` / ``answered`` and the update's ``done``; laid beside the engines'
+    ``UpdateReport.clock`` it shows which side each bucket waited for
+    (``bench_e2e.py --timeline``)."""
 
     export: float = 0.0
     serialize: float = 0.0
@@ -314,6 +318,7 @@ class SyncTiming:
     ranks: dict = field(default_factory=dict)
     cache: list = field(default_factory=list)
     reports: list = field(default_factory=list)
+    clock: list = field(default_factory=list)
 
     def stage(self, name: str) -> float:
         """A receiver stage, the slowest rank's."""
@@ -404,6 +409,8 @@ class ColocatedSync:
         pending = None  # the bucket posted to the engines, answers not yet collected
         ahead: dict = {}  # per later bucket, each rank's bytes (serialize_ahead)
         start = time.perf_counter()
+        clock = timing.clock
+        clock.append(("start", None, start))
         try:
             for index in range(last + 1):
                 staged = bool(buckets[index].staged_bytes)
@@ -418,6 +425,7 @@ class ColocatedSync:
                 else:
                     self.sender.stage(index)
                 t1 = time.perf_counter()
+                clock.append(("staged", index, t1))
                 # SGLang's bytes for every rank are made while the engines still load the
                 # previous bucket: the trainer's serialization is off the path between their
                 # answer and this bucket's arrival. The first bucket has nothing to hide
@@ -461,6 +469,7 @@ class ColocatedSync:
                                        sync=(sync or index == last) and not ends,
                                        wait=wait, signal=signal)
                 self._early = early
+                clock.append(("posted", index, time.perf_counter()))
                 if index == 0 and self.serialize_ahead:
                     ahead = self._serialize_later()
                 timing.export += t1 - t0
@@ -474,7 +483,9 @@ class ColocatedSync:
         finally:
             if pending is not None:  # something failed mid-bucket: take every answer still due
                 answers.drain(self.engines)
-        timing.wall = time.perf_counter() - start
+        end = time.perf_counter()
+        clock.append(("done", last, end))
+        timing.wall = end - start
         return timing
 
     def _messages(self, index: int) -> list:
@@ -502,6 +513,7 @@ class ColocatedSync:
     def _collect(self, timing: SyncTiming) -> None:
         """Every engine's answer to the posted bucket (all of them, then the first error)."""
         reports, self._early = answers.collect(self.engines, self._early), []
+        timing.clock.append(("answered", len(timing.reports), time.perf_counter()))
         timing.reports.append(reports)
         for report in reports:
             stages = timing.ranks.setdefault(report.rank, {})
