@@ -148,7 +148,8 @@ class ColocatedSender:
     ``bucket_ramp``: the first bucket holds one layer and each next one at most twice the
     previous one's payload (up to ``bucket_bytes``), so the device starts copying after one
     layer's host work instead of a whole bucket's, and each bucket's host work fits under the
-    previous bucket's copy. ``receivers``: the receiver ranks this sender feeds (None: every
+    previous bucket's copy; a first layer of views in two storages or more (fc1 and fc2) goes
+    as two buckets, its first storage's entries first (:meth:`_split_by_storage`). ``receivers``: the receiver ranks this sender feeds (None: every
     rank), in the order of :class:`ColocatedSync`'s engines - a colocated trainer rank sends
     its own GPU's engine rank only, building (and staging) nothing for the others."""
 
@@ -197,6 +198,30 @@ class ColocatedSender:
             sizes[index % count] = max(sizes[index % count], used)
         self.arenas = [_Arena(n, device) for n in sizes]
         self.buckets = [self._bucket(group, full, index % count) for index, group in enumerate(groups)]
+        if bucket_ramp:
+            self.buckets[:1] = self._split_by_storage(self.buckets[0])
+
+    def _split_by_storage(self, bucket: Bucket) -> list:
+        """The first bucket of a ramp as two: per rank the entries in its first entry's
+        storage, then the rest - where the bucket is views of the trainer's memory (nothing
+        staged) and every rank's entries lie in at least two storages.
+
+        The first copy waits for the first bucket's host work - its shares serialized, sent,
+        rebuilt and recognised, per storage and entry (0.75 ms per update on an H200,
+        ``bench_e2e.py --timeline``) - and no copy hides it; half of it is then enough. A
+        layer's entries may so travel in two messages; the receiver loads entries by name,
+        so neither their order nor the split changes what it writes."""
+        if bucket.pairs or bucket.staged_bytes:
+            return [bucket]
+        heads, tails = {}, {}
+        for rank, entries in bucket.entries.items():
+            first = entries[0][1].untyped_storage().data_ptr() if entries else None
+            heads[rank] = [e for e in entries if e[1].untyped_storage().data_ptr() == first]
+            tails[rank] = [e for e in entries if e[1].untyped_storage().data_ptr() != first]
+            if not heads[rank] or not tails[rank]:
+                return [bucket]
+        return [Bucket(list(bucket.layers), part, {r: SharedPayload(es) for r, es in part.items()},
+                       [], None, [], 0, bucket.arena) for part in (heads, tails)]
 
     @staticmethod
     def _group(layers, need, budget, limits=({}, None, False)) -> list:
