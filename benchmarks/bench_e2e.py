@@ -554,8 +554,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "bucket of views is copied while the next one is sent")
     p.add_argument("--no-bucket-ramp", dest="bucket_ramp", action="store_false",
                    help="buckets of --bucket-mib from the first on, instead of the default "
-                   "ramp (the first bucket one layer, each next at most twice the previous: "
-                   "the device starts copying after one layer's host work)")
+                   "ramp (the first bucket one layer - of views: one storage of it, the rest "
+                   "next - each next at most twice the previous: the device starts copying "
+                   "after one storage's host work)")
     p.add_argument("--per-update", action="store_true",
                    help="also time SGLang's per-update protocol over the whole model (every "
                    "bucket serialized and rebuilt every update, one share per storage)")
