@@ -124,12 +124,13 @@ class ExpertsPart:
         return per_layer * spec.num_layers * topo.moe_dp
 
     def sender(self, fmt, topo, staging_bytes, layers=None, bucket_bytes=None, bucket_ramp=False,
-               receivers=None):
+               receivers=None, split_first=False):
         from pytest_weightsync.reference_impl.senders.colocated import ColocatedSender
 
         return ColocatedSender(fmt, self.spec, topo, self.full, layers=layers,
                                staging_bytes=staging_bytes, bucket_bytes=bucket_bytes,
-                               bucket_ramp=bucket_ramp, receivers=receivers)
+                               bucket_ramp=bucket_ramp, receivers=receivers,
+                               split_first=split_first)
 
     def check(self, engines) -> list:
         return [engine.check(0, self.seed, self.mask) for engine in engines]
@@ -228,7 +229,8 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         bucket_mib = getattr(args, "bucket_mib", None)
         sender = part.sender(fmt, topo, args.staging_mib << 20,
                              bucket_bytes=None if not bucket_mib else bucket_mib << 20,
-                             bucket_ramp=getattr(args, "bucket_ramp", False), receivers=receivers)
+                             bucket_ramp=getattr(args, "bucket_ramp", False), receivers=receivers,
+                             split_first=getattr(args, "split_first", False))
         build = time.perf_counter() - t0
         sync = ColocatedSync(sender, engines, per_update=per_update,
                              chain=getattr(args, "chain_ranks", False),
@@ -279,12 +281,14 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
             failures.append(f"{'per-update' if per_update else 'registered'} {fmt} MoE-TP {tp}"
                             f"{_etp_label(part.etp)}: {bits}")
         chained = sync.chain
+        split = len(sender.buckets) > 1 and sender.buckets[0].layers == sender.buckets[1].layers
         sync.close()
         ratios = [plain / timing.wall for timing, plain in rounds]
         cache = [c for timing, _ in rounds for c in timing.cache]
         row = dict(
             path="per_update" if per_update else "registered", format=fmt, moe_tp=tp,
             trainer_etp=part.etp, chain=chained, bucket_ramp=getattr(args, "bucket_ramp", False),
+            split_first=split,  # the first layer went as two buckets
             end_on_device=sync.end_on_device, serialize_ahead=sync.serialize_ahead,
             engine_poll_ms=engines[0].poll_s * 1e3,
             device_wait_s=median([t.device_wait for t, _ in rounds]),
@@ -554,9 +558,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "bucket of views is copied while the next one is sent")
     p.add_argument("--no-bucket-ramp", dest="bucket_ramp", action="store_false",
                    help="buckets of --bucket-mib from the first on, instead of the default "
-                   "ramp (the first bucket one layer - of views: one storage of it, the rest "
-                   "next - each next at most twice the previous: the device starts copying "
-                   "after one storage's host work)")
+                   "ramp (the first bucket one layer, each next at most twice the previous: "
+                   "the device starts copying after one layer's host work)")
+    p.add_argument("--split-first", action="store_true",
+                   help="a first bucket of views goes as two, its first storage's entries first "
+                        "(ColocatedSender(split_first=True)): the first copy waits for one "
+                        "storage's host work")
     p.add_argument("--per-update", action="store_true",
                    help="also time SGLang's per-update protocol over the whole model (every "
                    "bucket serialized and rebuilt every update, one share per storage)")

@@ -191,16 +191,18 @@ def test_buckets_hold_at_most_bucket_bytes_of_payload_per_rank():
         ColocatedSender("packed", SPEC, ReceiverTopology(), full, bucket_bytes=-1)
 
 
-def test_a_bucket_ramp_starts_with_one_storage_of_one_layer_and_at_most_doubles():
+def test_a_bucket_ramp_starts_with_one_layer_and_at_most_doubles_and_may_split_it_by_storage():
     spec = SPEC.__class__(num_layers=7, num_experts=4, hidden=16, intermediate=8)
     full = synth.grouped_full_weights(spec, 2)
     layer = 3 * spec.num_experts * spec.intermediate * spec.hidden * 2
     groups = lambda s: [b.layers for b in s.buckets]  # noqa: E731
     storages = lambda entries: {t.untyped_storage().data_ptr() for _, t in entries}  # noqa: E731
-    # layer 0 of views goes as two buckets: its fc1 storage's entries, then its fc2's
+    assert groups(ColocatedSender("packed", spec, ReceiverTopology(), full, bucket_ramp=True)) \
+        == [[0], [1, 2], [3, 4, 5, 6]]
+    # split_first: layer 0 of views goes as two buckets, its fc1 storage's entries, then fc2's
     for fmt, tp in (("packed", 1), ("compat", 1), ("hf_fused", 2), ("compat", 2)):
         topo = ReceiverTopology(tp=tp)
-        ramp = ColocatedSender(fmt, spec, topo, full, bucket_ramp=True)
+        ramp = ColocatedSender(fmt, spec, topo, full, bucket_ramp=True, split_first=True)
         plain = ColocatedSender(fmt, spec, topo, full, layers=[0])
         assert groups(ramp) == [[0], [0], [1, 2], [3, 4, 5, 6]], fmt
         head, tail = ramp.buckets[0], ramp.buckets[1]
@@ -216,10 +218,12 @@ def test_a_bucket_ramp_starts_with_one_storage_of_one_layer_and_at_most_doubles(
             assert len(head.shared[rank].wholes) == 1 and head.staged_bytes == 0
     # a staged first layer is not split (direct at MoE-TP 2 stages each rank's gate/up rows)
     capped = ColocatedSender("direct", spec, ReceiverTopology(tp=2), full, bucket_ramp=True,
-                             bucket_bytes=layer)  # half a layer per rank: two layers at most
+                             bucket_bytes=layer, split_first=True)  # two layers at most
     assert groups(capped) == [[0], [1, 2], [3, 4], [5, 6]] and capped.buckets[0].staged_bytes
     with pytest.raises(Exception, match="bucket_ramp"):
         ColocatedSender("packed", spec, ReceiverTopology(), full, bucket_ramp="yes")
+    with pytest.raises(Exception, match="split_first"):
+        ColocatedSender("packed", spec, ReceiverTopology(), full, split_first=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,7 +249,8 @@ def test_bits_digest_is_placement_free_and_sees_a_missed_element():
 def per_update(engines, fmt, topo, full, masks, staging_bytes=None, bucket_bytes=None,
                bucket_ramp=False, serialize_ahead=True):
     sync = ColocatedSync(ColocatedSender(fmt, SPEC, topo, full, staging_bytes=staging_bytes,
-                                         bucket_bytes=bucket_bytes, bucket_ramp=bucket_ramp),
+                                         bucket_bytes=bucket_bytes, bucket_ramp=bucket_ramp,
+                                         split_first=bucket_ramp),
                          engines, per_update=True, serialize_ahead=serialize_ahead)
     assert sync.register() == 0.0 and sync.registrations == []
     caches, current = [], 0
@@ -276,7 +281,7 @@ def test_per_update_protocol_through_engine_processes_is_exact_and_recognises_ev
                               staging_bytes=2 * layer + 100,  # direct: buckets on two arenas
                               bucket_bytes=2 * layer, bucket_ramp=ramp, serialize_ahead=ahead)
     assert sync.serialize_ahead is ahead
-    if ramp:  # direct at MoE-TP 2 stages its first layer; compat's goes in two buckets
+    if ramp:  # split_first: direct at MoE-TP 2 stages its first layer; compat's goes as two
         assert [b.layers for b in sync.sender.buckets][:2] == ([[0], [1]] if fmt == "direct"
                                                               else [[0], [0]])
     assert_replayed_and_exact(sync, caches, cpu_engines, seed=5, mask=0x0303)
