@@ -109,3 +109,40 @@ def test_a_real_updates_marks_are_on_one_clock_in_the_protocols_order(per_update
     assert [b["bucket"] for b in line["buckets"]] == [0, 1, 2]
     assert line["done_ms"] == pytest.approx((marks[("done", 2)] - marks[("start", None)]) * 1e3)
     assert all(b["idle"] >= 0 and b["copy_to"] > b["copy_from"] for b in line["buckets"])
+
+
+def test_the_benchmark_prints_each_rows_timeline_and_records_the_split(capsys):
+    # bench_e2e.py --timeline --split-first on CPU: the median update's timeline has a line per
+    # bucket, and the row says its first layer went as two buckets
+    import argparse
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
+    spec = importlib.util.spec_from_file_location("bench_e2e_timeline", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    moe = MoESpec(num_layers=2, num_experts=4, hidden=32, intermediate=16)
+    part = bench.ExpertsPart(moe, torch.device("cpu"))
+    topo = ReceiverTopology(tp=1)
+    engines = [engine_process.ReceiverProcess("cpu", timeout=120)]
+    try:
+        engines[0].start()
+        ptrs = [engines[0].configure(moe, topo, 0)]
+        failures: list = []
+        rows = []
+        for split in (False, True):
+            args = argparse.Namespace(formats=["packed"], staging_mib=1, repeats=3, warmup=2,
+                                      progress=None, timeline=True, split_first=split,
+                                      bucket_ramp=True)
+            rows += bench.per_update_rows(part, engines, topo, 1, args, bench.Masks(),
+                                          bench.PlainCopy(part.written_bytes(topo), "cpu", 1 << 20),
+                                          ptrs, failures)
+    finally:
+        engines[0].close()
+    assert failures == [] and [r["bits"] for r in rows] == ["exact", "exact"]
+    assert [(r["split_first"], r["buckets"]) for r in rows] == [(False, 2), (True, 3)]
+    for row in rows:
+        assert len(row["timeline"]["buckets"]) == row["buckets"]
+    out = capsys.readouterr().out
+    assert out.count("done at") == 2 and out.count("  bucket     GiB") == 2
