@@ -150,8 +150,8 @@ class ColocatedSender:
     layer's host work instead of a whole bucket's, and each bucket's host work fits under the
     previous bucket's copy. ``split_first``: a first bucket of views in two storages or more
     (fc1 and fc2) goes as two, its first storage's entries first (:meth:`_split_by_storage`);
-    off until a benchmark shows the first copy starting sooner (docs/performance.md). ``receivers``: the receiver ranks this sender feeds (None: every
-    rank), in the order of :class:`ColocatedSync`'s engines - a colocated trainer rank sends
+    off until a benchmark shows the first copy starting sooner (docs/performance.md).
+    ``receivers``: the receiver ranks this sender feeds (None: every rank), in the order of :class:`ColocatedSync`'s engines - a colocated trainer rank sends
     its own GPU's engine rank only, building (and staging) nothing for the others."""
 
     def __init__(self, fmt: str, spec, topo, full: Mapping[int, Sequence], *,
@@ -211,9 +211,9 @@ class ColocatedSender:
         The first copy waits for the first bucket's host work - its shares serialized, sent,
         rebuilt and recognised, per storage and entry (0.76 ms per update on an H200 against
         0.36 ms registered, ``bench_e2e.py --timeline``) - and no copy hides it; with the
-        split, one storage's share of it. A
-        layer's entries may so travel in two messages; the receiver loads entries by name,
-        so neither their order nor the split changes what it writes."""
+        split, one storage's share of it. A layer's entries may so travel in two messages;
+        the receiver loads entries by name, so neither their order nor the split changes what
+        it writes."""
         if bucket.pairs or bucket.staged_bytes:
             return [bucket]
         heads, tails = {}, {}
