@@ -151,8 +151,9 @@ class ColocatedSender:
     previous bucket's copy. ``split_first``: a first bucket of views in two storages or more
     (fc1 and fc2) goes as two, its first storage's entries first (:meth:`_split_by_storage`);
     off until a benchmark shows the first copy starting sooner (docs/performance.md).
-    ``receivers``: the receiver ranks this sender feeds (None: every rank), in the order of :class:`ColocatedSync`'s engines - a colocated trainer rank sends
-    its own GPU's engine rank only, building (and staging) nothing for the others."""
+    ``receivers``: the receiver ranks this sender feeds (None: every rank), in the order of
+    :class:`ColocatedSync`'s engines - a colocated trainer rank sends its own GPU's engine rank
+    only, building (and staging) nothing for the others."""
 
     def __init__(self, fmt: str, spec, topo, full: Mapping[int, Sequence], *,
                  layers: Optional[Iterable[int]] = None, staging_bytes: Optional[int] = None,
