@@ -281,14 +281,13 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
             failures.append(f"{'per-update' if per_update else 'registered'} {fmt} MoE-TP {tp}"
                             f"{_etp_label(part.etp)}: {bits}")
         chained = sync.chain
-        split = len(sender.buckets) > 1 and sender.buckets[0].layers == sender.buckets[1].layers
         sync.close()
         ratios = [plain / timing.wall for timing, plain in rounds]
         cache = [c for timing, _ in rounds for c in timing.cache]
         row = dict(
             path="per_update" if per_update else "registered", format=fmt, moe_tp=tp,
             trainer_etp=part.etp, chain=chained, bucket_ramp=getattr(args, "bucket_ramp", False),
-            split_first=split,  # the first layer went as two buckets
+            split_first=sender.split_first,  # the first layer went as two buckets
             end_on_device=sync.end_on_device, serialize_ahead=sync.serialize_ahead,
             engine_poll_ms=engines[0].poll_s * 1e3,
             device_wait_s=median([t.device_wait for t, _ in rounds]),

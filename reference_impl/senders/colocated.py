@@ -201,8 +201,11 @@ class ColocatedSender:
             sizes[index % count] = max(sizes[index % count], used)
         self.arenas = [_Arena(n, device) for n in sizes]
         self.buckets = [self._bucket(group, full, index % count) for index, group in enumerate(groups)]
+        #: whether the first bucket went as two (``split_first`` where it applies)
+        self.split_first = False
         if split_first:
             self.buckets[:1] = self._split_by_storage(self.buckets[0])
+            self.split_first = len(self.buckets) > len(groups)
 
     def _split_by_storage(self, bucket: Bucket) -> list:
         """The first bucket as two (``split_first``): per rank the entries in its first entry's
@@ -219,10 +222,11 @@ class ColocatedSender:
             return [bucket]
         heads, tails = {}, {}
         for rank, entries in bucket.entries.items():
+            head, tail = heads[rank], tails[rank] = [], []
             first = entries[0][1].untyped_storage().data_ptr() if entries else None
-            heads[rank] = [e for e in entries if e[1].untyped_storage().data_ptr() == first]
-            tails[rank] = [e for e in entries if e[1].untyped_storage().data_ptr() != first]
-            if not heads[rank] or not tails[rank]:
+            for entry in entries:
+                (head if entry[1].untyped_storage().data_ptr() == first else tail).append(entry)
+            if not head or not tail:
                 return [bucket]
         return [Bucket(list(bucket.layers), part, {r: SharedPayload(es) for r, es in part.items()},
                        [], None, [], 0, bucket.arena) for part in (heads, tails)]

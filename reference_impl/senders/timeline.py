@@ -7,9 +7,9 @@ answered, the update done) beside the engines' (``UpdateReport.clock``: each buc
 taken, rebuilt, its copies queued) - one monotonic clock for every process of the machine -
 and estimates the device's side: bucket ``b``'s copy starts when its slowest rank has queued
 it and bucket ``b - 1``'s copy is done, and takes its share of the plain copy of the update's
-bytes in the same run (its share of the bytes the engines received). ``idle`` is then the time the device waited for the host before bucket ``b``, and
-``tail`` what the update took after the last estimated copy (the answer and the trainer's
-wait). An estimate: copies of two engine contexts on one GPU interleave, and a copy that
+bytes in the same run (its share of the bytes the engines received). ``idle`` is then the
+time the device waited for the host before bucket ``b``, and ``tail`` what the update took
+after the last estimated copy (the answer and the trainer's wait). An estimate: copies of two engine contexts on one GPU interleave, and a copy that
 started late may run faster than the plain copy's rate; the host marks themselves are
 measured.
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 def bucket_timeline(timing, copy_s: float) -> dict:
     """``timing``: a ``SyncTiming`` of one update; ``copy_s``: seconds of a plain copy of the
-    bytes the update writes. Returns ``{"buckets": [...], "done_ms", "tail_ms", "idle_ms"}``, times in ms from the
-    update's start; every bucket ``{"bucket", "bytes", "staged", "posted", "answered",
+    bytes the update writes. Returns ``{"buckets": [...], "done_ms", "tail_ms", "idle_ms"}``,
+    times in ms from the update's start; every bucket ``{"bucket", "bytes", "staged", "posted", "answered",
     "taken", "rebuilt", "queued", "copy_from", "copy_to", "idle"}`` (the engines' marks are
     the slowest rank's)."""
     marks: dict = {}
@@ -39,24 +39,24 @@ def bucket_timeline(timing, copy_s: float) -> dict:
         raise ValueError(f"copy_s must be > 0 seconds, got {copy_s!r}")
     ms = lambda t: None if t is None else (t - start) * 1e3  # noqa: E731
     received = sum(r.nbytes for reports in timing.reports for r in reports) or 1
-    rows, copy_to, idle_total = [], 0.0, 0.0
+    rows, copy_to = [], 0.0
     for index, reports in enumerate(timing.reports):
+        trainer = marks.get(index, {})
         clocks = [r.clock for r in reports if r.clock]
         taken, rebuilt, queued = ((max(c[i] for c in clocks) if clocks else None)
                                   for i in range(3))
         nbytes = sum(r.nbytes for r in reports)
-        ready = ms(queued) if queued is not None else ms(marks.get(index, {}).get("answered"))
+        ready = ms(queued) if queued is not None else ms(trainer.get("answered"))
         copy_from = max(ready or 0.0, copy_to)
         idle = copy_from - copy_to
-        idle_total += idle
         copy_to = copy_from + copy_s * 1e3 * nbytes / received
-        trainer = marks.get(index, {})
         rows.append(dict(bucket=index, bytes=nbytes, staged=ms(trainer.get("staged")),
                          posted=ms(trainer.get("posted")), answered=ms(trainer.get("answered")),
                          taken=ms(taken), rebuilt=ms(rebuilt), queued=ms(queued),
                          copy_from=copy_from, copy_to=copy_to, idle=idle))
     done_ms = ms(done)
-    return dict(buckets=rows, done_ms=done_ms, tail_ms=done_ms - copy_to, idle_ms=idle_total)
+    return dict(buckets=rows, done_ms=done_ms, tail_ms=done_ms - copy_to,
+                idle_ms=sum(row["idle"] for row in rows))
 
 
 def format_timeline(line: dict) -> str:

@@ -204,7 +204,7 @@ def test_a_bucket_ramp_starts_with_one_layer_and_at_most_doubles_and_may_split_i
         topo = ReceiverTopology(tp=tp)
         ramp = ColocatedSender(fmt, spec, topo, full, bucket_ramp=True, split_first=True)
         plain = ColocatedSender(fmt, spec, topo, full, layers=[0])
-        assert groups(ramp) == [[0], [0], [1, 2], [3, 4, 5, 6]], fmt
+        assert groups(ramp) == [[0], [0], [1, 2], [3, 4, 5, 6]] and ramp.split_first, fmt
         head, tail = ramp.buckets[0], ramp.buckets[1]
         for rank in head.entries:
             whole = plain.buckets[0].entries[rank]
@@ -220,6 +220,7 @@ def test_a_bucket_ramp_starts_with_one_layer_and_at_most_doubles_and_may_split_i
     capped = ColocatedSender("direct", spec, ReceiverTopology(tp=2), full, bucket_ramp=True,
                              bucket_bytes=layer, split_first=True)  # two layers at most
     assert groups(capped) == [[0], [1, 2], [3, 4], [5, 6]] and capped.buckets[0].staged_bytes
+    assert not capped.split_first
     with pytest.raises(Exception, match="bucket_ramp"):
         ColocatedSender("packed", spec, ReceiverTopology(), full, bucket_ramp="yes")
     with pytest.raises(Exception, match="split_first"):
