@@ -61,7 +61,7 @@ import time
 import torch
 
 from pytest_weightsync.reference_impl.senders.timeline import bucket_timeline, format_timeline
-from pytest_weightsync.timing import machine_info
+from pytest_weightsync.timing import ProcessesCopy, machine_info
 
 #: Qwen3.5-35B-A3B's routed experts: 40 MoE layers x 256 experts, hidden 2048, moe_ffn 512
 #: (60 GiB of bf16).
@@ -124,13 +124,12 @@ class ExpertsPart:
         return per_layer * spec.num_layers * topo.moe_dp
 
     def sender(self, fmt, topo, staging_bytes, layers=None, bucket_bytes=None, bucket_ramp=False,
-               receivers=None, split_first=False):
+               receivers=None):
         from pytest_weightsync.reference_impl.senders.colocated import ColocatedSender
 
         return ColocatedSender(fmt, self.spec, topo, self.full, layers=layers,
                                staging_bytes=staging_bytes, bucket_bytes=bucket_bytes,
-                               bucket_ramp=bucket_ramp, receivers=receivers,
-                               split_first=split_first)
+                               bucket_ramp=bucket_ramp, receivers=receivers)
 
     def check(self, engines) -> list:
         return [engine.check(0, self.seed, self.mask) for engine in engines]
@@ -154,9 +153,15 @@ PARTS = (ExpertsPart,)
 
 class PlainCopy:
     """One contiguous device copy of ``nbytes`` bytes (in chunks of at most ``chunk`` bytes,
-    back to back, when two full-size buffers would not fit next to the model)."""
+    back to back, when two full-size buffers would not fit next to the model).
+
+    ``split``: where several engine ranks share one GPU, the same bytes copied by as many
+    processes at once (``timing.ProcessesCopy``: one CUDA context each, as the engines have),
+    timed in every round beside the plain copy - the limit of that topology, which a row
+    reports as a second ratio (``ratio_split``); None elsewhere."""
 
     def __init__(self, nbytes: int, device, chunk: int):
+        self.split = None
         n = max(1, min(nbytes, chunk))
         self.src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 256)
         self.dst = torch.empty_like(self.src)
@@ -229,8 +234,7 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         bucket_mib = getattr(args, "bucket_mib", None)
         sender = part.sender(fmt, topo, args.staging_mib << 20,
                              bucket_bytes=None if not bucket_mib else bucket_mib << 20,
-                             bucket_ramp=getattr(args, "bucket_ramp", False), receivers=receivers,
-                             split_first=getattr(args, "split_first", False))
+                             bucket_ramp=getattr(args, "bucket_ramp", False), receivers=receivers)
         build = time.perf_counter() - t0
         sync = ColocatedSync(sender, engines, per_update=per_update,
                              chain=getattr(args, "chain_ranks", False),
@@ -263,10 +267,13 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         first = update()
         for _ in range(args.warmup - 1):
             update()
-        rounds = []
+        rounds, split = [], []
         for _ in range(args.repeats):
             timing = update()
             rounds.append((timing, plain_copy()))
+            if limit.split is not None:
+                barrier()
+                split.append(limit.split.seconds())
         if digest_log is not None:
             digest_log.append(logged)
         t1 = time.perf_counter()
@@ -283,11 +290,11 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         chained = sync.chain
         sync.close()
         ratios = [plain / timing.wall for timing, plain in rounds]
+        split_ratios = [s / timing.wall for (timing, _), s in zip(rounds, split)]
         cache = [c for timing, _ in rounds for c in timing.cache]
         row = dict(
             path="per_update" if per_update else "registered", format=fmt, moe_tp=tp,
             trainer_etp=part.etp, chain=chained, bucket_ramp=getattr(args, "bucket_ramp", False),
-            split_first=sender.split_first,  # the first layer went as two buckets
             end_on_device=sync.end_on_device, serialize_ahead=sync.serialize_ahead,
             engine_poll_ms=engines[0].poll_s * 1e3,
             device_wait_s=median([t.device_wait for t, _ in rounds]),
@@ -305,6 +312,11 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
             plain_copy_s=median([p for _, p in rounds]),
             ratio=median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
             walls_s=[t.wall for t, _ in rounds], plain_copies_s=[p for _, p in rounds],
+            # the same bytes copied by one process per engine rank at once (PlainCopy.split)
+            split_processes=len(engines) if split else None, split_copy_s=median(split),
+            ratio_split=median(split_ratios),
+            ratio_split_min=min(split_ratios, default=None),
+            ratio_split_max=max(split_ratios, default=None), split_copies_s=split,
             cache_hits=cache.count("hit"), cache_other=len(cache) - cache.count("hit"),
             goal=GOALS.get((fmt, tp)), bits=bits, check_s=check_s, digests=digests,
         )
@@ -446,6 +458,9 @@ def print_row(r) -> None:
           f"sync {ms('synchronize_s')} | update {ms('wall_s')} ms  plain copy {ms('plain_copy_s')} ms "
           f"ratio {r['ratio']:.3f} [{r['ratio_min']:.3f}, {r['ratio_max']:.3f}]"
           + (f"  bits {r['bits']}" if "bits" in r else "")
+          + (f"\n{'':<17} {r['split_processes']} processes copying their shares at once "
+             f"{ms('split_copy_s')} ms: ratio {r['ratio_split']:.3f} [{r['ratio_split_min']:.3f}, "
+             f"{r['ratio_split_max']:.3f}]" if r.get("ratio_split") is not None else "")
           + (f"  host {r['host_us_per_entry']:.1f} us/entry" if "host_us_per_entry" in r else ""),
           flush=True)
 
@@ -485,6 +500,7 @@ def run(args) -> dict:
         poll_s = getattr(args, "engine_poll_ms", 0.0) / 1e3 if args.device == "cuda" else 0.0
         engines = [engine_process.ReceiverProcess(str(device), timeout=args.timeout, poll_s=poll_s)
                    for _ in range(tp)]
+        limit = None
         try:
             t0 = time.perf_counter()
             for engine in engines:
@@ -492,6 +508,9 @@ def run(args) -> dict:
             ptrs = [engine.configure(spec, topo, rank) for rank, engine in enumerate(engines)]
             timings[f"configure_tp{tp}_s"] = time.perf_counter() - t0
             limit = PlainCopy(part.written_bytes(topo), device, args.chunk_mib << 20)
+            if device.type == "cuda" and tp > 1 and args.split_copy:
+                limit.split = ProcessesCopy(part.written_bytes(topo), str(device), tp,
+                                            args.chunk_mib << 20, timeout=args.timeout)
             if args.registered:
                 rows += registered_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures)
             if args.per_update:
@@ -500,7 +519,10 @@ def run(args) -> dict:
             if sub is not None:
                 rows += trainer_etp_rows(spec, engines, topo, tp, sub, masks, limit, ptrs,
                                          failures)
-            del limit
+            limit.split, split = None, limit.split
+            if split is not None:
+                split.close()
+            limit = None
             release(device)
             if args.per_tensor:
                 if small is None:
@@ -520,6 +542,8 @@ def run(args) -> dict:
         finally:
             for engine in engines:
                 engine.close()
+            if limit is not None and limit.split is not None:
+                limit.split.close()
     # The trainer's buffers, shared once per tensor and update by the per-tensor rows, are
     # freed on a large stack (share_chain): unwinding one deleter per share overflowed the
     # main thread's stack at exit.
@@ -559,10 +583,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="buckets of --bucket-mib from the first on, instead of the default "
                    "ramp (the first bucket one layer, each next at most twice the previous: "
                    "the device starts copying after one layer's host work)")
-    p.add_argument("--split-first", action="store_true",
-                   help="a first bucket of views goes as two, its first storage's entries first "
-                        "(ColocatedSender(split_first=True)): the first copy waits for one "
-                        "storage's host work")
     p.add_argument("--per-update", action="store_true",
                    help="also time SGLang's per-update protocol over the whole model (every "
                    "bucket serialized and rebuilt every update, one share per storage)")
@@ -604,6 +624,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-digest", dest="digest", action="store_false",
                    help="skip the digest check after every update of the whole-model rows")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per engine request")
+    p.add_argument("--no-split-copy", dest="split_copy", action="store_false",
+                   help="at MoE-TP > 1 with every engine rank on one GPU, skip the second "
+                        "limit: the same bytes copied by one process per engine rank at once "
+                        "(PlainCopy.split; bench_e2e_ranks.py has a GPU per rank: no split)")
     p.add_argument("--json", metavar="PATH")
 
 

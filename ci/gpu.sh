@@ -12,9 +12,8 @@
 #          otherwise the stage is listed as not run)
 #   bench  benchmarks/bench_expert_sync.py and bench_e2e.py --device cuda on one GPU (40
 #          layers; 8 layers with the stateless sender and direct from the trainer's ETP
-#          shards; 8 layers per-update with --no-serialize-ahead and with --split-first;
-#          8 layers with the engine ranks
-#          chained), bench_gather.py and
+#          shards; 8 layers per-update with --no-serialize-ahead; 8 layers with the engine
+#          ranks chained), bench_gather.py and
 #          bench_e2e_ranks.py (a trainer rank and an engine rank per GPU, MoE-TP 2) on two
 #
 # GPU_FILES="FILE LIMIT,FILE LIMIT" limits stage one to those files, in that order.
@@ -366,11 +365,6 @@ if has_stage bench; then
         BENCH_OUT=bench_e2e_8layers_behind run_bench bench_e2e 150 30 "--layers 8 --per-update --no-serialize-ahead (1 GPU; " \
             "^(per_update)|BIT CHECK|Error" --device cuda --layers 8 --per-update --no-registered \
             --trainer-etp --no-serialize-ahead --repeats 5
-        # the first bucket of views sent as two, its first storage first (ColocatedSender(
-        # split_first=True), off by default until it measures faster), with its timeline
-        BENCH_OUT=bench_e2e_8layers_split run_bench bench_e2e 150 30 "--layers 8 --per-update --split-first --timeline (1 GPU; " \
-            "^(per_update)|BIT CHECK|Error|done at" --device cuda --layers 8 --per-update --no-registered \
-            --trainer-etp --split-first --timeline --repeats 5
         BENCH_OUT=bench_e2e_chained run_bench bench_e2e 150 30 "--layers 8 --tp 2 --chain-ranks --trainer-etp (1 GPU; " \
             "^(registered|per_update)|BIT CHECK|Error" --device cuda --layers 8 --tp 2 --per-update \
             --chain-ranks --trainer-etp --formats direct packed compat --repeats 5

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 __all__ = [
-    "Measurement", "interleaved_samples", "machine_info", "measure",
+    "Measurement", "ProcessesCopy", "interleaved_samples", "machine_info", "measure",
     "median_seconds_interleaved", "plain_copy",
 ]
 
@@ -158,6 +158,140 @@ def measure(
     return Measurement(
         name, nbytes, statistics.median(s["path"]), statistics.median(s["copy"]), device, ratio
     )
+
+
+class ProcessesCopy:
+    """One plain copy of ``nbytes`` split over ``processes`` processes that copy their shares
+    at once on one ``device``: each process its own CUDA context, as engine ranks that share
+    one GPU are. :meth:`seconds` times it from a common start on the host clock
+    (``time.perf_counter``, one monotonic clock for every process) to the last share's end.
+
+    Why: the GPU runs one context at a time and slices its time between contexts that both
+    have work, so two processes doing nothing but copying halves take longer than one plain
+    copy of the same bytes (0.90 of it on an H100, docs/performance.md, "Two contexts on one
+    GPU"). That is the limit of a sync whose engine ranks share one GPU; its ratio to one plain
+    copy stays the headline, its ratio to this copy says how near that limit it comes.
+
+    The processes are spawned once (a few seconds each: torch's import) and wait for
+    :meth:`seconds`; :meth:`close` (or the context manager) ends them, also after a failure.
+    Each holds two buffers of at most ``chunk`` bytes (its share is copied back to back in
+    chunks, as :func:`plain_copy`'s callers do for a model larger than memory allows twice).
+    """
+
+    def __init__(self, nbytes: int, device: str, processes: int, chunk: int = 1 << 30,
+                 timeout: float = 120.0):
+        import multiprocessing
+
+        for name, value in (("nbytes", nbytes), ("processes", processes), ("chunk", chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if nbytes < processes:
+            raise ValueError(f"nbytes ({nbytes}) must be at least one byte per process")
+        self.nbytes, self.device, self.timeout = nbytes, str(device), float(timeout)
+        shares = [nbytes // processes + (rank < nbytes % processes) for rank in range(processes)]
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        self._out = ctx.Queue()
+        self._go = [ctx.Queue() for _ in shares]
+        self._procs = [ctx.Process(target=_copy_share, args=(self.device, share, chunk, go,
+                                                             self._out), daemon=True)
+                       for share, go in zip(shares, self._go)]
+        try:
+            for proc in self._procs:
+                proc.start()
+            self._answers("ready")
+        except BaseException:
+            self.close()
+            raise
+
+    def _answers(self, kind: str) -> list:
+        """One ``kind`` answer from every process; a process that died or failed, or no
+        answer within the timeout, raises at once."""
+        import queue
+
+        got, deadline = [], time.monotonic() + self.timeout
+        while len(got) < len(self._procs):
+            try:
+                what, value = self._out.get(timeout=0.2)
+            except queue.Empty:
+                dead = [p.exitcode for p in self._procs if p.exitcode is not None]
+                if dead:
+                    raise RuntimeError(f"ProcessesCopy: a copying process exited (code "
+                                       f"{dead[0]}) before its {kind!r}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"ProcessesCopy: no {kind!r} from every copying process "
+                                       f"within {self.timeout:g} s") from None
+                continue
+            if what != kind:
+                raise RuntimeError(f"ProcessesCopy: a copying process failed: {value}")
+            got.append(value)
+        return got
+
+    def seconds(self, lead: float = 0.005) -> float:
+        """One split copy: every process starts ``lead`` seconds from now (time to wake up)."""
+        if not self._procs:
+            raise RuntimeError("ProcessesCopy is closed")
+        start = time.perf_counter() + lead
+        for go in self._go:
+            go.put(start)
+        return max(self._answers("done")) - start
+
+    def close(self) -> None:
+        procs, self._procs = self._procs, []
+        for go, proc in zip(self._go, procs):
+            if proc.is_alive():
+                go.put(None)
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for q in [self._out, *self._go]:
+            q.close()
+            q.join_thread()
+
+    def __enter__(self) -> "ProcessesCopy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _copy_share(device: str, nbytes: int, chunk: int, go, out) -> None:
+    """A :class:`ProcessesCopy` process: copies ``nbytes`` (in chunks) at each start time."""
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        dev = torch.device(device)
+        cuda = dev.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(dev)
+        size = min(nbytes, chunk)
+        src = torch.empty(size, dtype=torch.uint8, device=dev).random_(0, 256)
+        dst = torch.empty_like(src)
+        reps, tail = divmod(nbytes, size)
+
+        def copy() -> None:
+            for _ in range(reps):
+                dst.copy_(src)
+            if tail:
+                dst[:tail].copy_(src[:tail])
+            if cuda:
+                torch.cuda.synchronize(dev)
+
+        copy()  # first-touch and launch warm-up, untimed
+        out.put(("ready", None))
+    except BaseException as e:  # reported to the parent, which raises it
+        out.put(("error", f"{type(e).__name__}: {e}"))
+        return
+    while True:
+        start = go.get()
+        if start is None:
+            return
+        while time.perf_counter() < start:
+            pass
+        copy()
+        out.put(("done", time.perf_counter()))
 
 
 def machine_info(world_size: int = 1) -> dict[str, Any]:

@@ -111,9 +111,8 @@ def test_a_real_updates_marks_are_on_one_clock_in_the_protocols_order(per_update
     assert all(b["idle"] >= 0 and b["copy_to"] > b["copy_from"] for b in line["buckets"])
 
 
-def test_the_benchmark_prints_each_rows_timeline_and_records_the_split(capsys):
-    # bench_e2e.py --timeline --split-first on CPU: the median update's timeline has a line per
-    # bucket, and the row says its first layer went as two buckets
+def test_the_benchmark_prints_each_rows_timeline(capsys):
+    # bench_e2e.py --timeline on CPU: the median update's timeline has a line per bucket
     import argparse
     import importlib.util
     import pathlib
@@ -131,17 +130,16 @@ def test_the_benchmark_prints_each_rows_timeline_and_records_the_split(capsys):
         ptrs = [engines[0].configure(moe, topo, 0)]
         failures: list = []
         rows = []
-        for split in (False, True):
+        for ramp in (False, True):
             args = argparse.Namespace(formats=["packed"], staging_mib=1, repeats=3, warmup=2,
-                                      progress=None, timeline=True, split_first=split,
-                                      bucket_ramp=True)
+                                      progress=None, timeline=True, bucket_ramp=ramp)
             rows += bench.per_update_rows(part, engines, topo, 1, args, bench.Masks(),
                                           bench.PlainCopy(part.written_bytes(topo), "cpu", 1 << 20),
                                           ptrs, failures)
     finally:
         engines[0].close()
     assert failures == [] and [r["bits"] for r in rows] == ["exact", "exact"]
-    assert [(r["split_first"], r["buckets"]) for r in rows] == [(False, 2), (True, 3)]
+    assert [(r["bucket_ramp"], r["buckets"]) for r in rows] == [(False, 1), (True, 2)]
     for row in rows:
         assert len(row["timeline"]["buckets"]) == row["buckets"]
     out = capsys.readouterr().out

@@ -148,9 +148,7 @@ class ColocatedSender:
     ``bucket_ramp``: the first bucket holds one layer and each next one at most twice the
     previous one's payload (up to ``bucket_bytes``), so the device starts copying after one
     layer's host work instead of a whole bucket's, and each bucket's host work fits under the
-    previous bucket's copy. ``split_first``: a first bucket of views in two storages or more
-    (fc1 and fc2) goes as two, its first storage's entries first (:meth:`_split_by_storage`);
-    off until a benchmark shows the first copy starting sooner (docs/performance.md).
+    previous bucket's copy.
     ``receivers``: the receiver ranks this sender feeds (None: every rank), in the order of
     :class:`ColocatedSync`'s engines - a colocated trainer rank sends its own GPU's engine rank
     only, building (and staging) nothing for the others."""
@@ -158,7 +156,7 @@ class ColocatedSender:
     def __init__(self, fmt: str, spec, topo, full: Mapping[int, Sequence], *,
                  layers: Optional[Iterable[int]] = None, staging_bytes: Optional[int] = None,
                  device=None, bucket_bytes: Optional[int] = None, bucket_ramp: bool = False,
-                 receivers: Optional[Iterable[int]] = None, split_first: bool = False):
+                 receivers: Optional[Iterable[int]] = None):
         senders.check_format(fmt)
         self.fmt, self.spec, self.topo = fmt, spec, topo
         self.load_format = "direct" if fmt == "direct" else None
@@ -182,9 +180,8 @@ class ColocatedSender:
                                                    _measuring_alloc(sizes))
                 most = max(most, sum(t.numel() * t.element_size() for _, t in entries))
             need[layer], carried[layer] = _aligned_total(sizes), most
-        for flag, value in (("bucket_ramp", bucket_ramp), ("split_first", split_first)):
-            if not isinstance(value, bool):
-                raise WeightSyncError(f"{flag} must be a bool, got {value!r}")
+        if not isinstance(bucket_ramp, bool):
+            raise WeightSyncError(f"bucket_ramp must be a bool, got {bucket_ramp!r}")
         limits = (carried, bucket_bytes, bucket_ramp)
         groups = self._group(layers, need, staging_bytes, limits)
         count = 1
@@ -201,35 +198,6 @@ class ColocatedSender:
             sizes[index % count] = max(sizes[index % count], used)
         self.arenas = [_Arena(n, device) for n in sizes]
         self.buckets = [self._bucket(group, full, index % count) for index, group in enumerate(groups)]
-        #: whether the first bucket went as two (``split_first`` where it applies)
-        self.split_first = False
-        if split_first:
-            self.buckets[:1] = self._split_by_storage(self.buckets[0])
-            self.split_first = len(self.buckets) > len(groups)
-
-    def _split_by_storage(self, bucket: Bucket) -> list:
-        """The first bucket as two (``split_first``): per rank the entries in its first entry's
-        storage, then the rest - where the bucket is views of the trainer's memory (nothing
-        staged) and every rank's entries lie in at least two storages.
-
-        The first copy waits for the first bucket's host work - its shares serialized, sent,
-        rebuilt and recognised, per storage and entry (0.76 ms per update on an H200 against
-        0.36 ms registered, ``bench_e2e.py --timeline``) - and no copy hides it; with the
-        split, one storage's share of it. A layer's entries may so travel in two messages;
-        the receiver loads entries by name, so neither their order nor the split changes what
-        it writes."""
-        if bucket.pairs or bucket.staged_bytes:
-            return [bucket]
-        heads, tails = {}, {}
-        for rank, entries in bucket.entries.items():
-            head, tail = heads[rank], tails[rank] = [], []
-            first = entries[0][1].untyped_storage().data_ptr() if entries else None
-            for entry in entries:
-                (head if entry[1].untyped_storage().data_ptr() == first else tail).append(entry)
-            if not head or not tail:
-                return [bucket]
-        return [Bucket(list(bucket.layers), part, {r: SharedPayload(es) for r, es in part.items()},
-                       [], None, [], 0, bucket.arena) for part in (heads, tails)]
 
     @staticmethod
     def _group(layers, need, budget, limits=({}, None, False)) -> list:

@@ -191,40 +191,19 @@ def test_buckets_hold_at_most_bucket_bytes_of_payload_per_rank():
         ColocatedSender("packed", SPEC, ReceiverTopology(), full, bucket_bytes=-1)
 
 
-def test_a_bucket_ramp_starts_with_one_layer_and_at_most_doubles_and_may_split_it_by_storage():
+def test_a_bucket_ramp_starts_with_one_layer_and_at_most_doubles_up_to_the_bucket_limit():
     spec = SPEC.__class__(num_layers=7, num_experts=4, hidden=16, intermediate=8)
     full = synth.grouped_full_weights(spec, 2)
     layer = 3 * spec.num_experts * spec.intermediate * spec.hidden * 2
     groups = lambda s: [b.layers for b in s.buckets]  # noqa: E731
-    storages = lambda entries: {t.untyped_storage().data_ptr() for _, t in entries}  # noqa: E731
     assert groups(ColocatedSender("packed", spec, ReceiverTopology(), full, bucket_ramp=True)) \
         == [[0], [1, 2], [3, 4, 5, 6]]
-    # split_first: layer 0 of views goes as two buckets, its fc1 storage's entries, then fc2's
-    for fmt, tp in (("packed", 1), ("compat", 1), ("hf_fused", 2), ("compat", 2)):
-        topo = ReceiverTopology(tp=tp)
-        ramp = ColocatedSender(fmt, spec, topo, full, bucket_ramp=True, split_first=True)
-        plain = ColocatedSender(fmt, spec, topo, full, layers=[0])
-        assert groups(ramp) == [[0], [0], [1, 2], [3, 4, 5, 6]] and ramp.split_first, fmt
-        head, tail = ramp.buckets[0], ramp.buckets[1]
-        for rank in head.entries:
-            whole = plain.buckets[0].entries[rank]
-            first = storages(head.entries[rank])
-            assert len(first) == 1 and first.isdisjoint(storages(tail.entries[rank]))
-            # every entry once, each part in the layer's order
-            assert ([n for n, _ in head.entries[rank]] + [n for n, _ in tail.entries[rank]]
-                    == [n for n, t in whole if storages([(n, t)]) == first]
-                    + [n for n, t in whole if storages([(n, t)]) != first])
-            assert head.entries[rank][0][0] == whole[0][0]  # the layer's first entry leads
-            assert len(head.shared[rank].wholes) == 1 and head.staged_bytes == 0
-    # a staged first layer is not split (direct at MoE-TP 2 stages each rank's gate/up rows)
+    # a rank's payload is half a layer at MoE-TP 2: a limit of one layer holds two
     capped = ColocatedSender("direct", spec, ReceiverTopology(tp=2), full, bucket_ramp=True,
-                             bucket_bytes=layer, split_first=True)  # two layers at most
+                             bucket_bytes=layer)
     assert groups(capped) == [[0], [1, 2], [3, 4], [5, 6]] and capped.buckets[0].staged_bytes
-    assert not capped.split_first
     with pytest.raises(Exception, match="bucket_ramp"):
         ColocatedSender("packed", spec, ReceiverTopology(), full, bucket_ramp="yes")
-    with pytest.raises(Exception, match="split_first"):
-        ColocatedSender("packed", spec, ReceiverTopology(), full, split_first=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,8 +229,7 @@ def test_bits_digest_is_placement_free_and_sees_a_missed_element():
 def per_update(engines, fmt, topo, full, masks, staging_bytes=None, bucket_bytes=None,
                bucket_ramp=False, serialize_ahead=True):
     sync = ColocatedSync(ColocatedSender(fmt, SPEC, topo, full, staging_bytes=staging_bytes,
-                                         bucket_bytes=bucket_bytes, bucket_ramp=bucket_ramp,
-                                         split_first=bucket_ramp),
+                                         bucket_bytes=bucket_bytes, bucket_ramp=bucket_ramp),
                          engines, per_update=True, serialize_ahead=serialize_ahead)
     assert sync.register() == 0.0 and sync.registrations == []
     caches, current = [], 0
@@ -282,9 +260,8 @@ def test_per_update_protocol_through_engine_processes_is_exact_and_recognises_ev
                               staging_bytes=2 * layer + 100,  # direct: buckets on two arenas
                               bucket_bytes=2 * layer, bucket_ramp=ramp, serialize_ahead=ahead)
     assert sync.serialize_ahead is ahead
-    if ramp:  # split_first: direct at MoE-TP 2 stages its first layer; compat's goes as two
-        assert [b.layers for b in sync.sender.buckets][:2] == ([[0], [1]] if fmt == "direct"
-                                                              else [[0], [0]])
+    if ramp:  # the first bucket one layer
+        assert sync.sender.buckets[0].layers == [0] and len(sync.sender.buckets) >= 2
     assert_replayed_and_exact(sync, caches, cpu_engines, seed=5, mask=0x0303)
     cpu_engines[0].post_update(sync.sender.serialize(0, 0), sync.sender.load_format,
                                begin=False, end=False)  # one more bucket, outside an update
