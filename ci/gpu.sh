@@ -353,12 +353,12 @@ if has_stage bench; then
     fi
     if [ -f benchmarks/bench_e2e.py ]; then
         run_bench bench_e2e 480 60 "--device cuda --per-update (1 GPU, 40 Qwen3.5-35B-A3B layers, ~130 GiB; " \
-            "^(registered|per_update|per_tensor|per_storage)|BIT CHECK|Error" --device cuda --per-update
+            "^(registered|per_update|per_tensor|per_storage)|processes copying|BIT CHECK|Error" --device cuda --per-update
         # 8 layers (12 GiB): registered, per-update and the stateless sender (docs/performance.md,
         # "Stateless senders"), then the engine ranks chained at MoE-TP 2
         # (each with the trainer's ETP shards sent to direct as they are: --trainer-etp)
         BENCH_OUT=bench_e2e_8layers run_bench bench_e2e 300 60 "--layers 8 --per-update --per-tensor --trainer-etp (1 GPU; " \
-            "^(registered|per_update|per_tensor|per_storage)|BIT CHECK|Error" --device cuda --layers 8 \
+            "^(registered|per_update|per_tensor|per_storage)|processes copying|BIT CHECK|Error" --device cuda --layers 8 \
             --per-update --per-tensor --per-tensor-layers 4 --trainer-etp --repeats 5
         # the same per-update rows with each later bucket serialized while the engines copy
         # the one before (ColocatedSync(serialize_ahead=False)): what the default gains
@@ -366,7 +366,7 @@ if has_stage bench; then
             "^(per_update)|BIT CHECK|Error" --device cuda --layers 8 --per-update --no-registered \
             --trainer-etp --no-serialize-ahead --repeats 5
         BENCH_OUT=bench_e2e_chained run_bench bench_e2e 150 30 "--layers 8 --tp 2 --chain-ranks --trainer-etp (1 GPU; " \
-            "^(registered|per_update)|BIT CHECK|Error" --device cuda --layers 8 --tp 2 --per-update \
+            "^(registered|per_update)|processes copying|BIT CHECK|Error" --device cuda --layers 8 --tp 2 --per-update \
             --chain-ranks --trainer-etp --formats direct packed compat --repeats 5
     fi
     if [ -f benchmarks/bench_gather.py ]; then
