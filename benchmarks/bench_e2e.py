@@ -238,6 +238,7 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         build = time.perf_counter() - t0
         sync = ColocatedSync(sender, engines, per_update=per_update,
                              chain=getattr(args, "chain_ranks", False),
+                             ranks_in_turn=getattr(args, "ranks_in_turn", False),
                              end_on_device=getattr(args, "end_on_device", True),
                              serialize_ahead=getattr(args, "serialize_ahead", True))
         register = sync.register()
@@ -287,14 +288,15 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         if bits != "exact":
             failures.append(f"{'per-update' if per_update else 'registered'} {fmt} MoE-TP {tp}"
                             f"{_etp_label(part.etp)}: {bits}")
-        chained = sync.chain
+        chained, in_turn = sync.chain, sync.ranks_in_turn
         sync.close()
         ratios = [plain / timing.wall for timing, plain in rounds]
         split_ratios = [s / timing.wall for (timing, _), s in zip(rounds, split)]
         cache = [c for timing, _ in rounds for c in timing.cache]
         row = dict(
             path="per_update" if per_update else "registered", format=fmt, moe_tp=tp,
-            trainer_etp=part.etp, chain=chained, bucket_ramp=getattr(args, "bucket_ramp", False),
+            trainer_etp=part.etp, chain=chained, ranks_in_turn=in_turn,
+            bucket_ramp=getattr(args, "bucket_ramp", False),
             end_on_device=sync.end_on_device, serialize_ahead=sync.serialize_ahead,
             engine_poll_ms=engines[0].poll_s * 1e3,
             device_wait_s=median([t.device_wait for t, _ in rounds]),
@@ -604,6 +606,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chain-ranks", action="store_true",
                    help="engine rank r copies a bucket of views after rank r - 1 on the device "
                    "(ColocatedSync(chain=True)): one engine context at a time")
+    p.add_argument("--ranks-in-turn", action="store_true",
+                   help="engine rank r gets the update's buckets once rank r - 1 has queued its "
+                        "own, its copies after rank r - 1's on the device "
+                        "(ColocatedSync(ranks_in_turn=True)): one context switch per rank and "
+                        "update on a shared GPU; buckets of views only")
     p.add_argument("--no-end-on-device", dest="end_on_device", action="store_false",
                    help="the engines wait for their last copies and then answer, instead of the "
                         "trainer waiting for their IPC events (ColocatedSync(end_on_device=False))")

@@ -180,8 +180,9 @@ def main(argv=None) -> int:
     bench_e2e.add_arguments(p)
     args = p.parse_args(argv)
     bench_e2e.check_arguments(p, args)
-    if args.per_tensor or args.chain_ranks:
-        p.error("--per-tensor and --chain-ranks do not apply to one engine rank per GPU")
+    if args.per_tensor or args.chain_ranks or args.ranks_in_turn:
+        p.error("--per-tensor, --chain-ranks and --ranks-in-turn do not apply to one engine "
+                "rank per GPU")
     import torch
 
     if args.device == "cuda" and torch.cuda.device_count() < max(args.tp):

@@ -338,7 +338,8 @@ class ColocatedSync:
     then drops it."""
 
     def __init__(self, sender: ColocatedSender, engines: Sequence, *, per_update: bool = False,
-                 chain: bool = False, end_on_device: bool = True, serialize_ahead: bool = True):
+                 chain: bool = False, end_on_device: bool = True, serialize_ahead: bool = True,
+                 ranks_in_turn: bool = False):
         if len(engines) != len(sender.receivers):
             raise WeightSyncError(f"{len(engines)} engine process(es) for a sender that feeds "
                                   f"{len(sender.receivers)} receiver rank(s) "
@@ -353,6 +354,20 @@ class ColocatedSync:
         #: rank ``r`` is sent the bucket after that answer), so one engine context at a time
         #: has copies to run instead of the GPU slicing its time between them.
         self.chain = bool(chain) and gpu and len(self.engines) > 1
+        #: ``ranks_in_turn``: on one GPU, engine rank ``r`` is sent the update's buckets once
+        #: rank ``r - 1`` has queued all of its own, and its copies wait on the device for
+        #: rank ``r - 1``'s last (an IPC event recorded before that answer): the GPU switches
+        #: contexts once per rank and update, not at every time slice while two contexts have
+        #: copies queued. Two processes copying halves of 12 GiB at once reach 0.90 of one
+        #: plain copy on an H100, one after the other 0.98 (docs/performance.md, "Two
+        #: contexts on one GPU"). Only for buckets of views (a staged bucket's arena is
+        #: refilled for every rank at once), and not with ``chain``; off a GPU the ranks
+        #: simply load one after the other.
+        if chain and ranks_in_turn:
+            raise WeightSyncError("ColocatedSync: chain (rank after rank per bucket) and "
+                                  "ranks_in_turn (rank after rank per update) exclude each other")
+        self.ranks_in_turn = (bool(ranks_in_turn) and len(self.engines) > 1
+                              and not any(b.staged_bytes for b in sender.buckets))
         #: Staged buckets on a GPU are ordered by CUDA IPC events, not host waits (see
         #: :meth:`update`): ("staged", bucket) recorded here, ("copied", bucket, rank) by the
         #: engine rank.
@@ -370,7 +385,7 @@ class ColocatedSync:
         #: limit with it (one H200, 8 layers, docs/performance.md, "Serializing ahead").
         self.serialize_ahead = bool(serialize_ahead) and self.per_update
         self.events = None
-        if gpu and (self.chain or self.end_on_device
+        if gpu and (self.chain or self.end_on_device or self.ranks_in_turn
                     or any(b.staged_bytes for b in sender.buckets)):
             from pytest_weightsync.reference_impl.sharing.ipc_events import EventPool
 
@@ -404,6 +419,8 @@ class ColocatedSync:
         the device idle between them."""
         if not self.registrations and not self.per_update:
             self.register()
+        if self.ranks_in_turn:
+            return self._update_in_turn(memory)
         timing = SyncTiming()
         buckets = self.sender.buckets
         last = len(buckets) - 1
@@ -486,6 +503,67 @@ class ColocatedSync:
                 answers.drain(self.engines)
         end = time.perf_counter()
         clock.append(("done", last, end))
+        timing.wall = end - start
+        return timing
+
+    def _update_in_turn(self, memory: bool) -> SyncTiming:
+        """:meth:`update` with the engine ranks in turn (``ranks_in_turn``): every bucket to
+        rank 0, pipelined as :meth:`update` pipelines them, then every bucket to rank 1, whose
+        first copies wait on the device for rank 0's last, and so on. The timing's reports
+        and marks are per (rank, bucket) in that order: rank ``r``'s bucket ``b`` is entry
+        ``r * buckets + b``."""
+        timing = SyncTiming()
+        sender, buckets = self.sender, self.sender.buckets
+        last = len(buckets) - 1
+        clock = timing.clock
+        start = time.perf_counter()
+        clock.append(("start", None, start))
+        ahead: dict = {}  # (rank position, bucket): that rank's bytes (per-update)
+        try:
+            for pos, (rank, engine) in enumerate(zip(sender.receivers, self.engines)):
+                for index in range(last + 1):
+                    slot = pos * (last + 1) + index
+                    t0 = time.perf_counter()
+                    if pos == 0:  # views: waits for the trainer's writes, once per bucket
+                        sender.stage(index)
+                    t1 = time.perf_counter()
+                    clock.append(("staged", slot, t1))
+                    data, registered = None, ()
+                    if self.per_update:  # the bytes SGLang's update_weights_from_tensor gets
+                        data = ahead.pop((pos, index), None)
+                        if data is None:
+                            data = sender.serialize(index, rank, wait=False)
+                    else:
+                        registered = [self.registrations[index][pos]]
+                    made = time.perf_counter() - t1
+                    if slot:  # this rank's previous bucket, or the last of the rank before
+                        self._collect(timing)  # (its event recorded before it answered)
+                    t2 = time.perf_counter()
+                    wait = signal = None
+                    if self.events is not None and index == 0 and pos:
+                        wait = self.events.handle(("copied", last, pos - 1))
+                    if self.events is not None and index == last:
+                        signal = self.events.handle(("copied", last, pos))
+                    engine.post_update(data, sender.load_format, registered, begin=index == 0,
+                                       end=index == last, memory=memory,
+                                       sync=index == last and not self.end_on_device,
+                                       wait=wait, signal=signal)
+                    clock.append(("posted", slot, time.perf_counter()))
+                    if slot == 0 and self.serialize_ahead:
+                        ahead = {(p, i): sender.serialize(i, r, wait=False)
+                                 for p, r in enumerate(sender.receivers)
+                                 for i in range(last + 1) if (p, i) != (0, 0)}
+                    timing.export += t1 - t0
+                    timing.serialize += made + time.perf_counter() - t2
+            self._collect(timing)
+            if self.end_on_device:  # every engine's last copies, recorded before it answered
+                t3 = time.perf_counter()
+                self.events.synchronize(("copied", last, pos) for pos in range(len(self.engines)))
+                timing.device_wait = time.perf_counter() - t3
+        finally:
+            answers.drain(self.engines)  # something failed mid-bucket: take every answer due
+        end = time.perf_counter()
+        clock.append(("done", len(timing.reports) - 1, end))
         timing.wall = end - start
         return timing
 

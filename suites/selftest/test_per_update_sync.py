@@ -269,6 +269,73 @@ def test_per_update_protocol_through_engine_processes_is_exact_and_recognises_ev
     close_all(sync, cpu_engines)
 
 
+@pytest.mark.parametrize("per_update", [True, False])
+@pytest.mark.parametrize("fmt", ["packed", "compat", "direct"])
+def test_ranks_in_turn_send_every_bucket_to_one_rank_then_the_next_and_stay_exact(
+        cpu_engines, fmt, per_update):
+    # ranks_in_turn: rank 0 gets every bucket (begin on its first, end on its last), then
+    # rank 1; each update's reports come rank by rank, bucket by bucket, and the bits, the
+    # digests and the plan cache are those of the side-by-side order. direct at MoE-TP 2
+    # stages its gate/up rows for both ranks at once: it keeps the side-by-side order.
+    topo = ReceiverTopology(tp=2)
+    full = synth.grouped_full_weights(SPEC, 9)
+    ptrs = [e.configure(SPEC, topo, r) for r, e in enumerate(cpu_engines)]
+    layer = 3 * SPEC.num_experts * SPEC.intermediate * SPEC.hidden * 2
+    sync = ColocatedSync(ColocatedSender(fmt, SPEC, topo, full, bucket_bytes=layer),
+                         cpu_engines, per_update=per_update, ranks_in_turn=True)
+    buckets = len(sync.sender.buckets)
+    assert buckets >= 2 and sync.ranks_in_turn is (fmt != "direct")
+    posts: list = []
+    for rank, engine in enumerate(cpu_engines):
+        post = engine.post_update
+
+        def recorded_post(*a, _post=post, _rank=rank, **kw):
+            posts.append((_rank, kw["begin"], kw["end"]))
+            return _post(*a, **kw)
+        engine.post_update = recorded_post
+    try:
+        caches, current = [], 0
+        for mask in (0x0101, 0x0202, 0x0303):
+            xor_weights(full, current ^ mask)
+            current = mask
+            posts.clear()
+            timing = sync.update()
+            caches.append(sorted(timing.cache))
+            assert tuple(map(sum, zip(*[e.digest() for e in cpu_engines]))) == trainer_digest(full)
+            assert all(dict(rep.param_ptrs) == ptrs[rep.rank]
+                       for reports in timing.reports for rep in reports), "parameters moved"
+            if sync.ranks_in_turn:
+                flags = [(b == 0, b == buckets - 1) for b in range(buckets)]
+                assert posts == [(r, *f) for r in (0, 1) for f in flags]
+                assert [[rep.rank for rep in reports] for reports in timing.reports] \
+                    == [[r] for r in (0, 1) for _ in range(buckets)]
+                marks = [(what, slot) for what, slot, _ in timing.clock if what == "posted"]
+                assert marks == [("posted", slot) for slot in range(2 * buckets)]
+            else:  # every bucket to both ranks side by side
+                assert posts == [(r, b == 0, b == buckets - 1)
+                                 for b in range(buckets) for r in (0, 1)]
+        n = 2 * buckets
+        assert caches == [["miss"] * n, ["hit"] * n, ["hit"] * n]
+        assert [e.check(9, 0, 0x0303) for e in cpu_engines] == [None, None]
+    finally:
+        for engine in cpu_engines:  # the module's engines serve the next tests unwrapped
+            del engine.post_update
+        close_all(sync, cpu_engines)
+
+
+def test_ranks_in_turn_and_chain_are_refused_together_and_one_rank_has_no_turns(cpu_engines):
+    from pytest_weightsync.reference_impl.errors import WeightSyncError
+
+    topo = ReceiverTopology(tp=2)
+    full = synth.grouped_full_weights(SPEC, 3)
+    sender = ColocatedSender("packed", SPEC, topo, full)
+    with pytest.raises(WeightSyncError, match="exclude each other"):
+        ColocatedSync(sender, cpu_engines, chain=True, ranks_in_turn=True)
+    one = ColocatedSync(ColocatedSender("packed", SPEC, ReceiverTopology(), full),
+                        cpu_engines[:1], ranks_in_turn=True)
+    assert one.ranks_in_turn is False
+
+
 @pytest.mark.parametrize("ahead", [False, True])
 def test_serialize_ahead_makes_every_later_buckets_bytes_once_the_first_is_posted(
         cpu_engines, ahead):
@@ -486,17 +553,21 @@ def test_gpu_update_ends_when_the_device_has_copied_before_the_trainer_writes_ag
     topo = ReceiverTopology(tp=2)
     full = synth.grouped_full_weights(spec, 21, device="cuda")
     engines = [engine_process.ReceiverProcess("cuda:0", timeout=120) for _ in range(2)]
-    cases = [("packed", False, True), ("packed", True, True), ("direct", False, True),
-             ("direct", True, False)]
+    # (format, per-update, end on the device, ranks in turn: rank 1's copies wait on the
+    # device for rank 0's last, and the update still ends only when rank 1's are done)
+    cases = [("packed", False, True, False), ("packed", True, True, False),
+             ("direct", False, True, False), ("direct", True, False, False),
+             ("hf_fused", True, True, True), ("compat", False, True, True)]
     try:
         mask = 0
-        for fmt, per_update, end_on_device in cases:
+        for fmt, per_update, end_on_device, in_turn in cases:
             for r, engine in enumerate(engines):
                 engine.configure(spec, topo, r)
             sync = ColocatedSync(ColocatedSender(fmt, spec, topo, full, bucket_ramp=True,
                                                  staging_bytes=1 << 30),
-                                 engines, per_update=per_update, end_on_device=end_on_device)
-            assert sync.end_on_device == end_on_device
+                                 engines, per_update=per_update, end_on_device=end_on_device,
+                                 ranks_in_turn=in_turn)
+            assert sync.end_on_device == end_on_device and sync.ranks_in_turn == in_turn
             assert (sync.sender.staged_bytes > 0) == (fmt == "direct")
             for step in range(3):
                 new = (0x1111 * (step + 1) ^ mask) & 0x7FFF or 0x0101
@@ -509,8 +580,9 @@ def test_gpu_update_ends_when_the_device_has_copied_before_the_trainer_writes_ag
                 got = [e.digest() for e in engines]
                 xor_weights(full, 0x7FFF)  # back to what the update sent
                 assert tuple(map(sum, zip(*got))) == trainer_digest(full), (
-                    f"{fmt} per_update={per_update} end_on_device={end_on_device} update "
-                    f"{step}: the engines' copies read what the trainer wrote after it")
+                    f"{fmt} per_update={per_update} end_on_device={end_on_device} "
+                    f"ranks_in_turn={in_turn} update {step}: the engines' copies read what "
+                    f"the trainer wrote after it")
             assert [e.check(21, 0, mask) for e in engines] == [None, None]
             sync.close()
     finally:
