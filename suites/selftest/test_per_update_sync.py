@@ -286,19 +286,30 @@ def test_ranks_in_turn_send_every_bucket_to_one_rank_then_the_next_and_stay_exac
     buckets = len(sync.sender.buckets)
     assert buckets >= 2 and sync.ranks_in_turn is (fmt != "direct")
     posts: list = []
+    made: list = []  # serializations and posts in order (per-update)
+    serialize = sync.sender.serialize
+
+    def recorded_serialize(index, rank, **kw):
+        made.append(("serialize", rank, index))
+        return serialize(index, rank, **kw)
+    sync.sender.serialize = recorded_serialize
     for rank, engine in enumerate(cpu_engines):
         post = engine.post_update
 
         def recorded_post(*a, _post=post, _rank=rank, **kw):
             posts.append((_rank, kw["begin"], kw["end"]))
+            made.append(("post", _rank))
             return _post(*a, **kw)
         engine.post_update = recorded_post
     try:
+        if not per_update:
+            sync.register()  # shares made once, before any update
         caches, current = [], 0
         for mask in (0x0101, 0x0202, 0x0303):
             xor_weights(full, current ^ mask)
             current = mask
             posts.clear()
+            made.clear()
             timing = sync.update()
             caches.append(sorted(timing.cache))
             assert tuple(map(sum, zip(*[e.digest() for e in cpu_engines]))) == trainer_digest(full)
@@ -311,6 +322,15 @@ def test_ranks_in_turn_send_every_bucket_to_one_rank_then_the_next_and_stay_exac
                     == [[r] for r in (0, 1) for _ in range(buckets)]
                 marks = [(what, slot) for what, slot, _ in timing.clock if what == "posted"]
                 assert marks == [("posted", slot) for slot in range(2 * buckets)]
+                if per_update:  # serialized ahead: rank 0's later buckets after its first
+                    # post, rank 1's every bucket after rank 0's last post
+                    later = [("serialize", 0, b) for b in range(1, buckets)]
+                    assert made == ([("serialize", 0, 0), ("post", 0)] + later
+                                    + [("post", 0)] * (buckets - 1)
+                                    + [("serialize", 1, b) for b in range(buckets)]
+                                    + [("post", 1)] * buckets)
+                else:
+                    assert made == [("post", r) for r in (0, 1) for _ in range(buckets)]
             else:  # every bucket to both ranks side by side
                 assert posts == [(r, b == 0, b == buckets - 1)
                                  for b in range(buckets) for r in (0, 1)]
@@ -318,6 +338,7 @@ def test_ranks_in_turn_send_every_bucket_to_one_rank_then_the_next_and_stay_exac
         assert caches == [["miss"] * n, ["hit"] * n, ["hit"] * n]
         assert [e.check(9, 0, 0x0303) for e in cpu_engines] == [None, None]
     finally:
+        sync.sender.serialize = serialize
         for engine in cpu_engines:  # the module's engines serve the next tests unwrapped
             del engine.post_update
         close_all(sync, cpu_engines)
