@@ -180,6 +180,9 @@ class ReferenceReceiver:
         first = next(iter(self.params.values()), None)
         self.device = first.device if first is not None else torch.device(device)
         self._update: Optional[UpdateState] = None
+        #: ``(owed, [weakref to each plan, in order])`` of the last update whose buckets'
+        #: plans together carried every piece this rank owes (see :meth:`end_update`).
+        self._covered_by: Optional[tuple] = None
         #: With ``plan_cache``: buckets validated and planned once, replayed when they come
         #: again at the same addresses (:mod:`pytest_weightsync.reference_impl.engine.plan_cache`).
         self.plan_cache = None
@@ -274,7 +277,11 @@ class ReferenceReceiver:
         if update is None:
             raise IncompleteUpdateError("end_update() without begin_update()")
         owed = self._owed_set()
-        if update.covered(owed) or owed <= update.seen.keys():
+        if update.covered(owed) or self._covered_as_before(update, owed):
+            return
+        if owed <= update.seen.keys():
+            if update.carried and update.offered == len(update.carried):
+                self._covered_by = (owed, list(update.carried))
             return
         missing = [unit for unit in self._owed_units() if unit not in update.seen]
         if missing:
@@ -286,6 +293,19 @@ class ReferenceReceiver:
                 f"{refused}): "
                 f"{len(missing)} expert projection(s) this rank owns were never loaded: "
                 f"{listed}{more}; they still hold the previous version")
+
+    def _covered_as_before(self, update: UpdateState, owed: frozenset) -> bool:
+        """Whether this update's buckets were, plan for plan, those of an earlier update that
+        carried every owed piece: the same plan objects (a plan cache's, replayed), alive, in
+        the same order, and nothing else offered - then their pieces are the same too, and the
+        comparison of every owed piece with every piece seen (0.4-1.2 ms for 6,144 pieces, at
+        the end of every update, before the last bucket is answered) is not made again."""
+        memo = self._covered_by
+        if memo is None or memo[0] is not owed or update.offered != len(update.carried):
+            return False
+        before = memo[1]
+        return len(before) == len(update.carried) and all(
+            old() is not None and old() is new() for old, new in zip(before, update.carried))
 
     def load(self, payload, load_format: Optional[str] = None, *, check=None,
              check_tag=None) -> LoadPlan:

@@ -147,3 +147,55 @@ def test_the_reference_still_pickles_to_trainer_ranks_after_updates():
     assert copy.transport == "flattened_bucket"
     assert copy.weight_version(params, spec=spec, topology=topo, rank=0) is None
     assert impl._open and not copy._open
+
+
+def test_an_update_of_the_same_cached_buckets_closes_without_comparing_every_piece_again():
+    """A complete update's plans are remembered (weakly); the next update of the same cached
+    plans, in the same order and nothing else offered, is complete without the comparison of
+    every owed piece - and every other update still takes it: one bucket fewer, a refused
+    bucket, another order, a plan that was dropped."""
+    from pytest_weightsync.reference_impl.engine.receiver import MissingExpertError
+    from pytest_weightsync.reference_impl.oracle import synth
+    from pytest_weightsync.reference_impl.senders.colocated import ColocatedSender
+
+    spec = dataclasses.replace(kp.SPEC, num_layers=3)
+    topo = ReceiverTopology()
+    full = synth.grouped_full_weights(spec, 4)
+    sender = ColocatedSender("packed", spec, topo, full, bucket_bytes=1)  # a layer a bucket
+    assert len(sender.buckets) == 3
+    receiver = rx.ReferenceReceiver(spec, topo, 0, "cpu", plan_cache=True)
+    compared = []
+    real = frozenset.__le__
+
+    class Owed(frozenset):  # counts end_update's comparisons with every piece the update saw
+        def __le__(self, other):  # (a plan asked alone holds a third of them)
+            if len(other) >= len(self):
+                compared.append(1)
+            return real(self, other)
+
+    owed = Owed(receiver._owed_set())
+    receiver._owed_set = lambda: owed
+
+    def update(order, refuse=False):
+        receiver.begin_update()
+        if refuse:
+            receiver.refuse_bucket()
+        for index in order:
+            receiver.load(sender.payload(index, 0))
+        compared.clear()
+        receiver.end_update()
+        return len(compared)
+
+    assert update([0, 1, 2]) == 1  # planned: compared, then remembered
+    assert update([0, 1, 2]) == 0 and update([0, 1, 2]) == 0  # replayed: remembered
+    assert update([2, 1, 0]) == 1  # another order: compared (and complete)
+    assert update([0, 1, 2]) == 1 and update([0, 1, 2]) == 0
+    with pytest.raises(MissingExpertError, match="layer 2 expert 0 gate_proj"):
+        update([0, 1])
+    assert update([0, 1, 2], refuse=True) == 1  # a bucket refused before: compared
+    receiver.plan_cache = None  # fresh plans every bucket: never the same objects
+    assert update([0, 1, 2]) == 1 and update([0, 1, 2]) == 1
+    with pytest.raises(MissingExpertError):
+        update([1, 2])
+    gc.collect()  # the memo holds plans weakly: the uncached plans are gone with their buckets
+    assert receiver._covered_by is not None and receiver._covered_by[1][0]() is None
