@@ -13,7 +13,7 @@
 #   bench  benchmarks/bench_expert_sync.py and bench_e2e.py --device cuda on one GPU (40
 #          layers; 8 layers with the stateless sender and direct from the trainer's ETP
 #          shards; 8 layers per-update with --no-serialize-ahead; 8 layers with the engine
-#          ranks chained), bench_gather.py and
+#          ranks in turn), bench_gather.py and
 #          bench_e2e_ranks.py (a trainer rank and an engine rank per GPU, MoE-TP 2) on two
 #
 # GPU_FILES="FILE LIMIT,FILE LIMIT" limits stage one to those files, in that order.
@@ -355,7 +355,7 @@ if has_stage bench; then
         run_bench bench_e2e 480 60 "--device cuda --per-update (1 GPU, 40 Qwen3.5-35B-A3B layers, ~130 GiB; " \
             "^(registered|per_update|per_tensor|per_storage)|processes copying|BIT CHECK|Error" --device cuda --per-update
         # 8 layers (12 GiB): registered, per-update and the stateless sender (docs/performance.md,
-        # "Stateless senders"), then the engine ranks chained at MoE-TP 2
+        # "Stateless senders")
         # (each with the trainer's ETP shards sent to direct as they are: --trainer-etp)
         BENCH_OUT=bench_e2e_8layers run_bench bench_e2e 300 60 "--layers 8 --per-update --per-tensor --trainer-etp (1 GPU; " \
             "^(registered|per_update|per_tensor|per_storage)|processes copying|BIT CHECK|Error" --device cuda --layers 8 \
@@ -365,9 +365,11 @@ if has_stage bench; then
         BENCH_OUT=bench_e2e_8layers_behind run_bench bench_e2e 150 30 "--layers 8 --per-update --no-serialize-ahead (1 GPU; " \
             "^(per_update)|BIT CHECK|Error" --device cuda --layers 8 --per-update --no-registered \
             --trainer-etp --no-serialize-ahead --repeats 5
-        BENCH_OUT=bench_e2e_chained run_bench bench_e2e 150 30 "--layers 8 --tp 2 --chain-ranks --trainer-etp (1 GPU; " \
-            "^(registered|per_update)|processes copying|BIT CHECK|Error" --device cuda --layers 8 --tp 2 --per-update \
-            --chain-ranks --trainer-etp --formats direct packed compat --repeats 5
+        # the engine ranks in turn at MoE-TP 2 (ColocatedSync(ranks_in_turn=True): rank 1's
+        # copies after rank 0's, one context switch per update), with its timeline
+        BENCH_OUT=bench_e2e_in_turn run_bench bench_e2e 150 30 "--layers 8 --tp 2 --ranks-in-turn --trainer-etp (1 GPU; " \
+            "^(registered|per_update)|processes copying|BIT CHECK|Error|done at" --device cuda --layers 8 --tp 2 \
+            --per-update --ranks-in-turn --timeline --trainer-etp --repeats 5
     fi
     if [ -f benchmarks/bench_gather.py ]; then
         if [ "$NGPU" -ge 2 ]; then
