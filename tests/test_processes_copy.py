@@ -22,14 +22,22 @@ def _children() -> list:
     return [p for p in multiprocessing.active_children() if p.is_alive()]
 
 
-def test_the_split_copy_times_every_process_and_ends_them_on_close():
+def test_the_split_copy_times_every_process_and_a_dead_one_fails_the_next_round_at_once():
+    # one set of processes for both (each spawn imports torch: seconds)
     before = set(_children())
-    with ProcessesCopy((8 << 20) + 3, "cpu", 3, chunk=1 << 20, timeout=60) as split:
-        assert len(split._procs) == 3 and all(p.is_alive() for p in split._procs)
+    split = ProcessesCopy((8 << 20) + 3, "cpu", 3, chunk=1 << 20, timeout=60)
+    try:
+        procs = list(split._procs)
+        assert len(procs) == 3 and all(p.is_alive() for p in procs)
         rounds = [split.seconds() for _ in range(3)]
         assert all(math.isfinite(s) and 0 < s < 60 for s in rounds), rounds
-        procs = list(split._procs)
-    assert all(not p.is_alive() for p in procs)
+        procs[1].kill()
+        procs[1].join()
+        with pytest.raises(RuntimeError, match=r"exited \(code -9\) before its 'done'"):
+            split.seconds()
+    finally:
+        split.close()
+    assert all(not p.is_alive() for p in procs) and not split._procs
     assert set(_children()) <= before
     with pytest.raises(RuntimeError, match="closed"):
         split.seconds()
@@ -55,18 +63,6 @@ def test_a_process_that_cannot_copy_is_reported_and_none_is_left():
     with pytest.raises(RuntimeError, match="a copying process failed: RuntimeError: .*nonsense"):
         ProcessesCopy(1 << 20, "nonsense", 2, timeout=60)
     assert set(_children()) <= before
-
-
-def test_a_process_that_dies_between_rounds_fails_the_next_round_at_once():
-    split = ProcessesCopy(1 << 20, "cpu", 2, timeout=60)
-    try:
-        split._procs[1].kill()
-        split._procs[1].join()
-        with pytest.raises(RuntimeError, match=r"exited \(code -9\) before its 'done'"):
-            split.seconds()
-    finally:
-        split.close()
-    assert all(not p.is_alive() for p in split._procs) and not split._procs
 
 
 def test_each_process_copies_its_share_in_chunks_and_answers_each_start():

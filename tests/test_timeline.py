@@ -144,3 +144,30 @@ def test_the_benchmark_prints_each_rows_timeline(capsys):
         assert len(row["timeline"]["buckets"]) == row["buckets"]
     out = capsys.readouterr().out
     assert out.count("done at") == 2 and out.count("  bucket     GiB") == 2
+
+
+def test_the_benchmark_runs_the_engine_ranks_in_turn_with_a_line_per_rank_and_bucket(tmp_path,
+                                                                                     capsys):
+    # bench_e2e.py --ranks-in-turn at MoE-TP 2 on CPU: every row bit-exact and in turn (but
+    # direct, whose gathered trainer stages both ranks' rows at once), and the timeline has a
+    # line per rank and bucket
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
+    spec = importlib.util.spec_from_file_location("bench_e2e_in_turn", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "turn.json"
+    assert bench.main(["--device", "cpu", "--tp", "2", "--formats", "packed", "direct",
+                       "--repeats", "3", "--per-update", "--ranks-in-turn", "--timeline",
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["path"], r["format"], r["ranks_in_turn"]) for r in rows] == [
+        ("registered", "packed", True), ("registered", "direct", False),
+        ("per_update", "packed", True), ("per_update", "direct", False)]
+    for row in rows:
+        assert row["bits"] == "exact"
+        assert len(row["timeline"]["buckets"]) == row["buckets"] * (2 if row["ranks_in_turn"] else 1)
+    assert capsys.readouterr().out.count("done at") == 4
