@@ -327,9 +327,16 @@ class LoadCache:
     def _replayable(self, receiver, entry: CachedBucket, check_tag, seen: dict) -> bool:
         """Whether a recognised bucket may be replayed here: it passed the caller's check under
         ``check_tag``, the parameters it writes are where they were, and no piece of it came
-        already in the open update (a duplicate takes the full path, which names it)."""
-        return (entry.check_tag == check_tag and self._usable(receiver, entry)
-                and (not seen or seen.keys().isdisjoint(entry.plan.units)))
+        already in the open update (a duplicate takes the full path, which names it) - known
+        without hashing its pieces when the receiver says the update so far repeats its last
+        complete one and this is that one's next plan (``follows_last_update``)."""
+        if entry.check_tag != check_tag or not self._usable(receiver, entry):
+            return False
+        if not seen:
+            return True
+        follows = getattr(receiver, "follows_last_update", None)  # a receiver's memo, if any
+        return ((follows is not None and follows(entry.plan))
+                or seen.keys().isdisjoint(entry.plan.units))
 
     def _run(self, entry: CachedBucket) -> None:
         with torch.no_grad():

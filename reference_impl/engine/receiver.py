@@ -307,6 +307,20 @@ class ReferenceReceiver:
         return len(before) == len(update.carried) and all(
             old() is not None and old() is new() for old, new in zip(before, update.carried))
 
+    def follows_last_update(self, plan: LoadPlan) -> bool:
+        """Whether the open update's buckets so far were, plan for plan, the first ones of the
+        last complete update (the same plan objects, alive, in order, nothing else offered)
+        and ``plan`` is that update's next: its pieces then came in none of them, as in that
+        update, where every bucket's pieces were checked against the ones before. The plan
+        cache then replays it without hashing each of its pieces against the update's."""
+        memo, update = self._covered_by, self._update
+        if memo is None or update is None or update.offered != len(update.carried):
+            return False
+        before, carried = memo[1], update.carried
+        if len(carried) >= len(before) or before[len(carried)]() is not plan:
+            return False
+        return all(old() is not None and old() is new() for old, new in zip(before, carried))
+
     def load(self, payload, load_format: Optional[str] = None, *, check=None,
              check_tag=None) -> LoadPlan:
         """Validate the whole bucket, then write it in place. Returns the executed plan.

@@ -199,3 +199,45 @@ def test_an_update_of_the_same_cached_buckets_closes_without_comparing_every_pie
         update([1, 2])
     gc.collect()  # the memo holds plans weakly: the uncached plans are gone with their buckets
     assert receiver._covered_by is not None and receiver._covered_by[1][0]() is None
+
+
+def test_a_replayed_bucket_is_known_new_to_the_update_only_where_it_repeats_the_last_one():
+    """The plan cache asks the receiver whether the open update so far repeats the last
+    complete one plan for plan, this bucket's plan being that update's next
+    (``follows_last_update``); then it skips hashing the bucket's pieces against the update's.
+    Anything else - a bucket sent twice, another order, a refused bucket - is still checked,
+    and a duplicate is still refused by name."""
+    from pytest_weightsync.reference_impl.engine.payload_checks import DuplicateEntryError
+    from pytest_weightsync.reference_impl.oracle import synth
+    from pytest_weightsync.reference_impl.senders.colocated import ColocatedSender
+
+    spec = dataclasses.replace(kp.SPEC, num_layers=3)
+    topo = ReceiverTopology()
+    full = synth.grouped_full_weights(spec, 5)
+    sender = ColocatedSender("packed", spec, topo, full, bucket_bytes=1)  # a layer a bucket
+    receiver = rx.ReferenceReceiver(spec, topo, 0, "cpu", plan_cache=True)
+    answers = []
+    follows = receiver.follows_last_update
+    receiver.follows_last_update = lambda plan: answers.append(follows(plan)) or answers[-1]
+
+    def update(order, refuse=False, end=True):
+        answers.clear()
+        receiver.begin_update()
+        if refuse:
+            receiver.refuse_bucket()
+        for index in order:
+            receiver.load(sender.payload(index, 0))
+        if end:
+            receiver.end_update()
+        return answers
+
+    assert update([0, 1, 2]) == []  # planned: nothing cached to replay
+    assert update([0, 1, 2]) == [True, True]  # the last one, repeated: known new
+    assert update([0, 2, 1]) == [False, False]  # another order: hashed (and complete)
+    assert update([0, 1, 2]) == [False, False]  # not the order of the last one
+    assert update([0, 1, 2]) == [True, True]
+    with pytest.raises(DuplicateEntryError, match="duplicate"):
+        update([0, 1, 1], end=False)  # the second bucket 1 is not the last update's third
+    assert answers[0] is True and answers[1:] and not any(answers[1:])  # (asked per path)
+    update([0, 1, 2])
+    assert update([0, 1, 2], refuse=True) == [False, False]  # a bucket refused before them
