@@ -10,6 +10,8 @@ from the second update on. Expected values come from the synthetic oracle, never
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -269,6 +271,33 @@ def test_per_update_protocol_through_engine_processes_is_exact_and_recognises_ev
     close_all(sync, cpu_engines)
 
 
+@contextlib.contextmanager
+def recorded(sync, engines):
+    """The sender's serializations and the engines' posts, in the order they happen:
+    ``("serialize", bucket, rank)`` and ``("post", bucket, rank, begin, end)`` (``bucket``:
+    how many posts to that rank the log holds before; clear it between updates). Undone on
+    exit: the module's engines serve the next tests unwrapped."""
+    log: list = []
+    serialize = sync.sender.serialize
+
+    def recorded_serialize(index, rank, **kw):
+        log.append(("serialize", index, rank))
+        return serialize(index, rank, **kw)
+    sync.sender.serialize = recorded_serialize
+    for rank, engine in enumerate(engines):
+        def recorded_post(*a, _post=engine.post_update, _rank=rank, **kw):
+            sent = sum(1 for e in log if e[0] == "post" and e[2] == _rank)
+            log.append(("post", sent, _rank, kw["begin"], kw["end"]))
+            return _post(*a, **kw)
+        engine.post_update = recorded_post
+    try:
+        yield log
+    finally:
+        del sync.sender.serialize
+        for engine in engines:
+            del engine.post_update
+
+
 @pytest.mark.parametrize("per_update", [True, False])
 @pytest.mark.parametrize("fmt", ["packed", "compat", "direct"])
 def test_ranks_in_turn_send_every_bucket_to_one_rank_then_the_next_and_stay_exact(
@@ -285,62 +314,44 @@ def test_ranks_in_turn_send_every_bucket_to_one_rank_then_the_next_and_stay_exac
                          cpu_engines, per_update=per_update, ranks_in_turn=True)
     buckets = len(sync.sender.buckets)
     assert buckets >= 2 and sync.ranks_in_turn is (fmt != "direct")
-    posts: list = []
-    made: list = []  # serializations and posts in order (per-update)
-    serialize = sync.sender.serialize
-
-    def recorded_serialize(index, rank, **kw):
-        made.append(("serialize", rank, index))
-        return serialize(index, rank, **kw)
-    sync.sender.serialize = recorded_serialize
-    for rank, engine in enumerate(cpu_engines):
-        post = engine.post_update
-
-        def recorded_post(*a, _post=post, _rank=rank, **kw):
-            posts.append((_rank, kw["begin"], kw["end"]))
-            made.append(("post", _rank))
-            return _post(*a, **kw)
-        engine.post_update = recorded_post
     try:
-        if not per_update:
-            sync.register()  # shares made once, before any update
-        caches, current = [], 0
-        for mask in (0x0101, 0x0202, 0x0303):
-            xor_weights(full, current ^ mask)
-            current = mask
-            posts.clear()
-            made.clear()
-            timing = sync.update()
-            caches.append(sorted(timing.cache))
-            assert tuple(map(sum, zip(*[e.digest() for e in cpu_engines]))) == trainer_digest(full)
-            assert all(dict(rep.param_ptrs) == ptrs[rep.rank]
-                       for reports in timing.reports for rep in reports), "parameters moved"
-            if sync.ranks_in_turn:
-                flags = [(b == 0, b == buckets - 1) for b in range(buckets)]
-                assert posts == [(r, *f) for r in (0, 1) for f in flags]
+        with recorded(sync, cpu_engines) as log:
+            if not per_update:
+                sync.register()  # shares made once, before any update
+            caches, current = [], 0
+            for mask in (0x0101, 0x0202, 0x0303):
+                xor_weights(full, current ^ mask)
+                current = mask
+                log.clear()
+                timing = sync.update()
+                caches.append(sorted(timing.cache))
+                digests = [e.digest() for e in cpu_engines]
+                assert tuple(map(sum, zip(*digests))) == trainer_digest(full)
+                assert all(dict(rep.param_ptrs) == ptrs[rep.rank]
+                           for reports in timing.reports for rep in reports), "moved"
+                post = lambda b, r: ("post", b, r, b == 0, b == buckets - 1)  # noqa: E731
+                made = lambda b, r: ("serialize", b, r)  # noqa: E731
+                if not sync.ranks_in_turn:  # every bucket to both ranks side by side
+                    posts = [e for e in log if e[0] == "post"]
+                    assert posts == [post(b, r) for b in range(buckets) for r in (0, 1)]
+                    continue
                 assert [[rep.rank for rep in reports] for reports in timing.reports] \
                     == [[r] for r in (0, 1) for _ in range(buckets)]
                 marks = [(what, slot) for what, slot, _ in timing.clock if what == "posted"]
                 assert marks == [("posted", slot) for slot in range(2 * buckets)]
+                later = range(1, buckets)
                 if per_update:  # serialized ahead: rank 0's later buckets after its first
                     # post, rank 1's every bucket after rank 0's last post
-                    later = [("serialize", 0, b) for b in range(1, buckets)]
-                    assert made == ([("serialize", 0, 0), ("post", 0)] + later
-                                    + [("post", 0)] * (buckets - 1)
-                                    + [("serialize", 1, b) for b in range(buckets)]
-                                    + [("post", 1)] * buckets)
+                    assert log == ([made(0, 0), post(0, 0)] + [made(b, 0) for b in later]
+                                   + [post(b, 0) for b in later]
+                                   + [made(b, 1) for b in range(buckets)]
+                                   + [post(b, 1) for b in range(buckets)])
                 else:
-                    assert made == [("post", r) for r in (0, 1) for _ in range(buckets)]
-            else:  # every bucket to both ranks side by side
-                assert posts == [(r, b == 0, b == buckets - 1)
-                                 for b in range(buckets) for r in (0, 1)]
+                    assert log == [post(b, r) for r in (0, 1) for b in range(buckets)]
         n = 2 * buckets
         assert caches == [["miss"] * n, ["hit"] * n, ["hit"] * n]
         assert [e.check(9, 0, 0x0303) for e in cpu_engines] == [None, None]
     finally:
-        sync.sender.serialize = serialize
-        for engine in cpu_engines:  # the module's engines serve the next tests unwrapped
-            del engine.post_update
         close_all(sync, cpu_engines)
 
 
@@ -371,32 +382,18 @@ def test_serialize_ahead_makes_every_later_buckets_bytes_once_the_first_is_poste
                          **({} if ahead else {"serialize_ahead": False}))
     assert sync.serialize_ahead is ahead
     assert len(sync.sender.buckets) == 3  # one layer each
-    events, serialize = [], sync.sender.serialize
-
-    def recorded_serialize(index, rank, **kw):
-        events.append(("serialize", index, rank))
-        return serialize(index, rank, **kw)
-
-    sync.sender.serialize = recorded_serialize
-    for rank, engine in enumerate(cpu_engines):
-        post = engine.post_update
-
-        def recorded_post(*a, _post=post, _rank=rank, **kw):
-            events.append(("post", len([e for e in events if e[0] == "post"]) // 2, _rank))
-            return _post(*a, **kw)
-        engine.post_update = recorded_post
     try:
-        sync.update()
+        with recorded(sync, cpu_engines) as log:
+            sync.update()
         made = [[("serialize", b, r) for r in (0, 1)] for b in (1, 2)]
-        sent = [[("post", b, r) for r in (0, 1)] for b in (1, 2)]
+        sent = [[("post", b, r, False, b == 2) for r in (0, 1)] for b in (1, 2)]
         later = made[0] + made[1] + sent[0] + sent[1] if ahead else \
             made[0] + sent[0] + made[1] + sent[1]
-        first = [("serialize", 0, 0), ("post", 0, 0), ("serialize", 0, 1), ("post", 0, 1)]
-        assert events == first + later
+        first = [("serialize", 0, 0), ("post", 0, 0, True, False), ("serialize", 0, 1),
+                 ("post", 0, 1, True, False)]
+        assert log == first + later
         assert tuple(map(sum, zip(*[e.digest() for e in cpu_engines]))) == trainer_digest(full)
     finally:
-        for engine in cpu_engines:  # the module's engines serve the next tests unwrapped
-            del engine.post_update
         close_all(sync, cpu_engines)
 
 
