@@ -502,7 +502,7 @@ def run(args) -> dict:
         poll_s = getattr(args, "engine_poll_ms", 0.0) / 1e3 if args.device == "cuda" else 0.0
         engines = [engine_process.ReceiverProcess(str(device), timeout=args.timeout, poll_s=poll_s)
                    for _ in range(tp)]
-        limit = None
+        split = None  # the split copy's processes (PlainCopy.split), ended in any case
         try:
             t0 = time.perf_counter()
             for engine in engines:
@@ -513,8 +513,9 @@ def run(args) -> dict:
             if device.type == "cuda" and tp > 1 and args.split_copy:
                 # chunks of at most 512 MiB: two buffers per process beside a model that may
                 # fill the GPU (40 layers at MoE-TP 2 on an H200); as fast as larger ones
-                limit.split = ProcessesCopy(part.written_bytes(topo), str(device), tp,
-                                            min(args.chunk_mib, 512) << 20, timeout=args.timeout)
+                limit.split = split = ProcessesCopy(part.written_bytes(topo), str(device), tp,
+                                                    min(args.chunk_mib, 512) << 20,
+                                                    timeout=args.timeout)
             if args.registered:
                 rows += registered_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures)
             if args.per_update:
@@ -523,10 +524,9 @@ def run(args) -> dict:
             if sub is not None:
                 rows += trainer_etp_rows(spec, engines, topo, tp, sub, masks, limit, ptrs,
                                          failures)
-            limit.split, split = None, limit.split
-            if split is not None:
+            del limit
+            if split is not None:  # its processes' memory back before the per-tensor rows
                 split.close()
-            limit = None
             release(device)
             if args.per_tensor:
                 if small is None:
@@ -546,8 +546,8 @@ def run(args) -> dict:
         finally:
             for engine in engines:
                 engine.close()
-            if limit is not None and limit.split is not None:
-                limit.split.close()
+            if split is not None:  # closing twice is harmless
+                split.close()
     # The trainer's buffers, shared once per tensor and update by the per-tensor rows, are
     # freed on a large stack (share_chain): unwinding one deleter per share overflowed the
     # main thread's stack at exit.

@@ -493,11 +493,7 @@ class ColocatedSync:
                 timing.export += t1 - t0
                 timing.serialize += made + time.perf_counter() - t2
             pending = self._collect(timing)
-            if self.end_on_device:  # every engine's last copies, recorded before it answered
-                t3 = time.perf_counter()
-                self.events.synchronize(("copied", last, rank)
-                                        for rank in range(len(self.engines)))
-                timing.device_wait = time.perf_counter() - t3
+            self._wait_for_last_copies(timing)
         finally:
             if pending is not None:  # something failed mid-bucket: take every answer still due
                 answers.drain(self.engines)
@@ -554,16 +550,22 @@ class ColocatedSync:
                     timing.export += t1 - t0
                     timing.serialize += made + time.perf_counter() - t2
             self._collect(timing)
-            if self.end_on_device:  # every engine's last copies, recorded before it answered
-                t3 = time.perf_counter()
-                self.events.synchronize(("copied", last, pos) for pos in range(len(self.engines)))
-                timing.device_wait = time.perf_counter() - t3
+            self._wait_for_last_copies(timing)
         finally:
             answers.drain(self.engines)  # something failed mid-bucket: take every answer due
         end = time.perf_counter()
         clock.append(("done", len(timing.reports) - 1, end))
         timing.wall = end - start
         return timing
+
+    def _wait_for_last_copies(self, timing: SyncTiming) -> None:
+        """``end_on_device``: wait for every engine's last copies, on the IPC event each
+        recorded after them before it answered its last bucket."""
+        if self.end_on_device:
+            t0 = time.perf_counter()
+            last = len(self.sender.buckets) - 1
+            self.events.synchronize(("copied", last, pos) for pos in range(len(self.engines)))
+            timing.device_wait = time.perf_counter() - t0
 
     def _ahead_in_turn(self, pos: int, index: int) -> dict:
         """``serialize_ahead`` with the ranks in turn: rank 0's later buckets once its first is
