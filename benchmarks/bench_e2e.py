@@ -237,7 +237,6 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
                              bucket_ramp=getattr(args, "bucket_ramp", False), receivers=receivers)
         build = time.perf_counter() - t0
         sync = ColocatedSync(sender, engines, per_update=per_update,
-                             chain=getattr(args, "chain_ranks", False),
                              ranks_in_turn=getattr(args, "ranks_in_turn", False),
                              end_on_device=getattr(args, "end_on_device", True),
                              serialize_ahead=getattr(args, "serialize_ahead", True))
@@ -288,14 +287,14 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
         if bits != "exact":
             failures.append(f"{'per-update' if per_update else 'registered'} {fmt} MoE-TP {tp}"
                             f"{_etp_label(part.etp)}: {bits}")
-        chained, in_turn = sync.chain, sync.ranks_in_turn
+        in_turn = sync.ranks_in_turn
         sync.close()
         ratios = [plain / timing.wall for timing, plain in rounds]
         split_ratios = [s / timing.wall for (timing, _), s in zip(rounds, split)]
         cache = [c for timing, _ in rounds for c in timing.cache]
         row = dict(
             path="per_update" if per_update else "registered", format=fmt, moe_tp=tp,
-            trainer_etp=part.etp, chain=chained, ranks_in_turn=in_turn,
+            trainer_etp=part.etp, ranks_in_turn=in_turn,
             bucket_ramp=getattr(args, "bucket_ramp", False),
             end_on_device=sync.end_on_device, serialize_ahead=sync.serialize_ahead,
             engine_poll_ms=engines[0].poll_s * 1e3,
@@ -603,9 +602,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stateless-bucket-layers", type=int, default=1,
                    help="layers per bucket of the stateless sender (sent while the engines "
                    "copy the previous bucket)")
-    p.add_argument("--chain-ranks", action="store_true",
-                   help="engine rank r copies a bucket of views after rank r - 1 on the device "
-                   "(ColocatedSync(chain=True)): one engine context at a time")
     p.add_argument("--ranks-in-turn", action="store_true",
                    help="engine rank r gets the update's buckets once rank r - 1 has queued its "
                         "own, its copies after rank r - 1's on the device "

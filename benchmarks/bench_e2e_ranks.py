@@ -24,7 +24,7 @@ checks every bit against the oracle and parameter addresses may never change.
     python benchmarks/bench_e2e_ranks.py --device cuda --tp 2 --layers 8 --per-update --trainer-etp
     python benchmarks/bench_e2e_ranks.py --device cpu --tp 2          # tiny, a CPU check
 
-Options are ``bench_e2e.py``'s (``--per-tensor`` and ``--chain-ranks`` do not apply). On CUDA
+Options are ``bench_e2e.py``'s (``--per-tensor`` and ``--ranks-in-turn`` do not apply). On CUDA
 MoE-TP N needs N visible GPUs.
 """
 
@@ -180,8 +180,8 @@ def main(argv=None) -> int:
     bench_e2e.add_arguments(p)
     args = p.parse_args(argv)
     bench_e2e.check_arguments(p, args)
-    if args.per_tensor or args.chain_ranks or args.ranks_in_turn:
-        p.error("--per-tensor, --chain-ranks and --ranks-in-turn do not apply to one engine "
+    if args.per_tensor or args.ranks_in_turn:
+        p.error("--per-tensor and --ranks-in-turn do not apply to one engine "
                 "rank per GPU")
     import torch
 

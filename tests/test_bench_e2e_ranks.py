@@ -71,7 +71,7 @@ def test_one_rank_per_device_runs_and_checks_its_bits_on_cpu(tmp_path):
 
 def test_one_rank_per_gpu_refuses_what_it_cannot_run(capsys):
     bench = load()
-    for extra in (["--per-tensor"], ["--chain-ranks"], ["--ranks-in-turn"], ["--repeats", "2"]):
+    for extra in (["--per-tensor"], ["--ranks-in-turn"], ["--repeats", "2"]):
         with pytest.raises(SystemExit) as exit_:
             bench.main(["--device", "cpu", *extra])
         assert exit_.value.code == 2

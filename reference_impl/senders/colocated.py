@@ -338,7 +338,7 @@ class ColocatedSync:
     then drops it."""
 
     def __init__(self, sender: ColocatedSender, engines: Sequence, *, per_update: bool = False,
-                 chain: bool = False, end_on_device: bool = True, serialize_ahead: bool = True,
+                 end_on_device: bool = True, serialize_ahead: bool = True,
                  ranks_in_turn: bool = False):
         if len(engines) != len(sender.receivers):
             raise WeightSyncError(f"{len(engines)} engine process(es) for a sender that feeds "
@@ -347,13 +347,7 @@ class ColocatedSync:
         self.sender, self.engines = sender, list(engines)
         self.per_update = bool(per_update)
         self.registrations: list = []
-        self._early: list = []  # answers of the posted bucket taken while it was sent (chain)
         gpu = sender.device.type == "cuda"
-        #: ``chain``: on one GPU, engine rank ``r``'s copies of a bucket of views wait on the
-        #: device for rank ``r - 1``'s (an IPC event rank ``r - 1`` records before it answers;
-        #: rank ``r`` is sent the bucket after that answer), so one engine context at a time
-        #: has copies to run instead of the GPU slicing its time between them.
-        self.chain = bool(chain) and gpu and len(self.engines) > 1
         #: ``ranks_in_turn``: on one GPU, engine rank ``r`` is sent the update's buckets once
         #: rank ``r - 1`` has queued all of its own, and its copies wait on the device for
         #: rank ``r - 1``'s last (an IPC event recorded before that answer): the GPU switches
@@ -361,11 +355,8 @@ class ColocatedSync:
         #: copies queued. Two processes copying halves of 12 GiB at once reach 0.90 of one
         #: plain copy on an H100, one after the other 0.98 (docs/performance.md, "Two
         #: contexts on one GPU"). Only for buckets of views (a staged bucket's arena is
-        #: refilled for every rank at once), and not with ``chain``; off a GPU the ranks
-        #: simply load one after the other.
-        if chain and ranks_in_turn:
-            raise WeightSyncError("ColocatedSync: chain (rank after rank per bucket) and "
-                                  "ranks_in_turn (rank after rank per update) exclude each other")
+        #: refilled for every rank at once); off a GPU the ranks simply load one after the
+        #: other.
         self.ranks_in_turn = (bool(ranks_in_turn) and len(self.engines) > 1
                               and not any(b.staged_bytes for b in sender.buckets))
         #: Staged buckets on a GPU are ordered by CUDA IPC events, not host waits (see
@@ -385,7 +376,7 @@ class ColocatedSync:
         #: limit with it (one H200, 8 layers, docs/performance.md, "Serializing ahead").
         self.serialize_ahead = bool(serialize_ahead) and self.per_update
         self.events = None
-        if gpu and (self.chain or self.end_on_device or self.ranks_in_turn
+        if gpu and (self.end_on_device or self.ranks_in_turn
                     or any(b.staged_bytes for b in sender.buckets)):
             from pytest_weightsync.reference_impl.sharing.ipc_events import EventPool
 
@@ -467,8 +458,6 @@ class ColocatedSync:
                 sync = staged and not evented
                 ends = index == last and self.end_on_device
                 wait = self.events.handle(("staged", index)) if evented else None
-                chained = self.chain and not staged
-                early: list = []
                 for rank, engine in enumerate(self.engines):
                     if self.per_update:  # the bytes SGLang's update_weights_from_tensor gets
                         data = (datas[rank] if datas is not None else
@@ -478,15 +467,11 @@ class ColocatedSync:
                     else:
                         data, registered = None, [self.registrations[index][rank]]
                     signal = (self.events.handle(("copied", index, rank))
-                              if evented or chained or ends else None)
-                    if chained and rank:  # after rank - 1 queued its copies and its record
-                        early.append(self.engines[rank - 1].result())
-                        wait = self.events.handle(("copied", index, rank - 1))
+                              if evented or ends else None)
                     engine.post_update(data, self.sender.load_format, registered,
                                        begin=index == 0, end=index == last, memory=memory,
                                        sync=(sync or index == last) and not ends,
                                        wait=wait, signal=signal)
-                self._early = early
                 clock.append(("posted", index, time.perf_counter()))
                 if index == 0 and self.serialize_ahead:
                     ahead = self._serialize_later()
@@ -608,7 +593,7 @@ class ColocatedSync:
 
     def _collect(self, timing: SyncTiming) -> None:
         """Every engine's answer to the posted bucket (all of them, then the first error)."""
-        reports, self._early = answers.collect(self.engines, self._early), []
+        reports = answers.collect(self.engines)
         timing.clock.append(("answered", len(timing.reports), time.perf_counter()))
         timing.reports.append(reports)
         for report in reports:

@@ -524,8 +524,8 @@ def test_end_to_end_benchmark_runs_and_checks_its_bits_on_cpu(cpu_engines):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt, tp", [("direct", 1), ("packed", 2), ("compat", 1), ("direct", 2)])
 def test_gpu_colocated_sync_over_cuda_ipc_is_exact_and_replays_cuda_graphs(fmt, tp):
-    # packed at MoE-TP 2 with the engine ranks chained; staged direct there unchained
-    gpu_sync_rounds(fmt, tp, seed=12, steps=4, chain=fmt == "packed",
+    # packed at MoE-TP 2 with the engine ranks in turn; staged direct there side by side
+    gpu_sync_rounds(fmt, tp, seed=12, steps=4, ranks_in_turn=fmt == "packed",
                     check_sender=lambda sender: (sender.staged_bytes == 0) == (fmt != "direct"
                                                                                or tp == 1))
 
@@ -539,13 +539,13 @@ def test_gpu_direct_from_etp_shards_stages_nothing_and_is_exact(per_update):
 
 
 def gpu_sync_rounds(fmt, tp, *, seed, steps, per_update=False, bucket_layers=False,
-                    check_sender=None, after_update=None, chain=False, etp=None):
+                    check_sender=None, after_update=None, ranks_in_turn=False, etp=None):
     """Updates of 3 small layers over CUDA IPC into ``tp`` engine processes on GPU 0: the
     trainer's bits xor-ed in place before each, every bucket a plan-cache miss on the first
     update and a hit after, parameters never moved, the oracle's bits after the last.
     ``per_update``: SGLang's protocol (serialized every update) instead of registered
     payloads; ``bucket_layers``: one layer per bucket; ``after_update(engines, full, step)``;
-    ``chain``: the engine ranks' copies of a bucket of views one after the other; ``etp``:
+    ``ranks_in_turn``: every bucket to rank 0, then every bucket to rank 1; ``etp``:
     the trainer holds ETP shards of that size (direct only), not one gathered buffer."""
     spec = MoESpec(num_layers=3, num_experts=16, hidden=256, intermediate=128)
     topo = ReceiverTopology(tp=tp)
@@ -559,8 +559,9 @@ def gpu_sync_rounds(fmt, tp, *, seed, steps, per_update=False, bucket_layers=Fal
                                  bucket_bytes=layer if bucket_layers else None)
         if check_sender is not None:
             assert check_sender(sender)
-        sync = ColocatedSync(sender, engines, per_update=per_update, chain=chain)
-        assert sync.chain == (chain and tp > 1)
+        sync = ColocatedSync(sender, engines, per_update=per_update,
+                             ranks_in_turn=ranks_in_turn)
+        assert sync.ranks_in_turn == (ranks_in_turn and tp > 1)
         if not per_update:
             sync.register()
         mask = 0

@@ -355,14 +355,8 @@ def test_ranks_in_turn_send_every_bucket_to_one_rank_then_the_next_and_stay_exac
         close_all(sync, cpu_engines)
 
 
-def test_ranks_in_turn_and_chain_are_refused_together_and_one_rank_has_no_turns(cpu_engines):
-    from pytest_weightsync.reference_impl.errors import WeightSyncError
-
-    topo = ReceiverTopology(tp=2)
+def test_one_engine_rank_has_no_turns(cpu_engines):
     full = synth.grouped_full_weights(SPEC, 3)
-    sender = ColocatedSender("packed", SPEC, topo, full)
-    with pytest.raises(WeightSyncError, match="exclude each other"):
-        ColocatedSync(sender, cpu_engines, chain=True, ranks_in_turn=True)
     one = ColocatedSync(ColocatedSender("packed", SPEC, ReceiverTopology(), full),
                         cpu_engines[:1], ranks_in_turn=True)
     assert one.ranks_in_turn is False
@@ -549,15 +543,15 @@ def test_stateless_sender_refuses_a_bad_configuration_before_sending(cpu_engines
 @pytest.mark.parametrize("fmt, tp", [("direct", 1), ("packed", 2), ("compat", 1), ("direct", 2)])
 def test_gpu_per_update_protocol_over_cuda_ipc_is_exact_and_replays_cuda_graphs(fmt, tp):
     # one layer per bucket: buckets of views are answered before their copies finish; packed
-    # at MoE-TP 2 with the engine ranks chained (rank 1 copies after rank 0, on the device),
-    # staged direct at MoE-TP 2 unchained (its staged buckets keep their own events)
+    # at MoE-TP 2 with the engine ranks in turn (rank 1's copies wait on the device for rank
+    # 0's last), staged direct at MoE-TP 2 side by side (its staged buckets keep their events)
     def digests_agree(engines, full, step):
         got = [e.digest() for e in engines]
         assert tuple(map(sum, zip(*got))) == trainer_digest(full), f"update {step}"
 
     gpu_sync_rounds(fmt, tp, seed=7, steps=5, per_update=True, bucket_layers=True,
                     check_sender=lambda sender: len(sender.buckets) == 3,
-                    after_update=digests_agree, chain=fmt == "packed")
+                    after_update=digests_agree, ranks_in_turn=fmt == "packed")
 
 
 @pytest.mark.gpu
