@@ -35,7 +35,8 @@ def export(fmt: str, spec, receiver, rank: int, full: Mapping[int, Sequence],
     check_format(fmt)
     from pytest_weightsync.reference_impl.senders import compat, direct, hf_fused, packed
 
-    _check_gathered(fmt, full, sorted(full) if layers is None else layers)
+    layers = None if layers is None else list(layers)  # read twice: by the check and the export
+    _check_gathered(fmt, full, layers)
     if fmt == "compat":
         return compat.export(full, layers)
     if fmt == "hf_fused":
@@ -65,15 +66,19 @@ def layer_payload(fmt: str, spec, receiver, rank: int, full: Mapping[int, Sequen
     return direct.layer_payload(spec, receiver, rank, layer, full[layer], alloc=alloc)
 
 
-def _check_gathered(fmt: str, full: Mapping, layers) -> None:
-    """Refuse a layer held as a trainer's ETP shards for a format that needs whole experts:
-    only ``direct`` reads the shards themselves."""
+def _check_gathered(fmt: str, full, layers: Optional[Iterable[int]]) -> None:
+    """Refuse full weights that are no mapping of layer index to that layer's experts, and a
+    layer held as a trainer's ETP shards for a format that needs whole experts: only
+    ``direct`` reads the shards themselves. ``layers`` None: every layer of ``full``."""
+    if not isinstance(full, Mapping):
+        raise PayloadFormatError(f"the full weights must be a mapping of layer index to that "
+                                 f"layer's experts, got {type(full).__name__}")
     if fmt == "direct":
         return
     from pytest_weightsync.reference_impl.model.moe_spec import EtpGroupedExperts
 
-    for layer in layers:
-        if isinstance(full.get(layer) if hasattr(full, "get") else None, EtpGroupedExperts):
+    for layer in full if layers is None else layers:
+        if isinstance(full.get(layer), EtpGroupedExperts):
             raise PayloadFormatError(
                 f"layer {layer} is held as ETP shards (EtpGroupedExperts), which only the "
                 f"direct format reads; the {fmt} format needs whole experts: send "

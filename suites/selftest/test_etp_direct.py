@@ -145,6 +145,10 @@ def test_other_formats_refuse_shards_and_name_the_gather(fmt):
         senders.export(fmt, SPEC, ReceiverTopology(tp=2), 0, sharded)
     with pytest.raises(PayloadFormatError, match="ETP shards"):
         ColocatedSender(fmt, SPEC, ReceiverTopology(tp=2), sharded)
+    # layers in a list, not a mapping by layer index, are refused before any is read
+    as_list = [sharded[layer] for layer in range(SPEC.num_layers)]
+    with pytest.raises(PayloadFormatError, match="mapping of layer index.*got list"):
+        senders.export(fmt, SPEC, ReceiverTopology(tp=2), 0, as_list)
 
 
 def test_shards_of_another_model_are_refused_before_anything_is_written():
@@ -272,3 +276,12 @@ def test_the_single_process_exporter_takes_a_matching_rank_alone(monkeypatch):
     with pytest.raises(trainer_mod.TrainerStateError, match="expected 4 trainer state dicts"):
         impl.export_weights(states[:2], format="direct", spec=spec, trainer=matching[0],
                             receiver=matching[1], rank=0)
+
+
+@pytest.mark.parametrize("fmt", ["direct", "packed", "hf_fused", "compat"])
+def test_export_reads_layers_given_once_as_an_iterator(fmt):
+    # the layers are read by the shard check and by the export: an iterator must serve both
+    full = synth.grouped_full_weights(SPEC, 1)
+    want = senders.export(fmt, SPEC, ReceiverTopology(tp=2), 0, full, [1])
+    got = senders.export(fmt, SPEC, ReceiverTopology(tp=2), 0, full, iter([1]))
+    assert [n for n, _ in got] == [n for n, _ in want] and got
