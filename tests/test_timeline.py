@@ -143,7 +143,7 @@ def test_the_benchmark_prints_each_rows_timeline(capsys):
     for row in rows:
         assert len(row["timeline"]["buckets"]) == row["buckets"]
     out = capsys.readouterr().out
-    assert out.count("done at") == 2 and out.count("  bucket     GiB") == 2
+    assert out.count("done at") == 2 and out.count("  bucket recv GiB") == 2
 
 
 def test_the_benchmark_runs_the_engine_ranks_in_turn_with_a_line_per_rank_and_bucket(tmp_path,

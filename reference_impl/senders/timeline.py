@@ -60,12 +60,14 @@ def bucket_timeline(timing, copy_s: float) -> dict:
 
 
 def format_timeline(line: dict) -> str:
-    """The timeline as a table, one bucket a line."""
+    """The timeline as a table, one bucket a line. ``recv GiB`` is what the bucket's engine
+    ranks received together: every rank of a rank-independent format (all but direct) gets the
+    whole layer and copies its slice, so at MoE-TP > 1 it exceeds the bytes written."""
     cell = lambda v: "      -" if v is None else f"{v:7.2f}"  # noqa: E731
-    out = ["  bucket     GiB |  staged  posted answered |   taken rebuilt  queued |"
+    out = ["  bucket recv GiB |  staged  posted answered |   taken rebuilt  queued |"
            "   copy from      to    idle"]
     for b in line["buckets"]:
-        out.append(f"  {b['bucket']:>6} {b['bytes'] / 2**30:7.2f} | {cell(b['staged'])} "
+        out.append(f"  {b['bucket']:>6} {b['bytes'] / 2**30:8.2f} | {cell(b['staged'])} "
                    f"{cell(b['posted'])}  {cell(b['answered'])} | {cell(b['taken'])} "
                    f"{cell(b['rebuilt'])} {cell(b['queued'])} |     {cell(b['copy_from'])} "
                    f"{cell(b['copy_to'])} {cell(b['idle'])}")
