@@ -250,7 +250,9 @@ class EtpGroupedExperts:
 
     def halves(self, rank: int) -> torch.Tensor:
         """ETP rank ``rank``'s fc1 as ``[E, 2, I/t, H]``: ``[:, 0]`` its gate rows, ``[:, 1]``
-        its up rows (the one place this layout is spelled out)."""
+        its up rows (this layout's one home for grouped buffers; a Megatron state dict's
+        per-expert shards are read the same way by ``trainer.merge_etp_shards`` and
+        ``trainer.fc1_targets``, which the mutation suites replace)."""
         return self._fc1[rank].view(len(self), 2, self.rows, self.hidden)
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
