@@ -62,6 +62,7 @@ import torch
 
 from pytest_weightsync.reference_impl.senders.timeline import bucket_timeline, format_timeline
 from pytest_weightsync.timing import ProcessesCopy, machine_info
+from pytest_weightsync.timing import plain_copy as queued_plain_copy
 
 #: Qwen3.5-35B-A3B's routed experts: 40 MoE layers x 256 experts, hidden 2048, moe_ffn 512
 #: (60 GiB of bf16).
@@ -162,17 +163,8 @@ class PlainCopy:
 
     def __init__(self, nbytes: int, device, chunk: int):
         self.split = None
-        n = max(1, min(nbytes, chunk))
-        self.src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 256)
-        self.dst = torch.empty_like(self.src)
-        self.reps, self.tail = divmod(nbytes, n)
+        self._copy = queued_plain_copy(nbytes, str(device), chunk)
         self.cuda = torch.device(device).type == "cuda"
-
-    def _copy(self):
-        for _ in range(self.reps):
-            self.dst.copy_(self.src)
-        if self.tail:
-            self.dst[:self.tail].copy_(self.src[:self.tail])
 
     def seconds(self) -> float:
         if self.cuda:

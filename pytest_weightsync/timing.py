@@ -17,7 +17,7 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 __all__ = [
     "Measurement", "ProcessesCopy", "interleaved_samples", "machine_info", "measure",
@@ -79,14 +79,27 @@ def _timer(device: str) -> Callable[[Callable[[], Any]], float]:
     return once
 
 
-def plain_copy(nbytes: int, device: str) -> Callable[[], Any]:
-    """A callable doing one contiguous copy of ``nbytes`` bytes on ``device`` (the limit)."""
+def plain_copy(nbytes: int, device: str, chunk: Optional[int] = None) -> Callable[[], Any]:
+    """A callable doing one contiguous copy of ``nbytes`` bytes on ``device`` (the limit),
+    queued, not waited for. ``chunk``: buffers of at most that many bytes, copied back to back
+    (a model that fills the device leaves no room for two buffers of its size)."""
     import torch
 
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    size = nbytes if chunk is None else max(1, min(nbytes, chunk))
+    src = torch.empty(size, dtype=torch.uint8, device=device)
     src.random_(0, 256)
     dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
+    reps, tail = divmod(nbytes, size) if size else (1, 0)
+    if reps == 1 and not tail:
+        return lambda: dst.copy_(src)
+
+    def copy() -> None:
+        for _ in range(reps):
+            dst.copy_(src)
+        if tail:
+            dst[:tail].copy_(src[:tail])
+
+    return copy
 
 
 def interleaved_samples(
@@ -266,16 +279,10 @@ def _copy_share(device: str, nbytes: int, chunk: int, go, out) -> None:
         cuda = dev.type == "cuda"
         if cuda:
             torch.cuda.set_device(dev)
-        size = min(nbytes, chunk)
-        src = torch.empty(size, dtype=torch.uint8, device=dev).random_(0, 256)
-        dst = torch.empty_like(src)
-        reps, tail = divmod(nbytes, size)
+        queue_copy = plain_copy(nbytes, device, chunk)
 
         def copy() -> None:
-            for _ in range(reps):
-                dst.copy_(src)
-            if tail:
-                dst[:tail].copy_(src[:tail])
+            queue_copy()
             if cuda:
                 torch.cuda.synchronize(dev)
 
