@@ -181,8 +181,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     bench_e2e.check_arguments(p, args)
     if args.per_tensor or args.ranks_in_turn:
-        p.error("--per-tensor and --ranks-in-turn do not apply to one engine "
-                "rank per GPU")
+        p.error("--per-tensor and --ranks-in-turn do not apply to one engine rank per GPU")
     import torch
 
     if args.device == "cuda" and torch.cuda.device_count() < max(args.tp):

@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import Sequence
 
 
-def collect(engines: Sequence, reports: list | None = None) -> list:
-    """Every pending engine's answer, appended to ``reports`` (taken earlier, if any); then
-    the first error raised, if one was."""
-    reports = [] if reports is None else reports
+def collect(engines: Sequence) -> list:
+    """Every pending engine's answer; then the first error raised, if one was."""
+    reports = []
     error = None
     for engine in engines:
         if not engine.pending:
