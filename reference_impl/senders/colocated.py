@@ -425,7 +425,8 @@ class ColocatedSync:
                 staged = bool(buckets[index].staged_bytes)
                 if (pending is not None and staged
                         and buckets[pending].arena == buckets[index].arena):
-                    pending = self._collect(timing)
+                    self._collect(timing)
+                    pending = None
                 evented = staged and self.events is not None
                 t0 = time.perf_counter()
                 if evented:
@@ -447,7 +448,7 @@ class ColocatedSync:
                     datas = self._messages(index)
                 made = time.perf_counter() - t1
                 if pending is not None:
-                    pending = self._collect(timing)
+                    self._collect(timing)
                 t2 = time.perf_counter()
                 pending = index
                 # A staged bucket without events is waited for before its answer (its arena
@@ -477,7 +478,8 @@ class ColocatedSync:
                     ahead = self._serialize_later()
                 timing.export += t1 - t0
                 timing.serialize += made + time.perf_counter() - t2
-            pending = self._collect(timing)
+            self._collect(timing)
+            pending = None
             self._wait_for_last_copies(timing)
         finally:
             if pending is not None:  # something failed mid-bucket: take every answer still due
