@@ -555,20 +555,22 @@ class ColocatedSync:
             timing.device_wait = time.perf_counter() - t0
 
     def _ahead_in_turn(self, pos: int, index: int) -> dict:
-        """``serialize_ahead`` with the ranks in turn: rank 0's later buckets once its first is
-        posted, and rank ``pos + 1``'s every bucket once rank ``pos``'s last is posted (while
+        """``serialize_ahead`` with the ranks in turn: rank ``pos``'s later buckets once its
+        first is posted (while the engine takes it and the device copies the rank before's
+        last), and rank ``pos + 1``'s first bucket once rank ``pos``'s last is posted (while
         it is queued and answered). One burst of every rank's bytes after the first post held
         bucket 1 back by all of them (1.9 ms for compat at MoE-TP 2 on an H100), where only
-        rank 0's first bucket's copy - half a layer - stood under it."""
+        rank 0's first bucket's copy - half a layer - stood under it; a burst of every bucket
+        of rank ``pos + 1`` after rank ``pos``'s last post stood between that post's answer
+        and rank ``pos + 1``'s first copy, under nothing but one bucket's copy."""
         sender, last = self.sender, len(self.sender.buckets) - 1
+        rank = sender.receivers[pos]
         made = {}
-        if pos == 0 and index == 0:
-            made.update({(0, i): sender.serialize(i, sender.receivers[0], wait=False)
+        if index == 0:
+            made.update({(pos, i): sender.serialize(i, rank, wait=False)
                          for i in range(1, last + 1)})
         if index == last and pos + 1 < len(self.engines):
-            rank = sender.receivers[pos + 1]
-            made.update({(pos + 1, i): sender.serialize(i, rank, wait=False)
-                         for i in range(last + 1)})
+            made[(pos + 1, 0)] = sender.serialize(0, sender.receivers[pos + 1], wait=False)
         return made
 
     def _messages(self, index: int) -> list:

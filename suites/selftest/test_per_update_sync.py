@@ -340,12 +340,12 @@ def test_ranks_in_turn_send_every_bucket_to_one_rank_then_the_next_and_stay_exac
                 marks = [(what, slot) for what, slot, _ in timing.clock if what == "posted"]
                 assert marks == [("posted", slot) for slot in range(2 * buckets)]
                 later = range(1, buckets)
-                if per_update:  # serialized ahead: rank 0's later buckets after its first
-                    # post, rank 1's every bucket after rank 0's last post
+                if per_update:  # serialized ahead: each rank's later buckets after its
+                    # first post, rank 1's first bucket after rank 0's last post
                     assert log == ([made(0, 0), post(0, 0)] + [made(b, 0) for b in later]
-                                   + [post(b, 0) for b in later]
-                                   + [made(b, 1) for b in range(buckets)]
-                                   + [post(b, 1) for b in range(buckets)])
+                                   + [post(b, 0) for b in later] + [made(0, 1), post(0, 1)]
+                                   + [made(b, 1) for b in later]
+                                   + [post(b, 1) for b in later])
                 else:
                     assert log == [post(b, r) for r in (0, 1) for b in range(buckets)]
         n = 2 * buckets
