@@ -85,6 +85,22 @@ def rebuild_cuda_tensor_by_uuid(*args):
 
 
 def _reduce_tensor(tensor: torch.Tensor):
+    """torch's ``reduce_tensor`` with the device as a UUID. A plain dense CUDA tensor (the
+    whole storages of a shared payload, a per-tensor wire's views) is reduced here to the
+    same rebuild arguments in one ``_share_cuda_`` call: torch's own reduction also wraps
+    the storage in a ``TypedStorage``, imports, checks names and hooks and files the handle
+    in a producer-side cache that no rebuild reads (``rebuild_cuda_tensor`` looks up
+    ``(handle, offset)``) - Python work per storage, rank and update on the per-update
+    path's critical host thread."""
+    if (type(tensor) is torch.Tensor and tensor.is_cuda and tensor.layout is torch.strided
+            and not tensor.requires_grad and not tensor.is_quantized and not tensor.is_nested
+            and not tensor.has_names()):
+        (device, handle, size_bytes, offset_bytes, counter_handle, counter_offset,
+         event_handle, event_sync) = tensor.untyped_storage()._share_cuda_()
+        return rebuild_cuda_tensor_by_uuid, (
+            torch.Tensor, tensor.size(), tensor.stride(), tensor.storage_offset(),
+            torch.storage.TypedStorage, tensor.dtype, _device_uuid(device), handle, size_bytes,
+            offset_bytes, False, counter_handle, counter_offset, event_handle, event_sync)
     rebuild, args = reductions.reduce_tensor(tensor)
     if rebuild is reductions.rebuild_cuda_tensor:
         args = list(args)

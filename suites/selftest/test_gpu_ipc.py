@@ -154,3 +154,33 @@ def test_receiver_ranks_on_two_gpus_rebuild_by_uuid_and_copy_to_their_device():
     with ReceiverProcess("cuda:0") as rank0, ReceiverProcess("cuda:1") as rank1:
         log = h.run_ipc_updates([rank0, rank1], SPEC, topo, "direct", range(UPDATES), "cuda:0")
         assert_released(log, 2, "receivers on two GPUs")
+
+
+def test_a_plain_cuda_tensor_reduces_to_torchs_own_rebuild_arguments():
+    """``ipc._reduce_tensor`` shares a plain CUDA tensor in one ``_share_cuda_`` call instead
+    of through torch's ``reduce_tensor``: the rebuild arguments are torch's, field for field
+    (the reference count slot and event of each share apart; the other tests here rebuild
+    them in receiver processes); a tensor torch's path must see (a Parameter that requires
+    grad) still goes through it."""
+    import torch
+    from torch.multiprocessing import reductions
+
+    from pytest_weightsync.reference_impl.sharing import ipc
+
+    base = torch.arange(4096, dtype=torch.int32, device="cuda:0").view(torch.bfloat16)
+    view = base.view(64, 128)[3:40:2, 5:70]
+    ours_fn, ours = ipc._reduce_tensor(view)
+    theirs_fn, theirs = reductions.reduce_tensor(view)
+    assert ours_fn is ipc.rebuild_cuda_tensor_by_uuid and theirs_fn is reductions.rebuild_cuda_tensor
+    per_share = {11, 12, 13}  # ref counter handle and offset, event handle
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if i == 6:
+            assert a == ipc._device_uuid(b)
+        elif i not in per_share:
+            assert a == b and type(a) is type(b), (i, a, b)
+    assert len(ours) == len(theirs)
+    param = torch.nn.Parameter(torch.ones(8, device="cuda:0"))
+    fn, args = ipc._reduce_tensor(param)
+    assert args[0] is torch.nn.Parameter and args[10] is True
+    del param
+    ipc.collect("cuda:0")
