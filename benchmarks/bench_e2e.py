@@ -229,7 +229,7 @@ def sync_rows(part, engines, topo, tp, args, masks, limit, ptrs, failures, *,
                              bucket_ramp=getattr(args, "bucket_ramp", False), receivers=receivers)
         build = time.perf_counter() - t0
         sync = ColocatedSync(sender, engines, per_update=per_update,
-                             ranks_in_turn=getattr(args, "ranks_in_turn", False),
+                             ranks_in_turn=getattr(args, "ranks_in_turn", None),
                              end_on_device=getattr(args, "end_on_device", True),
                              serialize_ahead=getattr(args, "serialize_ahead", True))
         register = sync.register()
@@ -594,11 +594,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stateless-bucket-layers", type=int, default=1,
                    help="layers per bucket of the stateless sender (sent while the engines "
                    "copy the previous bucket)")
-    p.add_argument("--ranks-in-turn", action="store_true",
+    p.add_argument("--ranks-in-turn", dest="ranks_in_turn", action="store_const", const=True,
                    help="engine rank r gets the update's buckets once rank r - 1 has queued its "
                         "own, its copies after rank r - 1's on the device "
                         "(ColocatedSync(ranks_in_turn=True)): one context switch per rank and "
-                        "update on a shared GPU; buckets of views only")
+                        "update on a shared GPU; buckets of views only. The default where every "
+                        "engine rank shares the trainer's GPU; with this flag also on CPU")
+    p.add_argument("--ranks-side-by-side", dest="ranks_in_turn", action="store_const",
+                   const=False, help="every bucket to every engine rank at once, also on a "
+                   "shared GPU (ColocatedSync(ranks_in_turn=False))")
     p.add_argument("--no-end-on-device", dest="end_on_device", action="store_false",
                    help="the engines wait for their last copies and then answer, instead of the "
                         "trainer waiting for their IPC events (ColocatedSync(end_on_device=False))")

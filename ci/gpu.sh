@@ -365,11 +365,11 @@ if has_stage bench; then
         BENCH_OUT=bench_e2e_8layers_behind run_bench bench_e2e 150 30 "--layers 8 --per-update --no-serialize-ahead (1 GPU; " \
             "^(per_update)|BIT CHECK|Error" --device cuda --layers 8 --per-update --no-registered \
             --trainer-etp --no-serialize-ahead --repeats 5
-        # the engine ranks in turn at MoE-TP 2 (ColocatedSync(ranks_in_turn=True): rank 1's
-        # copies after rank 0's, one context switch per update), with its timeline
-        BENCH_OUT=bench_e2e_in_turn run_bench bench_e2e 150 30 "--layers 8 --tp 2 --ranks-in-turn --trainer-etp (1 GPU; " \
-            "^(registered|per_update)|processes copying|BIT CHECK|Error|done at" --device cuda --layers 8 --tp 2 \
-            --per-update --ranks-in-turn --timeline --trainer-etp --repeats 5
+        # the engine ranks side by side at MoE-TP 2 (ColocatedSync(ranks_in_turn=False)): what
+        # the default - rank 1's copies after rank 0's, one context switch per update - gains
+        BENCH_OUT=bench_e2e_side_by_side run_bench bench_e2e 150 30 "--layers 8 --tp 2 --ranks-side-by-side --trainer-etp (1 GPU; " \
+            "^(registered|per_update)|processes copying|BIT CHECK|Error" --device cuda --layers 8 --tp 2 \
+            --per-update --ranks-side-by-side --trainer-etp --repeats 5
     fi
     if [ -f benchmarks/bench_gather.py ]; then
         if [ "$NGPU" -ge 2 ]; then

@@ -326,6 +326,19 @@ class SyncTiming:
         return max((r.get(name, 0.0) for r in self.ranks.values()), default=0.0)
 
 
+def _on_gpu(engine, device: torch.device) -> bool:
+    """Whether ``engine`` (a receiver process: its ``device``) copies on GPU ``device``."""
+    where = getattr(engine, "device", None)
+    if where is None:
+        return False
+    where = torch.device(where)
+
+    def index(d: torch.device) -> int:
+        return torch.cuda.current_device() if d.index is None else d.index
+
+    return where.type == device.type == "cuda" and index(where) == index(device)
+
+
 class ColocatedSync:
     """A :class:`ColocatedSender` and one engine process per receiver rank it feeds, in the
     order of its ``receivers``
@@ -339,7 +352,7 @@ class ColocatedSync:
 
     def __init__(self, sender: ColocatedSender, engines: Sequence, *, per_update: bool = False,
                  end_on_device: bool = True, serialize_ahead: bool = True,
-                 ranks_in_turn: bool = False):
+                 ranks_in_turn: Optional[bool] = None):
         if len(engines) != len(sender.receivers):
             raise WeightSyncError(f"{len(engines)} engine process(es) for a sender that feeds "
                                   f"{len(sender.receivers)} receiver rank(s) "
@@ -354,9 +367,13 @@ class ColocatedSync:
         #: contexts once per rank and update, not at every time slice while two contexts have
         #: copies queued. Two processes copying halves of 12 GiB at once reach 0.90 of one
         #: plain copy on an H100, one after the other 0.98 (docs/performance.md, "Two
-        #: contexts on one GPU"). Only for buckets of views (a staged bucket's arena is
-        #: refilled for every rank at once); off a GPU the ranks simply load one after the
-        #: other.
+        #: contexts on one GPU"); every row of the whole sync at MoE-TP 2 gained with it
+        #: ("The engine ranks in turn by default"). ``None`` (the default): in turn where
+        #: every engine rank copies on the sender's GPU; ``True`` also elsewhere (off a GPU
+        #: the ranks simply load one after the other), ``False`` never. Only for buckets of
+        #: views (a staged bucket's arena is refilled for every rank at once).
+        if ranks_in_turn is None:
+            ranks_in_turn = gpu and all(_on_gpu(engine, sender.device) for engine in engines)
         self.ranks_in_turn = (bool(ranks_in_turn) and len(self.engines) > 1
                               and not any(b.staged_bytes for b in sender.buckets))
         #: Staged buckets on a GPU are ordered by CUDA IPC events, not host waits (see

@@ -362,6 +362,27 @@ def test_one_engine_rank_has_no_turns(cpu_engines):
     assert one.ranks_in_turn is False
 
 
+def test_the_ranks_take_turns_by_default_only_where_they_share_the_senders_gpu(cpu_engines):
+    # ranks_in_turn=None (the default): in turn where every engine rank copies on the
+    # sender's GPU (one context at a time gains there: docs/performance.md), side by side
+    # off a GPU and where a rank has a GPU of its own; True and False decide it.
+    from types import SimpleNamespace
+
+    from pytest_weightsync.reference_impl.senders.colocated import _on_gpu
+
+    topo = ReceiverTopology(tp=2)
+    full = synth.grouped_full_weights(SPEC, 3)
+    for choice, expected in ((None, False), (True, True), (False, False)):
+        sync = ColocatedSync(ColocatedSender("packed", SPEC, topo, full), cpu_engines,
+                             ranks_in_turn=choice)
+        assert sync.ranks_in_turn is expected, choice
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    on = lambda device: SimpleNamespace(device=device)  # noqa: E731
+    assert _on_gpu(on("cuda:0"), gpu0) and _on_gpu(on(gpu0), gpu0)
+    assert not _on_gpu(on("cuda:1"), gpu0) and not _on_gpu(on("cuda:0"), gpu1)
+    assert not _on_gpu(on("cpu"), torch.device("cpu")) and not _on_gpu(object(), gpu0)
+
+
 @pytest.mark.parametrize("ahead", [False, True])
 def test_serialize_ahead_makes_every_later_buckets_bytes_once_the_first_is_posted(
         cpu_engines, ahead):
