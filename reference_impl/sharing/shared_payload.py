@@ -183,7 +183,8 @@ class SharedPayload:
             self.ready()
         buf = io.BytesIO()
         with _side_streams(self.wholes):
-            ipc.tensor_pickler(buf).dump(_Wire(self.wholes, self.table, self.entries, self.nbytes))
+            wire = _Wire(self.wholes, self.table, self.entries, self.nbytes)
+            ipc.tensor_pickler(buf, storages=True).dump(wire)
         return buf.getvalue()
 
 
@@ -203,19 +204,38 @@ def serialize_storages(named_tensors) -> bytes:
     return SharedPayload(named_tensors).serialize()
 
 
-#: One side stream per GPU for the shares of :meth:`SharedPayload.serialize`.
+#: One side stream per GPU index for the shares of :meth:`SharedPayload.serialize`.
 _SIDE_STREAMS: dict = {}
 
 
 @contextlib.contextmanager
 def _side_streams(wholes):
-    with contextlib.ExitStack() as stack:
-        for device in {w.device for w in wholes if w.device.type == "cuda"}:
-            stream = _SIDE_STREAMS.get(device)
-            if stream is None:
-                stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-            stack.enter_context(torch.cuda.stream(stream))
+    """Each CUDA device's side stream current while the shares are made. Switched through
+    torch's own setter, not ``torch.cuda.stream()``: that context manager resolves the
+    device and builds stream objects in Python, 17 us per switch on an H100 host against 2
+    for the setter (2026-12-07), once per rank and bucket on the update's critical thread."""
+    devices = {w.device for w in wholes if w.is_cuda}
+    if not devices:
         yield
+        return
+    get, put = torch._C._cuda_getCurrentStream, torch._C._cuda_setStream
+    here = torch.cuda.current_device()
+    before = []
+    try:
+        for device in devices:
+            index = here if device.index is None else device.index
+            stream = _SIDE_STREAMS.get(index)
+            if stream is None:
+                stream = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+            before.append(get(index))
+            put(stream_id=stream.stream_id, device_index=stream.device_index,
+                device_type=stream.device_type)
+        yield
+    finally:
+        for stream_id, index, device_type in reversed(before):
+            put(stream_id=stream_id, device_index=index, device_type=device_type)
+        if torch.cuda.current_device() != here:  # the setter also selects the stream's device
+            torch.cuda.set_device(here)
 
 
 class _Wire:

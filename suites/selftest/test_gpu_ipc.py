@@ -184,3 +184,39 @@ def test_a_plain_cuda_tensor_reduces_to_torchs_own_rebuild_arguments():
     assert args[0] is torch.nn.Parameter and args[10] is True
     del param
     ipc.collect("cuda:0")
+
+
+def test_a_shared_payloads_storages_travel_whole_and_leave_the_current_stream_alone():
+    """A shared payload's storages are reduced as whole storages (``ipc._reduce_storage``:
+    one ``_share_cuda_`` each, rebuilt by ``rebuild_storage_by_uuid``), anything else as
+    ``_reduce_tensor`` does; the shares are made on the side stream and the caller's current
+    stream and device are what they were. The receiver processes of the other tests here and
+    of ``test_per_update_sync.py`` rebuild such payloads and check every bit."""
+    import io
+
+    import torch
+
+    from pytest_weightsync.reference_impl.sharing import ipc, shared_payload
+
+    base = torch.arange(4096, dtype=torch.int32, device="cuda:0")
+    whole = torch.empty(0, dtype=torch.uint8, device="cuda:0").set_(
+        base.untyped_storage(), 0, (base.untyped_storage().nbytes(),), (1,))
+    fn, args = ipc._reduce_storage(whole)
+    assert fn is ipc.rebuild_storage_by_uuid
+    assert args[0] == ipc._device_uuid(0) and args[2] == whole.numel()
+    for partial in (whole[16:], base.view(torch.uint8)[:100], base):
+        assert ipc._reduce_storage(partial)[0] is ipc.rebuild_cuda_tensor_by_uuid
+    mine = torch.cuda.Stream("cuda:0")
+    with torch.cuda.stream(mine):
+        with shared_payload._side_streams([whole]):
+            assert torch.cuda.current_stream("cuda:0") == shared_payload._SIDE_STREAMS[0] != mine
+        payload = shared_payload.SharedPayload([("w", base.view(64, 64)[:, :32])])
+        data = payload.serialize()
+        assert torch.cuda.current_stream("cuda:0") == mine
+        assert torch.cuda.current_device() == 0
+    assert isinstance(data, bytes) and len(data) > 0
+    wire = io.BytesIO()
+    ipc.tensor_pickler(wire, storages=True).dump([("a", base[:10])])  # a view: torch's rebuild
+    assert b"rebuild_cuda_tensor_by_uuid" in wire.getvalue()
+    del data, payload
+    ipc.collect("cuda:0")
