@@ -129,17 +129,27 @@ def rebuild_storage_by_uuid(device, handle, size_bytes, offset_bytes, counter_ha
 
 def _reduce_storage(tensor: torch.Tensor):
     """A whole storage as a flat byte tensor (a shared payload's ``wholes``), rebuilt by
-    :func:`rebuild_storage_by_uuid`; any other tensor as :func:`_reduce_tensor` does."""
+    :func:`rebuild_storage_by_uuid`; any other tensor as :func:`_reduce_tensor` does.
+
+    The rebuild arguments say that no event needs waiting for: the caller orders the
+    receiver's reads after its writes itself (a shared payload waits for them on the host, or
+    the receiver's stream waits for the sender's interprocess event), and the event torch
+    records with each share lands on the side stream the shares are made on, where nothing
+    is queued - it ordered nothing. Waiting for it made each engine rank open it and make its
+    stream wait for a record in the trainer's context, which the GPU runs only once it
+    switches to that context: with two engine ranks on one GPU, a switch in the middle of
+    the other rank's copies per storage (per-update at MoE-TP 2 on one H100: 0.83-0.86 of
+    the copy limit with the wait, 0.87-0.88 without; docs/performance.md)."""
     if (type(tensor) is torch.Tensor and tensor.is_cuda and tensor.dtype is torch.uint8
             and tensor.dim() == 1 and tensor.storage_offset() == 0 and tensor.is_contiguous()
             and not tensor.requires_grad):
         storage = tensor.untyped_storage()
         if tensor.numel() == storage.nbytes() > 0:
             (device, handle, size_bytes, offset_bytes, counter_handle, counter_offset,
-             event_handle, event_sync) = storage._share_cuda_()
+             event_handle, _) = storage._share_cuda_()
             return rebuild_storage_by_uuid, (
                 _device_uuid(device), handle, size_bytes, offset_bytes, counter_handle,
-                counter_offset, event_handle, event_sync)
+                counter_offset, event_handle, False)
     return _reduce_tensor(tensor)
 
 
@@ -156,7 +166,8 @@ def tensor_pickler(buf, *, storages: bool = False) -> _TensorPickler:
     """A pickler writing tensors as IPC handles (CUDA, devices named by UUID) or shared memory
     (CPU) into ``buf``: what :func:`serialize` and shared payloads use. ``storages``: the
     CUDA tensors are whole storages as flat bytes, each once (a shared payload's), rebuilt
-    by :func:`rebuild_storage_by_uuid`."""
+    by :func:`rebuild_storage_by_uuid`, and the caller orders the receiver's reads after
+    its writes (see :func:`_reduce_storage`)."""
     return _TensorPickler(buf, storages=storages)
 
 

@@ -173,8 +173,9 @@ class SharedPayload:
         trainer's stream: while an engine's copy holds the GPU, a record on the trainer's
         stream would not run until the engine's time slice ends, and the next wait for that
         stream (the next bucket's :meth:`ready`) would wait for it - 12 ms per update of 8
-        buckets on an H200 (2026-12-03). The event still follows every write, which was done
-        before it was recorded. ``wait=False`` skips that wait, for a sender that orders the
+        buckets on an H200 (2026-12-03). The receiver is told not to wait for that event
+        (``ipc._reduce_storage``): the wait above, or the sender's own interprocess event,
+        orders its reads. ``wait=False`` skips that wait, for a sender that orders the
         receiver's reads after its writes itself (an interprocess event the receiver's stream
         waits for: :mod:`~pytest_weightsync.reference_impl.sharing.ipc_events`)."""
         from pytest_weightsync.reference_impl.sharing import ipc

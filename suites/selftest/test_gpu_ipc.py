@@ -204,6 +204,7 @@ def test_a_shared_payloads_storages_travel_whole_and_leave_the_current_stream_al
     fn, args = ipc._reduce_storage(whole)
     assert fn is ipc.rebuild_storage_by_uuid
     assert args[0] == ipc._device_uuid(0) and args[2] == whole.numel()
+    assert args[7] is False  # no event to wait for: the sender orders the reads itself
     for partial in (whole[16:], base.view(torch.uint8)[:100], base):
         assert ipc._reduce_storage(partial)[0] is ipc.rebuild_cuda_tensor_by_uuid
     mine = torch.cuda.Stream("cuda:0")
