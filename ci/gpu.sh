@@ -13,7 +13,7 @@
 #   bench  benchmarks/bench_expert_sync.py and bench_e2e.py --device cuda on one GPU (40
 #          layers; 8 layers with the stateless sender and direct from the trainer's ETP
 #          shards; 8 layers per-update with --no-serialize-ahead; 8 layers with the engine
-#          ranks in turn), bench_gather.py and
+#          ranks side by side; 8 layers at MoE-TP 4), bench_gather.py and
 #          bench_e2e_ranks.py (a trainer rank and an engine rank per GPU, MoE-TP 2) on two
 #
 # GPU_FILES="FILE LIMIT,FILE LIMIT" limits stage one to those files, in that order.
@@ -370,6 +370,11 @@ if has_stage bench; then
         BENCH_OUT=bench_e2e_side_by_side run_bench bench_e2e 150 30 "--layers 8 --tp 2 --ranks-side-by-side --trainer-etp (1 GPU; " \
             "^(registered|per_update)|processes copying|BIT CHECK|Error" --device cuda --layers 8 --tp 2 \
             --per-update --ranks-side-by-side --trainer-etp --repeats 5
+        # MoE-TP 4 on one GPU (four engine processes in turn): direct from the trainer's ETP
+        # shards in one copy, and the formats every rank narrows itself
+        BENCH_OUT=bench_e2e_tp4 run_bench bench_e2e 200 40 "--layers 8 --tp 4 --per-update --trainer-etp (1 GPU; " \
+            "^(registered|per_update)|processes copying|BIT CHECK|Error" --device cuda --layers 8 --tp 4 \
+            --per-update --trainer-etp --formats direct packed compat --repeats 5
     fi
     if [ -f benchmarks/bench_gather.py ]; then
         if [ "$NGPU" -ge 2 ]; then
