@@ -84,6 +84,15 @@ def rebuild_cuda_tensor_by_uuid(*args):
     return reductions.rebuild_cuda_tensor(*args)
 
 
+def _share_storage(storage: torch.UntypedStorage) -> tuple:
+    """One CUDA IPC share of ``storage`` (torch's ``_share_cuda_``): its device as a UUID,
+    handle, size and offset in bytes, reference counter handle and offset, event handle and
+    whether the event is to be waited for, in ``_share_cuda_``'s order: what both
+    reductions below send of a storage."""
+    device, *rest = storage._share_cuda_()
+    return (_device_uuid(device), *rest)
+
+
 def _reduce_tensor(tensor: torch.Tensor):
     """torch's ``reduce_tensor`` with the device as a UUID. A plain dense CUDA tensor (the
     whole storages of a shared payload, a per-tensor wire's views) is reduced here to the
@@ -95,12 +104,11 @@ def _reduce_tensor(tensor: torch.Tensor):
     if (type(tensor) is torch.Tensor and tensor.is_cuda and tensor.layout is torch.strided
             and not tensor.requires_grad and not tensor.is_quantized and not tensor.is_nested
             and not tensor.has_names()):
-        (device, handle, size_bytes, offset_bytes, counter_handle, counter_offset,
-         event_handle, event_sync) = tensor.untyped_storage()._share_cuda_()
+        device, handle, size_bytes, offset_bytes, *rest = _share_storage(tensor.untyped_storage())
         return rebuild_cuda_tensor_by_uuid, (
             torch.Tensor, tensor.size(), tensor.stride(), tensor.storage_offset(),
-            torch.storage.TypedStorage, tensor.dtype, _device_uuid(device), handle, size_bytes,
-            offset_bytes, False, counter_handle, counter_offset, event_handle, event_sync)
+            torch.storage.TypedStorage, tensor.dtype, device, handle, size_bytes, offset_bytes,
+            False, *rest)
     rebuild, args = reductions.reduce_tensor(tensor)
     if rebuild is reductions.rebuild_cuda_tensor:
         args = list(args)
@@ -145,11 +153,8 @@ def _reduce_storage(tensor: torch.Tensor):
             and not tensor.requires_grad):
         storage = tensor.untyped_storage()
         if tensor.numel() == storage.nbytes() > 0:
-            (device, handle, size_bytes, offset_bytes, counter_handle, counter_offset,
-             event_handle, _) = storage._share_cuda_()
-            return rebuild_storage_by_uuid, (
-                _device_uuid(device), handle, size_bytes, offset_bytes, counter_handle,
-                counter_offset, event_handle, False)
+            *shared, _event_sync = _share_storage(storage)
+            return rebuild_storage_by_uuid, (*shared, False)
     return _reduce_tensor(tensor)
 
 
