@@ -19,8 +19,9 @@
 # GPU_FILES="FILE LIMIT,FILE LIMIT" limits stage one to those files, in that order.
 #
 # Stage one also runs the GPU throughput guard (suites/selftest/test_throughput_guard.py -m gpu): its
-# ratios are saved as RESULTS_DIR/h200.json and compared with ci/baselines/h200.json (tolerance
-# 0.10) when the visible GPU is the one that file names.
+# ratios are saved as RESULTS_DIR/KIND.json (KIND from the GPU's name: h100, h200, ...) and
+# compared with ci/baselines/KIND.json (tolerance 0.10) when the visible GPU is the one that
+# file names.
 #
 # Every pytest run is bounded: a per-file wall-clock limit (`timeout`, which also ends the
 # receiver and rank processes a test spawned) and, where pytest-timeout is installed, a
@@ -270,13 +271,28 @@ if [ -n "${GPU_FILES:-}" ]; then
 fi
 
 # The GPU throughput guard: ratios of the reused copy plans to a plain copy, saved as
-# $RESULTS/h200.json every run and compared (tolerance 0.10, counts exact) with the committed
-# ci/baselines/h200.json when this GPU is the kind that file was measured on.
-BASELINE=ci/baselines/h200.json
-GUARD_ARGS=(--weightsync-save-baseline "$RESULTS/h200.json")
+# $RESULTS/KIND.json every run and compared (tolerance 0.10, counts exact) with the committed
+# ci/baselines/KIND.json when this GPU is the one that file was measured on. KIND is the GPU's
+# model in lower case (h100, h200, a100): ratios move between kinds, so each kind has its own
+# file, and a file's recorded GPU name must match exactly (an H100 PCIe is not an H100 SXM).
+GPU_KIND=$("$PYTHON" - <<'PY'
+import re
+import torch
+
+def gpu_kind(name):
+    """'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200'; else the name as a slug."""
+    m = re.search(r"\b([A-Za-z]+[0-9]+)", name.replace("NVIDIA", ""))
+    return m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+print(gpu_kind(torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""))
+PY
+)
+GPU_KIND="${GPU_KIND:-gpu}"
+BASELINE="ci/baselines/$GPU_KIND.json"
+GUARD_ARGS=(--weightsync-save-baseline "$RESULTS/$GPU_KIND.json")
 # the conformance speed column's rows (speed-gpu/...) are in the same file; that run saves its
 # own ratios beside the guard's
-SPEED_ARGS=(--weightsync-save-baseline "$RESULTS/h200-speed.json")
+SPEED_ARGS=(--weightsync-save-baseline "$RESULTS/$GPU_KIND-speed.json")
 if [ -f "$BASELINE" ]; then
     same=$("$PYTHON" - "$BASELINE" <<'PY'
 import json, sys, torch
@@ -292,9 +308,9 @@ PY
         GUARD_NOTE="not compared with $BASELINE (measured on another GPU, $same)"
     fi
 else
-    GUARD_NOTE="no $BASELINE yet: commit $RESULTS/h200.json there"
+    GUARD_NOTE="no $BASELINE yet: it is the guard's and the speed column's rows of one run (docs/gpu.md, \"Baselines\")"
 fi
-say "   throughput guard: $GUARD_NOTE; this run's ratios: $RESULTS/h200.json"
+say "   throughput guard: $GUARD_NOTE; this run's ratios: $RESULTS/$GPU_KIND.json, $RESULTS/$GPU_KIND-speed.json"
 
 if has_stage one; then
     say ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -508,3 +509,23 @@ def test_whole_model_update_steps_catch_a_wrong_tensor_and_locate_it(monkeypatch
     message = str(info.value)
     assert "compat whole-model update 0 (version 1), engine rank 0" in message, message
     assert "shared_expert_gate" in message and "row=" in message, message
+
+
+def test_ci_gpu_script_names_each_gpu_kind_and_its_baseline_records_that_kind():
+    """The guard compares a run only with ci/baselines/KIND.json, KIND from the GPU's name;
+    every committed GPU baseline is named after the kind of the GPU it records."""
+    text = (ROOT / "ci" / "gpu.sh").read_text()
+    code = text.split("""GPU_KIND=$("$PYTHON" - <<'PY'\n""", 1)[1].split("\nPY\n", 1)[0]
+    namespace: dict = {}
+    exec(code.rsplit("\nprint(", 1)[0], namespace)
+    kind = namespace["gpu_kind"]
+    assert kind("NVIDIA H100 80GB HBM3") == "h100"
+    assert kind("NVIDIA H200") == "h200"
+    assert kind("NVIDIA A100-SXM4-80GB") == "a100"
+    assert kind("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
+    assert kind("") == "gpu"
+    gpu_baselines = [p for p in (ROOT / "ci" / "baselines").glob("*.json") if p.stem != "cpu"]
+    assert gpu_baselines
+    for path in gpu_baselines:
+        recorded = json.loads(path.read_text())["machine"]["gpu"]
+        assert kind(recorded) == path.stem, (path.name, recorded)

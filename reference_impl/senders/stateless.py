@@ -13,8 +13,9 @@ copy are not overlapped.
 
 On a GPU no side waits for the other on the host either (``end_on_device``): a bucket whose
 export staged tensors (direct at MoE-TP > 1 from a gathered trainer: each rank's
-``[gate_r; up_r]``) carries an interprocess event recorded after the staging copies, which
-the engines' copies wait for on the device, and the engines answer the last bucket once its
+``[gate_r; up_r]``) carries, per rank, an interprocess event recorded right after that
+rank's staging copies, which that rank's copies wait for on the device (rank 0 starts while
+rank 1's rows are still being staged), and the engines answer the last bucket once its
 copies are queued, each recording an event the sender then waits for
 (:mod:`~pytest_weightsync.reference_impl.sharing.ipc_events`). Where the sender waited for
 its staging copies before sending each bucket, the device ran one context's burst at a time.
@@ -145,30 +146,42 @@ class StatelessSync:
         try:
             for index, group in enumerate(groups):
                 t0 = time.perf_counter()
-                handed = self._staging.handed
+                # Staging copies are queued, not waited for: each rank's copies wait on the
+                # device for an event recorded right after that rank's own staging (so rank
+                # 0's copies need not wait for rank 1's staging), unless there is no pool.
+                waits: list = [None] * len(self.engines)
                 if shared:
+                    handed = self._staging.handed
                     one = senders.export(self.fmt, self.spec, self.topo, 0, full, group,
                                          alloc=self._staging)
                     payloads = [one] * len(self.engines)
+                    if events is not None and self._staging.handed != handed:
+                        events.get(("staged", index)).record()
+                        waits = [events.handle(("staged", index))] * len(self.engines)
                 else:
-                    payloads = [senders.export(self.fmt, self.spec, self.topo, r, full, group,
-                                               alloc=self._staging) for r in ranks]
-                # Staging copies queued, not waited for: the engines' copies wait for them on
-                # the device (an event recorded after them), unless there is no pool.
-                staged = events is not None and self._staging.handed != handed
-                if staged:
-                    events.get(("staged", index)).record()
+                    payloads = []
+                    for r in ranks:
+                        handed = self._staging.handed
+                        payloads.append(senders.export(self.fmt, self.spec, self.topo, r, full,
+                                                       group, alloc=self._staging))
+                        if events is not None and self._staging.handed != handed:
+                            events.get(("staged", index, r)).record()
+                            waits[r] = events.handle(("staged", index, r))
+                staged = next((w for w in waits if w is not None), None)
+                if staged is not None:
+                    # a rank with nothing staged still reads trainer memory the host does not
+                    # wait for (wait=False below): any event of this bucket follows those writes
+                    waits = [staged if w is None else w for w in waits]
                 t1 = time.perf_counter()
-                data = self._serialized(payloads, shared, wait=not staged)
+                data = self._serialized(payloads, shared, wait=staged is None)
                 t2 = time.perf_counter()
                 self._collect(timing)
                 last = index == len(groups) - 1
                 ends = last and events is not None
-                wait = events.handle(("staged", index)) if staged else None
                 for rank, engine in enumerate(self.engines):
                     signal = events.handle(("copied", rank)) if ends else None
                     engine.post_update(data[rank], self.load_format, begin=index == 0, end=last,
-                                       memory=False, sync=last and not ends, wait=wait,
+                                       memory=False, sync=last and not ends, wait=waits[rank],
                                        signal=signal)
                 held.append((payloads, data))
                 timing.export += t1 - t0
