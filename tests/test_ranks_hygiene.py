@@ -123,15 +123,15 @@ def megatron_reinitialized():
 _HELD = []
 
 
-def opens_a_log_file_and_a_plain_file():
+def opens_a_log_file_and_a_plain_file(directory):
     """A library's log handler (kept for the process's life, like flashinfer's JIT log) and a
-    file a call forgets to close."""
+    file a call forgets to close, both in ``directory`` (the test's own: removed with it)."""
     import logging
     import tempfile
 
     paths = []
     for suffix in (".log", ".leaked"):
-        fd, path = tempfile.mkstemp(suffix=suffix)
+        fd, path = tempfile.mkstemp(suffix=suffix, dir=directory)
         os.close(fd)
         paths.append(path)
     logging.getLogger("weightsync-test-library").addHandler(logging.FileHandler(paths[0]))
@@ -211,7 +211,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_log_handlers_file_is_not_a_leak_a_forgotten_file_is(pool):
-    _, found = run_recording(pool, opens_a_log_file_and_a_plain_file)
+def test_a_log_handlers_file_is_not_a_leak_a_forgotten_file_is(pool, tmp_path):
+    _, found = run_recording(pool, opens_a_log_file_and_a_plain_file, str(tmp_path))
     assert found and all(re.search(r"\+1 fd \(1 file: \S+\.leaked\)", line) for line in found), found
     assert not any(re.search(r"\.log\b", line) for line in found), found

@@ -5,9 +5,11 @@ the test that started them - and still die with the pytest process."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -61,9 +63,12 @@ KILLED_PARENT = textwrap.dedent("""
 
 def test_a_killed_parent_takes_its_forked_ranks_and_the_server_along():
     """SIGKILL leaves the parent no chance to clean up: the server sees its "alive" pipe close
-    (the ranks let go of their copies) and exits; the ranks die with it (``PDEATHSIG``)."""
+    (the ranks let go of their copies) and exits; the ranks die with it (``PDEATHSIG``). What
+    the killed parent cannot remove itself - ``multiprocessing``'s temporary directory with the
+    server's socket - is made under a directory this test removes."""
+    tmpdir = tempfile.mkdtemp(prefix="ws-killed-")
     proc = subprocess.Popen([sys.executable, "-c", KILLED_PARENT], stdout=subprocess.PIPE,
-                            text=True)
+                            text=True, env={**os.environ, "TMPDIR": tmpdir})
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 3, pids
@@ -72,6 +77,7 @@ def test_a_killed_parent_takes_its_forked_ranks_and_the_server_along():
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
     deadline = time.monotonic() + 20
     alive = pids
     while alive and time.monotonic() < deadline:

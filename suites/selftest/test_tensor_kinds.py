@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 
 import pytest
@@ -60,8 +61,12 @@ def broken(outcomes) -> list[str]:
 def run_script(kinds, *flags) -> tuple[int, list[kp.Outcome], str | None, str]:
     """Run the probes of ``kinds`` in a subprocess: (returncode, outcomes, the probe running
     when the process ended, stderr)."""
-    proc = subprocess.run([sys.executable, "-W", "ignore", SCRIPT, *kinds, *flags],
-                          capture_output=True, text=True, timeout=240)
+    # a probe process that dies (what the last test provokes) removes nothing it made: its
+    # temporary files go under a directory removed here
+    with tempfile.TemporaryDirectory(prefix="tensor-kinds-run-") as tmpdir:
+        proc = subprocess.run([sys.executable, "-W", "ignore", SCRIPT, *kinds, *flags],
+                              capture_output=True, text=True, timeout=240,
+                              env={**os.environ, "TMPDIR": tmpdir})
     outcomes, last = [], None
     for line in proc.stdout.splitlines():
         record = json.loads(line)
