@@ -149,31 +149,20 @@ class StatelessSync:
                 # Staging copies are queued, not waited for: each rank's copies wait on the
                 # device for an event recorded right after that rank's own staging (so rank
                 # 0's copies need not wait for rank 1's staging), unless there is no pool.
-                waits: list = [None] * len(self.engines)
                 if shared:
-                    handed = self._staging.handed
-                    one = senders.export(self.fmt, self.spec, self.topo, 0, full, group,
-                                         alloc=self._staging)
-                    payloads = [one] * len(self.engines)
-                    if events is not None and self._staging.handed != handed:
-                        events.get(("staged", index)).record()
-                        waits = [events.handle(("staged", index))] * len(self.engines)
+                    one, wait = self._export(0, full, group, events, ("staged", index))
+                    payloads, waits = [one] * len(self.engines), [wait] * len(self.engines)
                 else:
-                    payloads = []
-                    for r in ranks:
-                        handed = self._staging.handed
-                        payloads.append(senders.export(self.fmt, self.spec, self.topo, r, full,
-                                                       group, alloc=self._staging))
-                        if events is not None and self._staging.handed != handed:
-                            events.get(("staged", index, r)).record()
-                            waits[r] = events.handle(("staged", index, r))
-                staged = next((w for w in waits if w is not None), None)
-                if staged is not None:
+                    exported = [self._export(r, full, group, events, ("staged", index, r))
+                                for r in ranks]
+                    payloads, waits = [p for p, _ in exported], [w for _, w in exported]
+                first = next((w for w in waits if w is not None), None)
+                if first is not None:
                     # a rank with nothing staged still reads trainer memory the host does not
                     # wait for (wait=False below): any event of this bucket follows those writes
-                    waits = [staged if w is None else w for w in waits]
+                    waits = [first if w is None else w for w in waits]
                 t1 = time.perf_counter()
-                data = self._serialized(payloads, shared, wait=staged is None)
+                data = self._serialized(payloads, shared, wait=first is None)
                 t2 = time.perf_counter()
                 self._collect(timing)
                 last = index == len(groups) - 1
@@ -199,6 +188,18 @@ class StatelessSync:
             answers.drain(self.engines)
         timing.wall = time.perf_counter() - start
         return timing
+
+    def _export(self, rank: int, full, group, events, key):
+        """Rank ``rank``'s payload of the layers ``group``, and the handle of ``key``'s event
+        recorded after the staging copies it queued (``None`` when it staged nothing or there
+        are no events)."""
+        handed = self._staging.handed
+        payload = senders.export(self.fmt, self.spec, self.topo, rank, full, group,
+                                 alloc=self._staging)
+        if events is None or self._staging.handed == handed:
+            return payload, None
+        events.get(key).record()
+        return payload, events.handle(key)
 
     def _serialized(self, payloads: list, shared: bool, wait: bool = True) -> list:
         """Each rank's bytes of its payload. Where every rank gets the same payload the
